@@ -1,0 +1,321 @@
+"""Every message that crosses NATS, as frozen msgspec structs (JSON on the wire).
+
+Rules (DESIGN.md, Contracts): new fields get defaults; within v1 a field is
+never retyped or removed. `proto/v1/*.json` holds the generated JSON Schemas and
+a test fails when these classes drift from them (`python -m polyserve.proto.schema`).
+"""
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+
+class Msg(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False):
+    """Base of all wire messages."""
+
+
+def now() -> float:
+    """Wall-clock seconds, the timestamp unit of every message."""
+    return time.time()
+
+
+# --------------------------------------------------------------------- predictor
+class PredictRequest(Msg, kw_only=True):
+    request_id: str
+    model: str
+    prompt: str = ""
+    input_tokens: int
+
+
+class Prediction(Msg, kw_only=True):
+    request_id: str
+    model: str
+    length_class: int
+    tokens_estimate: int
+    source: str  # "prior" | "history" | "model" | "cache"
+    num_classes: int = 5
+
+
+# --------------------------------------------------------------------- dispatcher
+class DispatchRequest(Msg, kw_only=True):
+    request_id: str
+    deployment: str
+    model: str
+    input_tokens: int
+    predicted_tokens: int = 0
+    length_class: int = -1
+    adapter: str | None = None
+    priority: int = 0
+    exclude: list[str] = []
+
+
+class Placement(Msg, kw_only=True):
+    request_id: str
+    worker_id: str
+    generate_subject: str
+    cancel_subject: str
+    policy: str
+    priority: int = 0
+    runtime: str | None = None
+
+
+# --------------------------------------------------------------------- worker
+class SamplingParams(Msg, kw_only=True):
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: list[str] = []
+    n: int = 1
+
+
+class GenerateRequest(Msg, kw_only=True):
+    request_id: str
+    deployment: str
+    model: str
+    prompt: str
+    input_tokens: int
+    params: SamplingParams = SamplingParams()
+    stream_to: str  # inbox the worker publishes TokenChunks to
+    adapter: str | None = None
+    priority: int = 0
+    predicted_tokens: int = 0
+    length_class: int = -1
+
+
+class GenerateAccepted(Msg, kw_only=True):
+    request_id: str
+    worker_id: str
+    queue_position: int = 0
+
+
+class RequestStats(Msg, kw_only=True):
+    """Engine-side timings of one request (Aladdin §2.2 ATGT)."""
+
+    input_tokens: int
+    output_tokens: int
+    queue_ms: float = 0.0
+    ttft_ms: float = 0.0
+    tbt_mean_ms: float = 0.0
+    tbt_max_ms: float = 0.0
+    atgt_ms: float = 0.0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+
+
+class TokenChunk(Msg, kw_only=True):
+    request_id: str
+    seq: int
+    index: int = 0  # choice index (n > 1)
+    text: str = ""
+    tokens: int = 0
+    finish_reason: str | None = None  # set on the last chunk of a choice
+    done: bool = False  # last chunk of the whole request
+    error: str | None = None
+    stats: RequestStats | None = None  # on the done chunk
+    simulated: bool = False
+
+
+class CancelRequest(Msg, kw_only=True):
+    request_id: str
+    reason: str = "client disconnected"
+
+
+# --------------------------------------------------------------------- events
+class Event(Msg, tag_field="event", kw_only=True):
+    """Base of events published on `<prefix>.v1.events.>`."""
+
+    ts: float = msgspec.field(default_factory=now)
+
+
+class RequestEvent(Event, kw_only=True):
+    request_id: str
+    deployment: str = ""
+    model: str = ""
+
+
+class Admitted(RequestEvent, tag="admitted", kw_only=True):
+    input_tokens: int
+    max_tokens: int
+    stream: bool = False
+    n: int = 1
+
+
+class Predicted(RequestEvent, tag="predicted", kw_only=True):
+    length_class: int
+    tokens_estimate: int
+    source: str
+    latency_ms: float
+
+
+class Dispatched(RequestEvent, tag="dispatched", kw_only=True):
+    worker_id: str
+    policy: str
+    latency_ms: float
+
+
+class FirstToken(RequestEvent, tag="first_token", kw_only=True):
+    worker_id: str
+    ttft_ms: float
+
+
+class Completed(RequestEvent, tag="completed", kw_only=True):
+    worker_id: str
+    input_tokens: int
+    output_tokens: int
+    e2e_ms: float
+    ttft_ms: float
+    queue_ms: float = 0.0
+    tbt_mean_ms: float = 0.0
+    tbt_max_ms: float = 0.0
+    atgt_ms: float = 0.0
+    predicted_tokens: int = 0
+    finish_reason: str = "stop"
+    simulated: bool = False
+
+
+class Failed(RequestEvent, tag="failed", kw_only=True):
+    reason: str
+    status: int = 500
+    worker_id: str = ""
+    e2e_ms: float = 0.0
+
+
+class AdapterInfo(Msg, kw_only=True):
+    name: str
+    rank: int
+    tier: str = "gpu"  # "gpu" | "host" | "loading"
+
+
+class Heartbeat(Event, tag="heartbeat", kw_only=True):
+    worker_id: str
+    deployment: str
+    model: str
+    engine: str
+    gpu_id: str = ""
+    running: int = 0
+    waiting: int = 0
+    kv_used: int = 0
+    kv_capacity: int = 0
+    max_input_len: int = 0
+    adapters: list[AdapterInfo] = []
+    simulated: bool = False
+    ttl_s: float = 3.0
+    generate_subject: str = ""
+    cancel_subject: str = ""
+
+
+class WorkerUp(Event, tag="worker_up", kw_only=True):
+    worker_id: str
+    deployment: str
+    model: str
+    engine: str
+    gpu_id: str = ""
+
+
+class WorkerDown(Event, tag="worker_down", kw_only=True):
+    worker_id: str
+    reason: str
+    deployment: str = ""
+    gpu_id: str = ""
+
+
+class ServiceState(Event, tag="service", kw_only=True):
+    service: str
+    instance: str
+    state: str  # "ready" | "draining" | "stopped"
+    pid: int = 0
+
+
+class ScaleDecision(Event, tag="scale", kw_only=True):
+    deployment: str
+    scaler: str  # "pertoken" | "request"
+    current: int
+    desired: int
+    metric_ms: float | None = None
+    threshold_ms: float
+    samples: int = 0
+    reason: str = ""
+
+
+class GpuTelemetry(Event, tag="gpu", kw_only=True):
+    gpu_id: str
+    name: str
+    simulated: bool
+    power_w: float
+    energy_j: float
+    sm_clock_mhz: int
+    mem_clock_mhz: int
+    max_sm_clock_mhz: int = 0
+    util_gpu_pct: float = 0.0
+    util_mem_pct: float = 0.0
+    mem_used_mb: float = 0.0
+    mem_total_mb: float = 0.0
+    workers: list[str] = []
+
+
+AnyEvent = (
+    Admitted | Predicted | Dispatched | FirstToken | Completed | Failed | Heartbeat
+    | WorkerUp | WorkerDown | ServiceState | ScaleDecision | GpuTelemetry
+)
+
+
+# --------------------------------------------------------------------- gpu-agent
+class StartWorker(Msg, kw_only=True):
+    deployment: str
+    model: str
+    engine: str
+    count: int = 1
+    extra_env: dict[str, str] = {}
+
+
+class StopWorker(Msg, kw_only=True):
+    deployment: str
+    count: int = 1
+    worker_id: str | None = None  # a specific worker, else the least busy
+
+
+class AgentReply(Msg, kw_only=True):
+    gpu_id: str
+    started: list[str] = []
+    stopped: list[str] = []
+
+
+# --------------------------------------------------------------------- state (Redis)
+class ScalerPolicy(Msg, kw_only=True):
+    """Thesis §6.2: per-deployment scaler. threshold_ms is per token for `pertoken`."""
+
+    type: str = "pertoken"  # "pertoken" | "request"
+    min_replicas: int = 1
+    max_replicas: int = 4
+    window_s: float = 30.0
+    threshold_ms: float = 50.0
+
+
+class Deployment(Msg, kw_only=True):
+    id: str
+    model: str
+    engine: str = "sim"
+    policy: str = "least_outstanding"
+    scaler: ScalerPolicy = ScalerPolicy()
+    created: float = msgspec.field(default_factory=now)
+
+
+class AgentInfo(Msg, kw_only=True):
+    gpu_id: str
+    simulated: bool
+    control_subject: str
+    workers: dict[str, str] = {}  # worker_id -> deployment
+    pid: int = 0
+
+
+ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
+    PredictRequest, Prediction, DispatchRequest, Placement, SamplingParams, GenerateRequest,
+    GenerateAccepted, RequestStats, TokenChunk, CancelRequest, Admitted, Predicted, Dispatched,
+    FirstToken, Completed, Failed, AdapterInfo, Heartbeat, WorkerUp, WorkerDown, ServiceState,
+    ScaleDecision, GpuTelemetry, StartWorker, StopWorker, AgentReply, ScalerPolicy, Deployment,
+    AgentInfo,
+)

@@ -1,0 +1,93 @@
+"""Versioned NATS subjects and namespaced Redis keys; catalogue in proto/README.md.
+
+Both take a prefix ("polyserve" by default) so tests can isolate themselves on
+one nats-server and one redis-server.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Subjects:
+    prefix: str = "polyserve"
+
+    @property
+    def predict(self) -> str:
+        return f"{self.prefix}.v1.predict"
+
+    @property
+    def dispatch(self) -> str:
+        return f"{self.prefix}.v1.dispatch"
+
+    def generate(self, worker_id: str) -> str:
+        return f"{self.prefix}.v1.worker.{worker_id}.generate"
+
+    def cancel(self, worker_id: str) -> str:
+        return f"{self.prefix}.v1.worker.{worker_id}.cancel"
+
+    def agent(self, gpu_id: str, action: str) -> str:
+        return f"{self.prefix}.v1.agent.{gpu_id}.{action}"
+
+    def event(self, kind: str) -> str:
+        """Request events: admitted, predicted, dispatched, first_token, completed, failed."""
+        return f"{self.prefix}.v1.events.request.{kind}"
+
+    def worker_event(self, kind: str) -> str:
+        """heartbeat, up, down."""
+        return f"{self.prefix}.v1.events.worker.{kind}"
+
+    def service_event(self, name: str) -> str:
+        return f"{self.prefix}.v1.events.service.{name}"
+
+    def scale(self, deployment: str) -> str:
+        return f"{self.prefix}.v1.events.plan.scale.{deployment}"
+
+    def gpu_telemetry(self, gpu_id: str) -> str:
+        return f"{self.prefix}.v1.telemetry.gpu.{gpu_id}"
+
+    @property
+    def all(self) -> str:
+        return f"{self.prefix}.>"
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = "polyserve"
+
+    def deployment(self, dep_id: str) -> str:
+        return f"{self.prefix}:deployment:{dep_id}"
+
+    @property
+    def deployments(self) -> str:
+        return f"{self.prefix}:deployments"
+
+    def worker(self, worker_id: str) -> str:
+        return f"{self.prefix}:worker:{worker_id}"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.prefix}:workers"
+
+    def service(self, name: str, instance: str) -> str:
+        return f"{self.prefix}:service:{name}:{instance}"
+
+    @property
+    def services(self) -> str:
+        return f"{self.prefix}:services"
+
+    def agent(self, gpu_id: str) -> str:
+        return f"{self.prefix}:agent:{gpu_id}"
+
+    @property
+    def agents(self) -> str:
+        return f"{self.prefix}:agents"
+
+    def gpu(self, gpu_id: str) -> str:
+        return f"{self.prefix}:gpu:{gpu_id}"
+
+    def lenstats(self, model: str) -> str:
+        return f"{self.prefix}:lenstats:{model}"
+
+    def plan(self, deployment: str) -> str:
+        return f"{self.prefix}:plan:{deployment}"

@@ -1,0 +1,125 @@
+"""The engine interface every worker engine implements (sim, hf, vllm).
+
+A worker owns exactly one engine. The worker service turns `generate()` events
+into TokenChunks on NATS, and `load()` into heartbeats.
+"""
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from polyserve.proto import AdapterInfo, RequestStats, SamplingParams
+
+
+class EngineError(Exception):
+    """A request cannot be served; `status` is the HTTP status the gateway should answer."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
+
+
+class EngineOverloaded(EngineError):
+    """The bounded waiting queue or KV budget is full: retry later (429)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, 429)
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt: str
+    params: SamplingParams
+    adapter: str | None = None
+    priority: int = 0
+    predicted_tokens: int = 0
+    length_class: int = -1
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Delta:
+    """New text of one choice; `finish_reason` set on that choice's last delta."""
+
+    index: int
+    text: str
+    tokens: int
+    finish_reason: str | None = None
+
+
+@dataclass
+class Finished:
+    """The whole request is done (all n choices); always the last event."""
+
+    stats: RequestStats
+
+
+@dataclass
+class EngineLoad:
+    running: int
+    waiting: int
+    kv_used: int
+    kv_capacity: int
+    max_input_len: int
+    adapters: list[AdapterInfo] = field(default_factory=list)
+
+
+class Engine(abc.ABC):
+    """Base class of engines. `simulated` engines must say so in every output."""
+
+    name: str = "engine"
+    simulated: bool = False
+    model_name: str = ""
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load the model and start the scheduling loop."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Cancel everything still running and release resources."""
+
+    @abc.abstractmethod
+    def generate(self, req: EngineRequest) -> AsyncIterator[Delta | Finished]:
+        """Admit the request (raise EngineOverloaded/EngineError at once if it cannot be),
+        then yield Deltas as tokens come and a Finished last."""
+
+    @abc.abstractmethod
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request now, freeing its batch slot and KV; True if it was known."""
+
+    @abc.abstractmethod
+    def load(self) -> EngineLoad:
+        """Current load for heartbeats and dispatch."""
+
+    @abc.abstractmethod
+    def count_tokens(self, text: str) -> int:
+        """Input tokens of `text` under this engine's tokenizer."""
+
+    def model_card(self) -> dict:
+        """What /v1/models reports about the served model."""
+        return {"engine": self.name, "simulated": self.simulated}
+
+
+def make_stats(input_tokens: int, output_tokens: int, arrival: float, start: float,
+               token_times: list[float]) -> RequestStats:
+    """RequestStats from monotonic timestamps: arrival, start of prefill, each token's emission.
+
+    ATGT = decode time / (output tokens - 1) (Aladdin §2.2)."""
+    first = token_times[0] if token_times else start
+    gaps = [b - a for a, b in zip(token_times, token_times[1:])]
+    decode_s = (token_times[-1] - token_times[0]) if len(token_times) > 1 else 0.0
+    return RequestStats(
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        queue_ms=(start - arrival) * 1e3,
+        ttft_ms=(first - arrival) * 1e3,
+        tbt_mean_ms=(sum(gaps) / len(gaps) * 1e3) if gaps else 0.0,
+        tbt_max_ms=(max(gaps) * 1e3) if gaps else 0.0,
+        atgt_ms=(decode_s / (output_tokens - 1) * 1e3) if output_tokens > 1 else 0.0,
+        prefill_ms=(first - start) * 1e3,
+        decode_ms=decode_s * 1e3,
+    )

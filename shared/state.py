@@ -1,0 +1,111 @@
+"""Redis cluster state: deployments, worker/agent/service registries with TTLs,
+length statistics and plans. Keys are documented in proto/README.md."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TypeVar
+
+import msgspec
+import redis.asyncio as aioredis
+
+from polyserve.proto import AgentInfo, Deployment, Heartbeat, Keys, ScaleDecision, ServiceState
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def connect(url: str) -> aioredis.Redis:
+    """A Redis client with short timeouts so a Redis outage fails fast, not hangs."""
+    return aioredis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0,
+                                   retry_on_timeout=False)
+
+
+class State:
+    """Typed access to the keys polyserve keeps in Redis."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys):
+        self.r = redis
+        self.keys = keys
+
+    async def close(self) -> None:
+        await self.r.aclose()
+
+    # deployments ------------------------------------------------------------
+    async def put_deployment(self, dep: Deployment) -> None:
+        async with self.r.pipeline(transaction=True) as p:
+            p.set(self.keys.deployment(dep.id), msgspec.json.encode(dep))
+            p.sadd(self.keys.deployments, dep.id)
+            await p.execute()
+
+    async def get_deployment(self, dep_id: str) -> Deployment | None:
+        raw = await self.r.get(self.keys.deployment(dep_id))
+        return msgspec.json.decode(raw, type=Deployment) if raw else None
+
+    async def list_deployments(self) -> list[Deployment]:
+        ids = sorted(m.decode() for m in await self.r.smembers(self.keys.deployments))
+        if not ids:
+            return []
+        raws = await self.r.mget([self.keys.deployment(i) for i in ids])
+        return [msgspec.json.decode(x, type=Deployment) for x in raws if x]
+
+    async def delete_deployment(self, dep_id: str) -> bool:
+        async with self.r.pipeline(transaction=True) as p:
+            p.delete(self.keys.deployment(dep_id))
+            p.srem(self.keys.deployments, dep_id)
+            removed, _ = await p.execute()
+        return bool(removed)
+
+    # registries with TTL ---------------------------------------------------------
+    async def _put_ttl(self, key: str, index: str, member: str, obj: object, ttl: float) -> None:
+        async with self.r.pipeline(transaction=False) as p:
+            p.set(key, msgspec.json.encode(obj), px=max(1, int(ttl * 1000)))
+            p.zadd(index, {member: time.time() + ttl})
+            await p.execute()
+
+    async def _live(self, index: str, key_of, typ: type[T]) -> list[T]:
+        now = time.time()
+        await self.r.zremrangebyscore(index, "-inf", now)
+        members = [m.decode() for m in await self.r.zrange(index, 0, -1)]
+        if not members:
+            return []
+        raws = await self.r.mget([key_of(m) for m in members])
+        return [msgspec.json.decode(x, type=typ) for x in raws if x]
+
+    async def put_worker(self, hb: Heartbeat) -> None:
+        await self._put_ttl(self.keys.worker(hb.worker_id), self.keys.workers, hb.worker_id, hb, hb.ttl_s)
+
+    async def remove_worker(self, worker_id: str) -> None:
+        await self.r.delete(self.keys.worker(worker_id))
+        await self.r.zrem(self.keys.workers, worker_id)
+
+    async def live_workers(self) -> list[Heartbeat]:
+        return await self._live(self.keys.workers, self.keys.worker, Heartbeat)
+
+    async def put_service(self, st: ServiceState, ttl: float) -> None:
+        member = f"{st.service}:{st.instance}"
+        await self._put_ttl(self.keys.service(st.service, st.instance), self.keys.services, member, st, ttl)
+
+    async def remove_service(self, name: str, instance: str) -> None:
+        await self.r.delete(self.keys.service(name, instance))
+        await self.r.zrem(self.keys.services, f"{name}:{instance}")
+
+    async def live_services(self) -> list[ServiceState]:
+        return await self._live(self.keys.services, lambda m: self.keys.service(*m.split(":", 1)), ServiceState)
+
+    async def put_agent(self, info: AgentInfo, ttl: float) -> None:
+        await self._put_ttl(self.keys.agent(info.gpu_id), self.keys.agents, info.gpu_id, info, ttl)
+
+    async def live_agents(self) -> list[AgentInfo]:
+        return await self._live(self.keys.agents, self.keys.agent, AgentInfo)
+
+    # telemetry and plans -----------------------------------------------------------
+    async def put_json(self, key: str, obj: object, ttl: float | None = None) -> None:
+        await self.r.set(key, msgspec.json.encode(obj), px=int(ttl * 1000) if ttl else None)
+
+    async def get_json(self, key: str, typ: type[T]) -> T | None:
+        raw = await self.r.get(key)
+        return msgspec.json.decode(raw, type=typ) if raw else None
+
+    async def put_plan(self, decision: ScaleDecision) -> None:
+        await self.put_json(self.keys.plan(decision.deployment), decision)

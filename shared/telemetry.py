@@ -1,0 +1,50 @@
+"""OpenTelemetry set-up: one TracerProvider per service process.
+
+Export goes to an OTLP/HTTP endpoint when one is configured (settings
+`otlp_endpoint` or the standard OTEL_EXPORTER_OTLP_ENDPOINT); none by default.
+Tests pass their own SpanExporter (the SDK's InMemorySpanExporter).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+
+logger = logging.getLogger(__name__)
+
+
+def make_tracer(service: str, otlp_endpoint: str = "",
+                exporter: SpanExporter | None = None) -> tuple[trace.Tracer, TracerProvider]:
+    """A tracer for `service`, not installed globally (several services may share a process in tests)."""
+    provider = TracerProvider(resource=Resource.create({"service.name": f"polyserve-{service}"}))
+    endpoint = otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    if exporter is not None:
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    elif endpoint:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        url = endpoint.rstrip("/")
+        if not url.endswith("/v1/traces"):
+            url += "/v1/traces"
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url)))
+        logger.info("exporting traces to %s", url)
+    return provider.get_tracer(f"polyserve.{service}"), provider
+
+
+def shutdown_tracer(provider: TracerProvider) -> None:
+    """Flush and stop span export."""
+    try:
+        provider.force_flush(timeout_millis=2000)
+        provider.shutdown()
+    except Exception:
+        logger.exception("trace flush failed")
+
+
+def setup_logging(level: str = "INFO") -> None:
+    """Process-wide logging format for service entry points (not at import)."""
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,42 @@
+"""Helpers shared by tests: run services in-process, wait on conditions without bare sleeps."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from polyserve.shared.lifecycle import ServiceBase
+
+
+@contextlib.asynccontextmanager
+async def running(*services: ServiceBase, timeout: float = 15.0) -> AsyncIterator[None]:
+    """Run services in this event loop until the block exits, then stop them in reverse."""
+    tasks = [asyncio.create_task(s.run()) for s in services]
+    try:
+        for s, t in zip(services, tasks):
+            ready = asyncio.create_task(s.ready.wait())
+            done, _ = await asyncio.wait({ready, t}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if ready not in done:
+                ready.cancel()
+                if t.done():
+                    t.result()
+                raise TimeoutError(f"{s.name} not ready within {timeout}s")
+        yield
+    finally:
+        for s in reversed(services):
+            s.request_stop()
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout + 10)
+
+
+async def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05, what: str = "condition"):
+    """Poll an (a)sync predicate until truthy; fail with `what` after `timeout`."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(interval)
