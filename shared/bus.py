@@ -140,8 +140,10 @@ class Bus:
 
         self._subs.append(await self.nc.subscribe(subject, queue=queue or "", cb=on_msg))
 
-    async def listen(self, subject: str, msg_type: type, handler: Handler) -> None:
-        """Consume events on `subject` (may hold wildcards); errors are logged, not replied."""
+    async def listen(self, subject: str, msg_type: type, handler: Handler, queue: str = "") -> None:
+        """Consume events on `subject` (may hold wildcards); errors are logged, not replied.
+
+        With `queue`, each event goes to one member of the queue group only."""
 
         async def on_msg(m: NatsMsg) -> None:
             try:
@@ -156,7 +158,7 @@ class Bus:
                 self.errors += 1
                 logger.exception("event handler for %s failed", m.subject)
 
-        self._subs.append(await self.nc.subscribe(subject, cb=on_msg))
+        self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=on_msg))
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)

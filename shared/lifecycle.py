@@ -60,12 +60,15 @@ class ServiceBase:
 
     async def _presence_loop(self) -> None:
         ttl = self.settings.service_ttl_s
-        while True:
+        while not self.stop_event.is_set():
             try:
                 await self.state.put_service(self._state_msg("ready"), ttl)
             except Exception as exc:  # Redis briefly down: keep serving, retry
                 logger.warning("%s: cannot refresh presence in Redis: %s", self.name, exc)
-            await asyncio.sleep(ttl / 3)
+            try:  # wake at once on stop, even if a cancel was swallowed by a client library
+                await asyncio.wait_for(self.stop_event.wait(), ttl / 3)
+            except asyncio.TimeoutError:
+                pass
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -96,9 +99,13 @@ class ServiceBase:
                 await self.bus.wait_idle(timeout)
         except Exception:
             logger.exception("%s: error while draining", self.name)
+        self.stop_event.set()
         for task in list(self._background):
             task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        if self._background:
+            _, stuck = await asyncio.wait(set(self._background), timeout=timeout)
+            if stuck:
+                logger.warning("%s: %d background tasks ignored cancellation", self.name, len(stuck))
         try:
             if self.state is not None:
                 await self.state.remove_service(self.name, self.settings.instance)

@@ -96,6 +96,10 @@ class State:
     async def put_agent(self, info: AgentInfo, ttl: float) -> None:
         await self._put_ttl(self.keys.agent(info.gpu_id), self.keys.agents, info.gpu_id, info, ttl)
 
+    async def remove_agent(self, gpu_id: str) -> None:
+        await self.r.delete(self.keys.agent(gpu_id))
+        await self.r.zrem(self.keys.agents, gpu_id)
+
     async def live_agents(self) -> list[AgentInfo]:
         return await self._live(self.keys.agents, self.keys.agent, AgentInfo)
 

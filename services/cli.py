@@ -1,0 +1,151 @@
+"""The `polyserve` command: up, down, status, events (and tools added by later issues)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+from polyserve import launcher
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    spec = launcher.ClusterSpec(run_dir=Path(args.run_dir), engine=args.engine, model=args.model or "",
+                                model_path=args.model_path or "", host=args.host, port=args.port,
+                                prefix=args.prefix, policy=args.policy, min_replicas=args.min_replicas,
+                                max_replicas=args.max_replicas, ready_timeout_s=args.timeout)
+    t0 = time.monotonic()
+    try:
+        state = launcher.up(spec, progress=_say)
+    except (launcher.LaunchError, OSError) as exc:
+        _say(f"polyserve up failed: {exc}")
+        return 1
+    _say(f"\npolyserve is up in {time.monotonic() - t0:.1f}s (engine {state.engine}, model '{state.model}')")
+    _say(f"  gateway      {state.gateway_url}/v1   (OpenAI-compatible; try GET {state.gateway_url}/v1/models)")
+    _say(f"  events       polyserve events      (or: nats sub '{state.prefix}.>' --server {state.nats_url})")
+    _say(f"  status       polyserve status      logs in {state.run_dir}/logs")
+    _say("  stop         polyserve down")
+    if args.foreground:
+        _say("running in the foreground; Ctrl-C stops everything")
+        try:
+            while True:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            launcher.down(Path(args.run_dir), progress=_say)
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    ok = launcher.down(Path(args.run_dir), timeout=args.timeout, progress=_say)
+    return 0 if ok else 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from polyserve.status import cluster_status, render_status
+
+    state = launcher.ClusterState.load(Path(args.run_dir))
+    if state is None:
+        _say(f"polyserve is not running (no state in {args.run_dir}); start it with `polyserve up`")
+        return 1
+    try:
+        status = cluster_status(state)
+    except Exception as exc:  # Redis down
+        _say(f"cannot read cluster state from {state.redis_url}: {exc}")
+        return 1
+    if args.json:
+        _say(json.dumps(status, indent=2))
+    else:
+        render_status(status)
+    return 0
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    """Print events as JSON lines, like `nats sub 'polyserve.>'`."""
+    import nats
+
+    state = launcher.ClusterState.load(Path(args.run_dir))
+    url = args.server or (state.nats_url if state else "nats://127.0.0.1:4222")
+    subject = args.subject or f"{state.prefix if state else 'polyserve'}.>"
+
+    async def main() -> None:
+        nc = await nats.connect(url)
+        count = 0
+        done = asyncio.Event()
+
+        async def on_msg(msg) -> None:
+            nonlocal count
+            _say(f"[{msg.subject}] {msg.data.decode(errors='replace')}")
+            count += 1
+            if args.count and count >= args.count:
+                done.set()
+
+        await nc.subscribe(subject, cb=on_msg)
+        _say(f"listening on {subject} at {url}; Ctrl-C to stop")
+        try:
+            await asyncio.wait_for(done.wait(), timeout=args.seconds or None)
+        except asyncio.TimeoutError:
+            pass
+        await nc.drain()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="polyserve", description=__doc__)
+    p.add_argument("--run-dir", default=str(launcher.default_run_dir()),
+                   help="where state, logs and server data live (default $POLYSERVE_HOME/run or ~/.polyserve/run)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    up = sub.add_parser("up", help="start nats, redis and the six services")
+    up.add_argument("--engine", default="auto", choices=["auto", "sim", "hf", "vllm"],
+                    help="auto: vllm with a GPU and vLLM, else hf, else sim")
+    up.add_argument("--model", help="model name to serve (default depends on the engine)")
+    up.add_argument("--model-path", help="local Hugging Face checkpoint directory (hf/vllm engines)")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--prefix", default="polyserve")
+    up.add_argument("--policy", default="least_outstanding")
+    up.add_argument("--min-replicas", type=int, default=1)
+    up.add_argument("--max-replicas", type=int, default=2)
+    up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")
+    up.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops everything")
+    up.set_defaults(fn=cmd_up)
+
+    down = sub.add_parser("down", help="stop everything `up` started, gracefully")
+    down.add_argument("--timeout", type=float, default=30.0)
+    down.set_defaults(fn=cmd_down)
+
+    st = sub.add_parser("status", help="services, workers and GPUs")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(fn=cmd_status)
+
+    ev = sub.add_parser("events", help="print events (like `nats sub 'polyserve.>'`)")
+    ev.add_argument("--subject")
+    ev.add_argument("--server")
+    ev.add_argument("--count", type=int, default=0, help="stop after this many messages")
+    ev.add_argument("--seconds", type=float, default=0, help="stop after this long")
+    ev.set_defaults(fn=cmd_events)
+
+    from polyserve import bench
+
+    bench.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Dispatcher settings: env `POLYSERVE_DISPATCHER_<FIELD>` or flags `--field-name`."""
+from __future__ import annotations
+
+from polyserve.shared.settings import CommonSettings, SettingsError, load
+
+
+class DispatcherSettings(CommonSettings, frozen=True, kw_only=True):
+    deployment_cache_s: float = 2.0
+    """How long a deployment read from Redis is used before it is read again."""
+    redis_timeout_s: float = 0.25
+    """Longest wait for one Redis call before falling back to the cached deployment."""
+    redis_retry_s: float = 1.0
+    """After a Redis failure, serve cached deployments for this long before trying Redis again."""
+    placement_ttl_s: float = 600.0
+    """A placement with no completed/failed event within this time stops counting as outstanding."""
+    max_tracked: int = 100_000
+    """Most placements tracked at once; the oldest is forgotten beyond it (no unbounded growth)."""
+    max_outstanding: int = 0
+    """Per-worker cap on this dispatcher's outstanding requests; 0 = no cap. All capped -> 429."""
+    sweep_s: float = 0.5
+    """How often expired workers and placements are removed from memory."""
+    seed: int = -1
+    """Seed of the random policies (power_of_two, random); negative = from the OS."""
+
+    def validate(self) -> None:
+        """Raise SettingsError on values the dispatcher cannot run with."""
+        super().validate()
+        if min(self.deployment_cache_s, self.redis_timeout_s, self.placement_ttl_s, self.sweep_s) <= 0:
+            raise SettingsError("deployment_cache_s, redis_timeout_s, placement_ttl_s and sweep_s must be > 0")
+        if self.redis_retry_s < 0:
+            raise SettingsError("redis_retry_s must be >= 0")
+        if self.max_tracked < 1:
+            raise SettingsError("max_tracked must be >= 1")
+        if self.max_outstanding < 0:
+            raise SettingsError("max_outstanding must be >= 0 (0 = no cap)")
+
+
+def load_settings(argv: list[str] | None = None, **overrides) -> DispatcherSettings:
+    """Settings of the dispatcher from env, flags and overrides."""
+    return load(DispatcherSettings, "dispatcher", argv, **overrides)

@@ -1,0 +1,69 @@
+"""The dispatcher service: `polyserve.v1.dispatch` over a live view of workers."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Any
+
+from polyserve.dispatcher.config import DispatcherSettings
+from polyserve.dispatcher.handlers import DeploymentCache, DispatchHandlers, Outstanding, WorkerRegistry
+from polyserve.proto import Completed, DispatchRequest, Failed, Heartbeat, WorkerDown
+from polyserve.shared.lifecycle import ServiceBase
+
+logger = logging.getLogger(__name__)
+
+QUEUE = "dispatcher"
+
+
+class DispatcherService(ServiceBase):
+    """Places requests on workers with the deployment's policy (`policy.POLICIES`)."""
+
+    name = "dispatcher"
+    settings: DispatcherSettings
+
+    def __init__(self, settings: DispatcherSettings, **kw: Any):
+        super().__init__(settings, **kw)
+        self.registry = WorkerRegistry()
+        self.outstanding = Outstanding(settings.max_tracked, settings.placement_ttl_s)
+        self.handlers: DispatchHandlers = None  # type: ignore[assignment]  # set in on_start
+
+    async def on_start(self) -> None:
+        """Listen to worker and request events, seed the worker view from Redis, then serve."""
+        s = self.settings
+        deployments = DeploymentCache(self.state, ttl_s=s.deployment_cache_s, timeout_s=s.redis_timeout_s,
+                                      retry_s=s.redis_retry_s)
+        rng = random.Random(s.seed) if s.seed >= 0 else random.Random()
+        self.handlers = h = DispatchHandlers(s, self.subjects, deployments, self.registry,
+                                             self.outstanding, rng)
+        # Events first, so nothing between the Redis seed and serving is missed.
+        # No queue group: every dispatcher needs every heartbeat and every outcome.
+        await self.bus.listen(self.subjects.worker_event("heartbeat"), Heartbeat, h.on_heartbeat)
+        await self.bus.listen(self.subjects.worker_event("down"), WorkerDown, h.on_worker_down)
+        await self.bus.listen(self.subjects.event("completed"), Completed, h.on_finished)
+        await self.bus.listen(self.subjects.event("failed"), Failed, h.on_finished)
+        await self._seed()
+        await self.bus.serve(self.subjects.dispatch, DispatchRequest, h.dispatch, queue=QUEUE)
+        self.background(self._sweep_loop(), "sweep")
+
+    async def _seed(self) -> None:
+        """Start from the workers registered in Redis; heartbeats take over from there."""
+        try:
+            beats = await asyncio.wait_for(self.state.live_workers(), max(1.0, self.settings.redis_timeout_s))
+        except Exception as exc:  # Redis down at start: heartbeats will fill the view within one period
+            logger.warning("dispatcher: cannot read live workers from Redis (%s: %s); waiting for heartbeats",
+                           type(exc).__name__, exc)
+            return
+        n = 0
+        for hb in beats:
+            if hb.worker_id not in {w.worker_id for w in self.registry.live(hb.deployment)}:
+                n += self.registry.heartbeat(hb, seeded=True)
+        logger.info("dispatcher: seeded %d live workers from Redis", n)
+
+    async def _sweep_loop(self) -> None:
+        while not self.stop_event.is_set():
+            await asyncio.sleep(self.settings.sweep_s)
+            try:
+                self.handlers.sweep()
+            except Exception:
+                logger.exception("dispatcher: sweep failed")

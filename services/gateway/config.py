@@ -1,0 +1,29 @@
+"""Gateway settings (env POLYSERVE_GATEWAY_*, flags --field-name)."""
+from __future__ import annotations
+
+from polyserve.shared.settings import CommonSettings, SettingsError
+
+
+class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
+    host: str = "127.0.0.1"  # loopback by default; expose deliberately
+    port: int = 8000
+    admin_api_key: str = ""  # when set, admin endpoints need `Authorization: Bearer <key>`
+    max_inflight: int = 512  # beyond this: 429 with Retry-After
+    predict_timeout_s: float = 1.0
+    dispatch_timeout_s: float = 1.0
+    accept_timeout_s: float = 2.0  # worker must acknowledge a generate request within this
+    first_token_timeout_s: float = 60.0
+    idle_timeout_s: float = 30.0  # no chunk from the worker for this long -> 504
+    max_tokens_limit: int = 4096
+    default_max_tokens: int = 16
+    max_n: int = 8
+    max_prompt_chars: int = 200_000
+    deployment_cache_s: float = 5.0
+    dispatch_retries: int = 2  # re-dispatch when the chosen worker vanished before accepting
+
+    def validate(self) -> None:
+        super().validate()
+        if not 0 <= self.port < 65536:
+            raise SettingsError(f"port {self.port} is not a TCP port")
+        if self.max_inflight < 1 or self.max_tokens_limit < 1:
+            raise SettingsError("max_inflight and max_tokens_limit must be >= 1")

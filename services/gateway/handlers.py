@@ -1,0 +1,273 @@
+"""One request's path through the control plane: admit -> predict -> dispatch ->
+generate on the worker -> relay chunks. Exactly one terminal event (completed or
+failed) is published per admitted request, whatever happens."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from polyserve.proto import (Admitted, CancelRequest, Completed, Deployment, DispatchRequest, Dispatched,
+                             Failed, FirstToken, GenerateAccepted, GenerateRequest, Placement, Predicted,
+                             Prediction, PredictRequest, SamplingParams, TokenChunk)
+from polyserve.shared.bus import BusError, decode, error_of
+
+from .policy import estimate_tokens
+
+if TYPE_CHECKING:
+    from .service import GatewayService
+
+logger = logging.getLogger(__name__)
+
+
+class GatewayError(Exception):
+    """Ends a request with an HTTP status and a message for the client."""
+
+    def __init__(self, status: int, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.retry_after = retry_after
+
+
+def _status_of(exc: BusError, what: str) -> GatewayError:
+    if exc.code == 504:
+        return GatewayError(504, f"{what} did not answer in time: {exc.description}")
+    if exc.code == 503:
+        return GatewayError(503, f"{what} unavailable: {exc.description}", retry_after=1)
+    if exc.code == 429:
+        return GatewayError(429, exc.description, retry_after=1)
+    return GatewayError(exc.code if 400 <= exc.code < 600 else 502, exc.description)
+
+
+@dataclass
+class Outcome:
+    texts: list[str]
+    finish: list[str | None]
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    simulated: bool = False
+
+
+@dataclass
+class RequestRun:
+    """State of one admitted request; use `start()` then iterate `chunks()`."""
+
+    gw: "GatewayService"
+    deployment: Deployment
+    prompt: str
+    params: SamplingParams
+    stream: bool
+    adapter: str | None = None
+    priority: int = 0
+    request_id: str = field(default_factory=lambda: "cmpl-" + uuid.uuid4().hex[:24])
+    t0: float = field(default_factory=time.monotonic)
+    input_tokens: int = 0
+    placement: Placement | None = None
+    prediction: Prediction | None = None
+    terminal: bool = False
+    simulated: bool = False
+    finish_reason: str = "stop"
+    _exit: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
+    _queue: asyncio.Queue | None = None
+
+    def _ms(self) -> float:
+        return (time.monotonic() - self.t0) * 1e3
+
+    def _base(self) -> dict:
+        return {"request_id": self.request_id, "deployment": self.deployment.id, "model": self.deployment.model}
+
+    async def _event(self, kind: str, event) -> None:
+        try:
+            await self.gw.bus.publish(self.gw.subjects.event(kind), event)
+        except Exception:  # events are best effort; the request goes on
+            logger.warning("could not publish %s for %s", kind, self.request_id)
+
+    async def fail(self, status: int, reason: str) -> None:
+        """Publish the one `failed` event (idempotent)."""
+        if self.terminal:
+            return
+        self.terminal = True
+        self.gw.metrics.finished(self.deployment.id, status)
+        await self._event("failed", Failed(**self._base(), reason=reason, status=status,
+                                           worker_id=self.placement.worker_id if self.placement else "",
+                                           e2e_ms=self._ms()))
+
+    # ------------------------------------------------------------------ phases
+    async def start(self) -> None:
+        """Predict, dispatch and hand the request to a worker; raises GatewayError."""
+        try:
+            await self._start()
+        except GatewayError as exc:
+            await self.fail(exc.status, exc.message)
+            await self.close()
+            raise
+        except BaseException:
+            await self.fail(500, "gateway error before the first token")
+            await self.close()
+            raise
+
+    async def _start(self) -> None:
+        gw, s = self.gw, self.gw.settings
+        self.input_tokens = estimate_tokens(self.prompt)
+        await self._event("admitted", Admitted(**self._base(), input_tokens=self.input_tokens,
+                                               max_tokens=self.params.max_tokens, stream=self.stream,
+                                               n=self.params.n))
+        t = time.monotonic()
+        try:
+            self.prediction = await gw.bus.request(
+                gw.subjects.predict, PredictRequest(request_id=self.request_id, model=self.deployment.model,
+                                                    prompt=self.prompt, input_tokens=self.input_tokens),
+                Prediction, timeout=s.predict_timeout_s, span_name="predict")
+        except BusError as exc:
+            raise _status_of(exc, "predictor") from exc
+        p = self.prediction
+        await self._event("predicted", Predicted(**self._base(), length_class=p.length_class,
+                                                 tokens_estimate=p.tokens_estimate, source=p.source,
+                                                 latency_ms=(time.monotonic() - t) * 1e3))
+        _, self._queue = await self._exit.enter_async_context(gw.bus.inbox())
+        inbox = _
+        excluded: list[str] = []
+        for attempt in range(s.dispatch_retries + 1):
+            self.placement = await self._dispatch(excluded)
+            try:
+                await gw.bus.request(self.placement.generate_subject, self._generate(inbox), GenerateAccepted,
+                                     timeout=s.accept_timeout_s, span_name="generate")
+                return
+            except BusError as exc:
+                if exc.code in (503, 504) and attempt < s.dispatch_retries:
+                    logger.warning("worker %s did not accept %s (%s); re-dispatching",
+                                   self.placement.worker_id, self.request_id, exc.description)
+                    excluded.append(self.placement.worker_id)
+                    continue
+                raise _status_of(exc, f"worker {self.placement.worker_id}") from exc
+
+    async def _dispatch(self, excluded: list[str]) -> Placement:
+        gw, p = self.gw, self.prediction
+        t = time.monotonic()
+        try:
+            placement = await gw.bus.request(
+                gw.subjects.dispatch,
+                DispatchRequest(request_id=self.request_id, deployment=self.deployment.id,
+                                model=self.deployment.model, input_tokens=self.input_tokens,
+                                predicted_tokens=p.tokens_estimate if p else 0,
+                                length_class=p.length_class if p else -1, adapter=self.adapter,
+                                priority=self.priority, exclude=excluded),
+                Placement, timeout=gw.settings.dispatch_timeout_s, span_name="dispatch")
+        except BusError as exc:
+            raise _status_of(exc, "dispatcher") from exc
+        await self._event("dispatched", Dispatched(**self._base(), worker_id=placement.worker_id,
+                                                   policy=placement.policy,
+                                                   latency_ms=(time.monotonic() - t) * 1e3))
+        return placement
+
+    def _generate(self, inbox: str) -> GenerateRequest:
+        p = self.prediction
+        return GenerateRequest(request_id=self.request_id, deployment=self.deployment.id,
+                               model=self.deployment.model, prompt=self.prompt, input_tokens=self.input_tokens,
+                               params=self.params, stream_to=inbox, adapter=self.adapter, priority=self.priority,
+                               predicted_tokens=p.tokens_estimate if p else 0,
+                               length_class=p.length_class if p else -1)
+
+    async def _next(self, first: bool) -> TokenChunk:
+        """The next chunk, failing fast if the worker is gone or silent too long."""
+        s = self.gw.settings
+        limit = s.first_token_timeout_s if first else s.idle_timeout_s
+        deadline = time.monotonic() + limit
+        worker = self.placement.worker_id
+        while True:
+            try:
+                msg = await asyncio.wait_for(self._queue.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                gone = self.gw.worker_gone(worker, since=self.t0)
+                if gone:
+                    raise GatewayError(502, f"worker {worker} failed mid-request: {gone}")
+                if time.monotonic() > deadline:
+                    raise GatewayError(504, f"worker {worker} sent nothing for {limit:.0f}s")
+                continue
+            err = error_of(msg)
+            if err is not None:
+                raise GatewayError(err.code, err.description)
+            return decode(msg.data, TokenChunk)
+
+    async def chunks(self) -> AsyncIterator[TokenChunk]:
+        """Relay the worker's chunks; the done chunk is yielded last. Publishes the terminal event."""
+        first = True
+        try:
+            while True:
+                chunk = await self._next(first)
+                self.simulated = self.simulated or chunk.simulated
+                if chunk.finish_reason and not chunk.done:
+                    self.finish_reason = chunk.finish_reason
+                if chunk.error:
+                    raise GatewayError(502, f"worker {self.placement.worker_id}: {chunk.error}")
+                if first and (chunk.text or chunk.tokens):
+                    first = False
+                    await self._event("first_token", FirstToken(**self._base(), worker_id=self.placement.worker_id,
+                                                                ttft_ms=self._ms()))
+                    self.gw.metrics.ttft(self.deployment.id, self._ms() / 1e3)
+                yield chunk
+                if chunk.done:
+                    await self._completed(chunk)
+                    return
+        except GatewayError as exc:
+            await self.fail(exc.status, exc.message)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client went away. The surrounding scope may cancel every further
+            # await, so the clean-up runs as a task of its own.
+            self.gw.spawn(self.cancel("client disconnected"))
+            raise
+        finally:
+            self.gw.spawn(self.close())
+
+    async def _completed(self, chunk: TokenChunk) -> None:
+        if self.terminal:
+            return
+        self.terminal = True
+        st = chunk.stats
+        e2e = self._ms()
+        self.gw.metrics.finished(self.deployment.id, 200, e2e / 1e3)
+        await self._event("completed", Completed(
+            **self._base(), worker_id=self.placement.worker_id,
+            input_tokens=st.input_tokens if st else self.input_tokens,
+            output_tokens=st.output_tokens if st else 0, e2e_ms=e2e,
+            ttft_ms=st.ttft_ms if st else 0.0, queue_ms=st.queue_ms if st else 0.0,
+            tbt_mean_ms=st.tbt_mean_ms if st else 0.0, tbt_max_ms=st.tbt_max_ms if st else 0.0,
+            atgt_ms=st.atgt_ms if st else 0.0,
+            predicted_tokens=self.prediction.tokens_estimate if self.prediction else 0,
+            finish_reason=self.finish_reason, simulated=self.simulated))
+
+    async def cancel(self, reason: str) -> None:
+        """Cancel at the worker (frees its slot at once) and record the failure."""
+        if self.placement is not None and not self.terminal:
+            with contextlib.suppress(Exception):
+                await self.gw.bus.publish(self.placement.cancel_subject,
+                                          CancelRequest(request_id=self.request_id, reason=reason))
+        await self.fail(499, reason)
+        await self.close()
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._exit.aclose()
+
+    async def collect(self) -> Outcome:
+        """Run to the end and gather the n choices (non-streamed responses)."""
+        n = self.params.n
+        out = Outcome(texts=[""] * n, finish=[None] * n)
+        async for chunk in self.chunks():
+            if 0 <= chunk.index < n:
+                out.texts[chunk.index] += chunk.text
+                if chunk.finish_reason and not chunk.done:
+                    out.finish[chunk.index] = chunk.finish_reason
+            if chunk.done and chunk.stats:
+                out.prompt_tokens = chunk.stats.input_tokens
+                out.completion_tokens = chunk.stats.output_tokens
+        out.simulated = self.simulated
+        out.finish = [f or "stop" for f in out.finish]
+        return out

@@ -1,0 +1,149 @@
+"""Pure gateway logic: parameter validation, token estimates, prompt rendering
+and OpenAI response shapes. No I/O, so tests and benchmarks call it directly."""
+from __future__ import annotations
+
+import math
+import re
+import time
+from typing import Any
+
+from polyserve.proto import SamplingParams
+
+from .schemas import ChatBody, ChatMessage, CompletionBody
+
+_WORD = re.compile(r"\S+")
+
+
+class InvalidRequest(ValueError):
+    """A client error: `param` names the field to fix (OpenAI error body)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 code: str | None = None, type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code
+        self.type = type_
+
+
+def estimate_tokens(text: str) -> int:
+    """Gateway-side input-length estimate: 1.3 tokens per whitespace word (at least 1).
+
+    The worker counts exact tokens with its engine's tokenizer and reports them in
+    usage; this estimate only feeds the predictor and dispatcher before placement."""
+    return max(1, math.ceil(len(_WORD.findall(text)) * 1.3))
+
+
+def message_text(msg: ChatMessage) -> str:
+    if msg.content is None:
+        return ""
+    if isinstance(msg.content, str):
+        return msg.content
+    return "".join(part.get("text", "") for part in msg.content if part.get("type") == "text")
+
+
+def render_chat(messages: list[ChatMessage]) -> str:
+    """A plain role-prefixed transcript ending with the assistant's turn.
+
+    Engines with a chat template of their own receive the messages too."""
+    lines = [f"{m.role}: {message_text(m)}" for m in messages]
+    return "\n".join(lines) + "\nassistant:"
+
+
+def completion_prompt(body: CompletionBody) -> str:
+    if isinstance(body.prompt, list):
+        if len(body.prompt) != 1:
+            raise InvalidRequest("send exactly one prompt per request (a list of one string is fine)",
+                                 "prompt")
+        return body.prompt[0]
+    return body.prompt
+
+
+def sampling_params(body: CompletionBody | ChatBody, *, default_max_tokens: int, max_tokens_limit: int,
+                    max_n: int) -> SamplingParams:
+    """Validate the sampling fields and turn them into the wire SamplingParams."""
+    max_tokens = body.max_tokens
+    if isinstance(body, ChatBody) and body.max_completion_tokens is not None:
+        max_tokens = body.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    if max_tokens <= 0:
+        raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    if max_tokens > max_tokens_limit:
+        raise InvalidRequest(f"max_tokens {max_tokens} is above this deployment's limit of "
+                             f"{max_tokens_limit}; ask for fewer", "max_tokens")
+    if body.n > max_n:
+        raise InvalidRequest(f"n must be between 1 and {max_n}, got {body.n}", "n")
+    if body.min_tokens > max_tokens:
+        raise InvalidRequest(f"min_tokens ({body.min_tokens}) cannot exceed max_tokens ({max_tokens})",
+                             "min_tokens")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > 4 or any(not s for s in stop):
+        raise InvalidRequest("stop takes up to 4 non-empty strings", "stop")
+    return SamplingParams(max_tokens=max_tokens, min_tokens=body.min_tokens, temperature=body.temperature,
+                          top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=stop, n=body.n)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def full_response(*, chat: bool, request_id: str, model: str, texts: list[str], finish: list[str | None],
+                  prompt_tokens: int, completion_tokens: int, simulated: bool) -> dict[str, Any]:
+    """A non-streamed completion or chat.completion body."""
+    choices = []
+    for i, (text, reason) in enumerate(zip(texts, finish)):
+        if chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                            "finish_reason": reason, "logprobs": None})
+        else:
+            choices.append({"index": i, "text": text, "finish_reason": reason, "logprobs": None})
+    body: dict[str, Any] = {
+        "id": request_id, "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()), "model": model, "choices": choices,
+        "usage": usage(prompt_tokens, completion_tokens), "system_fingerprint": "polyserve",
+    }
+    if simulated:
+        body["simulated"] = True
+    return body
+
+
+def stream_chunk(*, chat: bool, request_id: str, model: str, index: int, text: str,
+                 finish_reason: str | None, first: bool, simulated: bool) -> dict[str, Any]:
+    """One SSE chunk of a streamed completion or chat completion."""
+    if chat:
+        delta: dict[str, Any] = {"content": text}
+        if first:
+            delta["role"] = "assistant"
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        obj = "text_completion"
+    body: dict[str, Any] = {"id": request_id, "object": obj, "created": int(time.time()), "model": model,
+                            "choices": [choice], "system_fingerprint": "polyserve"}
+    if simulated:
+        body["simulated"] = True
+    return body
+
+
+def usage_chunk(*, chat: bool, request_id: str, model: str, prompt_tokens: int,
+                completion_tokens: int) -> dict[str, Any]:
+    """The final chunk of a stream when `stream_options.include_usage` is set."""
+    return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """The OpenAI error envelope."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_type(status: int) -> str:
+    return {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            409: "conflict_error", 429: "rate_limit_error", 499: "cancelled",
+            503: "service_unavailable", 504: "timeout"}.get(status, "server_error")

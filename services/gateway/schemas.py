@@ -1,0 +1,68 @@
+"""OpenAI-compatible request bodies (pydantic, as FastAPI validates them) and
+the management API's deployment body (thesis §6.2)."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    # extensions (vLLM-style)
+    top_k: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0)
+    priority: int = 0
+    adapter: str | None = None
+
+
+class CompletionBody(_Sampling):
+    prompt: str | list[str]
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+
+class ScalerBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["pertoken", "request"] = "pertoken"
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(4, ge=1)
+    window_s: float = Field(30.0, gt=0)
+    threshold_ms: float = Field(50.0, gt=0)
+
+
+class DeploymentBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str | None = Field(None, pattern=r"^[A-Za-z0-9_\-]{1,64}$")
+    model: str = Field(min_length=1, max_length=200)
+    engine: Literal["sim", "hf", "vllm"] = "sim"
+    policy: str = "least_outstanding"
+    scaler: ScalerBody = ScalerBody()

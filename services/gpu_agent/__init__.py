@@ -1,0 +1,1 @@
+"""gpu-agent: one per GPU; NVML (or simulated) telemetry and the worker processes on its GPU."""

@@ -1,0 +1,57 @@
+"""Settings of the gpu-agent (env POLYSERVE_GPU_AGENT_<FIELD>, flags --field-name)."""
+from __future__ import annotations
+
+import shlex
+
+from polyserve.shared.settings import CommonSettings, SettingsError
+
+
+class GpuAgentSettings(CommonSettings, frozen=True, kw_only=True):
+    """One agent per GPU.
+
+    gpu_id: the id in subjects and keys; "" = "gpu<N>" when NVML has device N,
+        else "sim<N>" (N = gpu_index).
+    gpu_index: the NVML device index this agent reads.
+    force_simulated: use the simulated GPU even when NVML is present (tests,
+        demos on a shared machine).
+    telemetry_interval_s: how often GpuTelemetry is published and AgentInfo refreshed.
+    agent_ttl_s: TTL of AgentInfo in Redis; an agent silent that long is gone.
+    watch_interval_s: how often worker processes are checked for exit.
+    worker_log_dir: where worker stdout/stderr go (one file per worker);
+        "" = a fresh temporary directory.
+    worker_module: the module run as `python -m <worker_module>`.
+    worker_cmd: a full command line (shlex-split) that replaces the module
+        invocation, e.g. a test double; "" = use worker_module.
+    worker_time_scale: passed to workers as POLYSERVE_WORKER_TIME_SCALE when
+        not "" (sim engine pace; "0" = no compute time).
+    max_workers: the most worker processes this agent runs at once.
+    """
+
+    gpu_id: str = ""
+    gpu_index: int = 0
+    force_simulated: bool = False
+    telemetry_interval_s: float = 1.0
+    agent_ttl_s: float = 5.0
+    watch_interval_s: float = 0.2
+    worker_log_dir: str = ""
+    worker_module: str = "polyserve.worker"
+    worker_cmd: str = ""
+    worker_time_scale: str = ""
+    max_workers: int = 16
+
+    def validate(self) -> None:
+        super().validate()
+        if self.gpu_id and any(c in self.gpu_id for c in " .*>:"):
+            raise SettingsError(f"gpu_id {self.gpu_id!r} must not contain spaces, '.', '*', '>' or ':'")
+        if self.gpu_index < 0:
+            raise SettingsError("gpu_index must be >= 0")
+        if self.telemetry_interval_s <= 0 or self.watch_interval_s <= 0:
+            raise SettingsError("telemetry_interval_s and watch_interval_s must be > 0")
+        if self.agent_ttl_s <= self.telemetry_interval_s:
+            raise SettingsError("agent_ttl_s must exceed telemetry_interval_s, or the agent flickers out of Redis")
+        if self.max_workers < 1:
+            raise SettingsError("max_workers must be >= 1")
+        try:
+            shlex.split(self.worker_cmd)
+        except ValueError as exc:
+            raise SettingsError(f"worker_cmd cannot be parsed: {exc}") from exc

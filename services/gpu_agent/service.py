@@ -1,0 +1,265 @@
+"""The gpu-agent: one per GPU. Telemetry, presence in Redis, and the worker processes.
+
+Loops: telemetry (GpuTelemetry + AgentInfo every `telemetry_interval_s`) and
+the watcher (every `watch_interval_s`: reaps workers, SIGKILLs those past their
+stop deadline, reports the ones that died on their own). The agent never
+restarts a worker by itself: the planner reconciles.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from opentelemetry.sdk.trace.export import SpanExporter
+
+from polyserve.gpu_agent import policy
+from polyserve.gpu_agent.config import GpuAgentSettings
+from polyserve.gpu_agent.gpu import Gpu, GpuReading, detect_gpu
+from polyserve.gpu_agent.handlers import AgentHandlers
+from polyserve.proto import AgentInfo, GpuTelemetry, Heartbeat, StartWorker, StopWorker, WorkerDown
+from polyserve.shared.lifecycle import ServiceBase
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerProc:
+    """A worker process this agent started."""
+
+    worker_id: str
+    deployment: str
+    model: str
+    engine: str
+    proc: subprocess.Popen
+    log_path: Path
+    started_at: float = field(default_factory=time.time)
+    stopping: bool = False
+    kill_at: float | None = None  # monotonic deadline for SIGKILL once stopping
+    killed: bool = False
+
+    def view(self) -> policy.WorkerView:
+        return policy.WorkerView(self.worker_id, self.deployment, self.started_at, self.stopping)
+
+
+class GpuAgentService(ServiceBase):
+    """Publishes GPU telemetry, keeps AgentInfo in Redis, starts/stops/watches workers."""
+
+    name = "gpu-agent"
+
+    def __init__(self, settings: GpuAgentSettings, *, span_exporter: SpanExporter | None = None,
+                 gpu: Gpu | None = None):
+        super().__init__(settings, span_exporter=span_exporter)
+        self.settings: GpuAgentSettings = settings
+        self.gpu: Gpu | None = gpu
+        self.gpu_id = settings.gpu_id
+        self.workers: dict[str, WorkerProc] = {}
+        self.load: dict[str, int] = {}  # worker_id -> running + waiting, from heartbeats
+        self.log_dir = Path(settings.worker_log_dir) if settings.worker_log_dir else None
+        self.handlers = AgentHandlers(self)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def on_start(self) -> None:
+        s = self.settings
+        if self.gpu is None:
+            self.gpu = await asyncio.to_thread(detect_gpu, s.gpu_index, s.force_simulated)
+        self.gpu_id = policy.resolve_gpu_id(s.gpu_id, s.gpu_index, self.gpu.simulated)
+        if self.log_dir is None:
+            self.log_dir = Path(tempfile.mkdtemp(prefix=f"polyserve-{self.gpu_id}-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for other in await self.state.live_agents():
+            if other.gpu_id == self.gpu_id:
+                logger.warning("another gpu-agent (pid %d) is live for %s; ids will clash",
+                               other.pid, self.gpu_id)
+        await self.bus.serve(self.subjects.agent(self.gpu_id, "start"), StartWorker, self.handlers.start)
+        await self.bus.serve(self.subjects.agent(self.gpu_id, "stop"), StopWorker, self.handlers.stop)
+        await self.bus.listen(self.subjects.worker_event("heartbeat"), Heartbeat, self.handlers.on_heartbeat)
+        await self.publish_info()
+        self.background(self._telemetry_loop(), "telemetry")
+        self.background(self._watch_loop(), "watch")
+        logger.info("gpu-agent %s (%s, simulated=%s); worker logs in %s",
+                    self.gpu_id, self.gpu.name, self.gpu.simulated, self.log_dir)
+
+    async def on_drain(self, timeout: float) -> None:
+        """SIGTERM every worker, wait up to `timeout`, SIGKILL stragglers, leave Redis."""
+        self.stop_workers([w.worker_id for w in self.workers.values() if not w.stopping], timeout)
+        deadline = time.monotonic() + timeout
+        while self.workers and time.monotonic() < deadline:
+            await self.reap()
+            await asyncio.sleep(min(self.settings.watch_interval_s, 0.1))
+        for w in self.workers.values():
+            w.kill_at = time.monotonic()  # past the drain timeout: SIGKILL now
+        deadline = time.monotonic() + 2.0
+        while self.workers and time.monotonic() < deadline:
+            await self.reap()
+            await asyncio.sleep(0.05)
+        if self.workers:
+            logger.error("workers %s did not exit even after SIGKILL", sorted(self.workers))
+        try:
+            await self.state.remove_agent(self.gpu_id)
+        except Exception as exc:  # noqa: BLE001 - Redis down at shutdown: the TTL cleans up
+            logger.warning("could not deregister agent %s: %s", self.gpu_id, exc)
+        if self.gpu is not None:
+            self.gpu.close()
+
+    # ------------------------------------------------------------------ state
+    def info(self) -> AgentInfo:
+        """This agent as the planner sees it: workers not being stopped."""
+        return AgentInfo(gpu_id=self.gpu_id, simulated=bool(self.gpu and self.gpu.simulated),
+                         control_subject=self.subjects.agent(self.gpu_id, "*"),
+                         workers={w.worker_id: w.deployment for w in self.workers.values() if not w.stopping},
+                         pid=os.getpid())
+
+    async def publish_info(self) -> None:
+        """Refresh AgentInfo in Redis (after every change, so counts are current)."""
+        try:
+            await self.state.put_agent(self.info(), self.settings.agent_ttl_s)
+        except Exception as exc:  # noqa: BLE001 - Redis briefly down: the next interval retries
+            logger.warning("cannot refresh AgentInfo of %s: %s", self.gpu_id, exc)
+
+    # ------------------------------------------------------------------ workers
+    def spawn_worker(self, req: StartWorker) -> str:
+        """Start one worker process for `req`; returns its id. Raises OSError if it cannot."""
+        s = self.settings
+        worker_id = f"w-{uuid.uuid4().hex[:10]}"
+        cmd = policy.worker_command(s.worker_cmd, s.worker_module, sys.executable)
+        cuda = "" if self.gpu is None or self.gpu.simulated else (self.gpu.uuid or str(s.gpu_index))
+        env = policy.worker_env(os.environ, nats_url=s.nats_url, redis_url=s.redis_url, prefix=s.prefix,
+                                worker_id=worker_id, deployment=req.deployment, model=req.model,
+                                engine=req.engine, gpu_id=self.gpu_id, time_scale=s.worker_time_scale,
+                                cuda_device=cuda, extra=req.extra_env)
+        assert self.log_dir is not None
+        log_path = self.log_dir / f"{worker_id}.log"
+        with open(log_path, "ab") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, start_new_session=True)
+        self.workers[worker_id] = WorkerProc(worker_id, req.deployment, req.model, req.engine, proc, log_path)
+        logger.info("started worker %s (pid %d) for %s/%s engine=%s; log %s",
+                    worker_id, proc.pid, req.deployment, req.model, req.engine, log_path)
+        return worker_id
+
+    def stop_workers(self, worker_ids: list[str], timeout: float) -> list[str]:
+        """SIGTERM the named workers; the watcher SIGKILLs them after `timeout`."""
+        stopped = []
+        for wid in worker_ids:
+            w = self.workers.get(wid)
+            if w is None or w.stopping:
+                continue
+            w.stopping = True
+            w.kill_at = time.monotonic() + timeout
+            try:
+                os.kill(w.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass  # already gone; the watcher reaps it
+            stopped.append(wid)
+            logger.info("stopping worker %s (pid %d), SIGKILL after %.1fs", wid, w.proc.pid, timeout)
+        return stopped
+
+    async def reap(self) -> None:
+        """Collect exited workers; SIGKILL stopping ones past their deadline."""
+        changed = False
+        now = time.monotonic()
+        for w in list(self.workers.values()):
+            if not _exited(w.proc):
+                if w.stopping and w.kill_at is not None and now >= w.kill_at and not w.killed:
+                    logger.warning("worker %s ignored SIGTERM for its drain timeout; SIGKILL", w.worker_id)
+                    _kill_group(w.proc.pid)
+                    w.killed = True
+                continue
+            _kill_group(w.proc.pid)  # orphans of the worker; the zombie keeps the group id ours
+            rc = w.proc.wait()
+            del self.workers[w.worker_id]
+            self.load.pop(w.worker_id, None)
+            if w.stopping:
+                how = "killed by gpu-agent after its drain timeout" if w.killed else "stopped by gpu-agent"
+                reason = f"{how} ({policy.exit_reason(rc)})"
+                logger.info("worker %s %s", w.worker_id, reason)
+            else:
+                reason = policy.exit_reason(rc)
+                changed = True
+                logger.warning("worker %s (%s) exited on its own: %s; log %s",
+                               w.worker_id, w.deployment, reason, w.log_path)
+            await self._worker_gone(w, reason)
+        if changed:
+            await self.publish_info()
+
+    async def _worker_gone(self, w: WorkerProc, reason: str) -> None:
+        """Tell the cluster at once, so the dispatcher stops placing on it."""
+        down = WorkerDown(worker_id=w.worker_id, reason=reason, deployment=w.deployment, gpu_id=self.gpu_id)
+        try:
+            await self.bus.publish(self.subjects.worker_event("down"), down)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("cannot publish WorkerDown for %s: %s", w.worker_id, exc)
+        try:
+            await self.state.remove_worker(w.worker_id)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("cannot remove worker %s from Redis: %s", w.worker_id, exc)
+
+    # ------------------------------------------------------------------ loops
+    async def _watch_loop(self) -> None:
+        while True:
+            try:
+                await self.reap()
+            except Exception:  # noqa: BLE001 - the watcher must outlive one bad round
+                logger.exception("worker watcher round failed")
+            await asyncio.sleep(self.settings.watch_interval_s)
+
+    async def _telemetry_loop(self) -> None:
+        while True:
+            try:
+                await self.publish_telemetry()
+            except Exception as exc:  # noqa: BLE001 - NATS reconnecting; keep the loop
+                logger.warning("telemetry round failed: %s", exc)
+            await self.publish_info()
+            await asyncio.sleep(self.settings.telemetry_interval_s)
+
+    async def read_gpu(self) -> GpuReading:
+        """One reading; the simulation is fed the load its workers report."""
+        assert self.gpu is not None
+        active = [w for w in self.workers.values() if not w.stopping]
+        self.gpu.set_load(sum(self.load.get(w.worker_id, 0) for w in active), len(active))
+        if self.gpu.simulated:
+            return self.gpu.read()
+        return await asyncio.to_thread(self.gpu.read)  # NVML calls block
+
+    async def publish_telemetry(self) -> GpuTelemetry:
+        r = await self.read_gpu()
+        msg = GpuTelemetry(gpu_id=self.gpu_id, name=r.name, simulated=r.simulated, power_w=r.power_w,
+                           energy_j=r.energy_j, sm_clock_mhz=r.sm_clock_mhz, mem_clock_mhz=r.mem_clock_mhz,
+                           max_sm_clock_mhz=r.max_sm_clock_mhz, util_gpu_pct=r.util_gpu_pct,
+                           util_mem_pct=r.util_mem_pct, mem_used_mb=r.mem_used_mb, mem_total_mb=r.mem_total_mb,
+                           workers=sorted(self.workers))
+        await self.bus.publish(self.subjects.gpu_telemetry(self.gpu_id), msg)
+        try:
+            await self.state.put_json(self.keys.gpu(self.gpu_id), msg, ttl=self.settings.agent_ttl_s)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("cannot store telemetry of %s: %s", self.gpu_id, exc)
+        return msg
+
+
+def _exited(proc: subprocess.Popen) -> bool:
+    """True when the process has exited, without reaping it (so its pid stays ours)."""
+    if proc.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return proc.poll() is not None
+    except AttributeError:  # no waitid on this platform
+        return proc.poll() is not None
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL the session/process group a worker leads (start_new_session=True)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

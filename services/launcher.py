@@ -1,0 +1,213 @@
+"""Start and stop a whole polyserve cluster on one machine: nats-server,
+redis-server and the six services as separate processes. `polyserve up/down`
+and the system tests use this same code path."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import msgspec
+import redis
+
+from polyserve.proto import Deployment, Keys, ScalerPolicy
+from polyserve.shared import infra
+
+SERVICES = ("predictor", "dispatcher", "gpu_agent", "planner", "gateway")  # start order; workers via gpu-agent
+SERVICE_NAMES = {"gpu_agent": "gpu-agent"}
+STOP_ORDER = ("gateway", "planner", "gpu_agent", "dispatcher", "predictor")
+
+
+class LaunchError(RuntimeError):
+    """polyserve could not be started or stopped; the message says what to do."""
+
+
+@dataclass
+class ClusterSpec:
+    run_dir: Path
+    engine: str = "auto"
+    model: str = ""
+    model_path: str = ""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    nats_port: int = 4222
+    redis_port: int = 6379
+    prefix: str = "polyserve"
+    policy: str = "least_outstanding"
+    min_replicas: int = 1
+    max_replicas: int = 2
+    scaler: str = "pertoken"
+    threshold_ms: float = 50.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+    ready_timeout_s: float = 120.0
+
+
+@dataclass
+class ClusterState:
+    run_dir: str
+    prefix: str
+    nats_url: str
+    nats_monitor_port: int
+    redis_url: str
+    gateway_url: str
+    engine: str
+    model: str
+    pids: dict[str, int]
+
+    def save(self) -> None:
+        Path(self.run_dir, "state.json").write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, run_dir: Path) -> "ClusterState | None":
+        path = run_dir / "state.json"
+        if not path.exists():
+            return None
+        return cls(**json.loads(path.read_text()))
+
+
+def default_run_dir() -> Path:
+    return Path(os.environ.get("POLYSERVE_HOME", Path.home() / ".polyserve")) / "run"
+
+
+def pick_engine(engine: str) -> str:
+    """`auto`: vllm when a GPU and vLLM are present, else hf when torch+transformers are, else sim."""
+    if engine != "auto":
+        return engine
+    import importlib.util
+
+    has = importlib.util.find_spec
+    if has("vllm") and has("torch"):
+        import torch
+
+        if torch.cuda.is_available():
+            return "vllm"
+    if has("torch") and has("transformers") and has("polyserve.worker.engines.hf"):
+        return "hf"
+    return "sim"
+
+
+def default_model(engine: str) -> str:
+    return {"sim": "sim-llama2-70b", "hf": "tiny-llama-random", "vllm": "vllm-model"}.get(engine, engine)
+
+
+def _port(wanted: int) -> int:
+    return wanted if wanted and not infra.port_in_use(wanted) else infra.free_port()
+
+
+def _env(state: ClusterState, spec: ClusterSpec) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"POLYSERVE_NATS_URL": state.nats_url, "POLYSERVE_REDIS_URL": state.redis_url,
+                "POLYSERVE_PREFIX": state.prefix, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(spec.extra_env)
+    return env
+
+
+def _ensure_deployment(r: redis.Redis, keys: Keys, spec: ClusterSpec, engine: str, model: str) -> None:
+    dep_id = "".join(c if c.isalnum() or c in "-_" else "-" for c in model)[:64]
+    if r.exists(keys.deployment(dep_id)):
+        return
+    dep = Deployment(id=dep_id, model=model, engine=engine, policy=spec.policy,
+                     scaler=ScalerPolicy(type=spec.scaler, min_replicas=spec.min_replicas,
+                                         max_replicas=spec.max_replicas, threshold_ms=spec.threshold_ms))
+    r.set(keys.deployment(dep_id), msgspec.json.encode(dep))
+    r.sadd(keys.deployments, dep_id)
+
+
+def _live(r: redis.Redis, keys: Keys) -> tuple[set[str], int]:
+    now = time.time()
+    services = {m.decode().split(":", 1)[0] for m in r.zrangebyscore(keys.services, now, "+inf")}
+    workers = r.zcount(keys.workers, now, "+inf")
+    return services, workers
+
+
+def up(spec: ClusterSpec, progress=print) -> ClusterState:
+    """Start everything and wait until every service and one worker report ready."""
+    run_dir = spec.run_dir
+    old = ClusterState.load(run_dir)
+    if old and any(infra.pid_alive(p) for p in old.pids.values()):
+        raise LaunchError(f"polyserve is already running from {run_dir} (gateway {old.gateway_url}); "
+                          "run `polyserve down` first")
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    engine = pick_engine(spec.engine)
+    model = spec.model or default_model(engine)
+    progress(f"starting nats-server and redis-server (run dir {run_dir})")
+    nats_proc, nats_url, mon = infra.start_nats(run_dir / "nats", port=_port(spec.nats_port))
+    pids = {"nats-server": nats_proc.pid}
+    try:
+        redis_port = _port(spec.redis_port)
+        redis_proc, redis_url = infra.start_redis(run_dir / "redis", port=redis_port)
+        pids["redis-server"] = redis_proc.pid
+        port = _port(spec.port)
+        state = ClusterState(run_dir=str(run_dir), prefix=spec.prefix, nats_url=nats_url, nats_monitor_port=mon,
+                             redis_url=redis_url, gateway_url=f"http://{spec.host}:{port}", engine=engine,
+                             model=model, pids=pids)
+        state.save()
+        keys = Keys(spec.prefix)
+        r = redis.Redis.from_url(redis_url)
+        _ensure_deployment(r, keys, spec, engine, model)
+        env = _env(state, spec)
+        env.update({"POLYSERVE_GATEWAY_PORT": str(port), "POLYSERVE_GATEWAY_HOST": spec.host,
+                    "POLYSERVE_GPU_AGENT_WORKER_LOG_DIR": str(run_dir / "logs" / "workers")})
+        if spec.model_path:
+            env["POLYSERVE_WORKER_MODEL_PATH"] = spec.model_path
+        for svc in SERVICES:
+            log = open(run_dir / "logs" / f"{svc}.log", "ab")
+            proc = subprocess.Popen([sys.executable, "-m", f"polyserve.{svc}"], stdout=log, stderr=log,
+                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+            log.close()
+            pids[SERVICE_NAMES.get(svc, svc)] = proc.pid
+            state.save()
+        progress(f"started {', '.join(SERVICE_NAMES.get(s, s) for s in SERVICES)}; waiting for them and a "
+                 f"{engine} worker to report ready")
+        wait_ready(r, keys, state, spec.ready_timeout_s, progress)
+        return state
+    except BaseException:
+        st = ClusterState.load(run_dir)
+        if st:
+            down(run_dir, progress=lambda *_: None)
+        else:
+            infra.stop_pid(nats_proc.pid)
+        raise
+
+
+def wait_ready(r: redis.Redis, keys: Keys, state: ClusterState, timeout: float, progress=print) -> None:
+    want = {SERVICE_NAMES.get(s, s) for s in SERVICES}
+    deadline = time.monotonic() + timeout
+    seen: set[str] = set()
+    while time.monotonic() < deadline:
+        for name, pid in state.pids.items():
+            if not infra.pid_alive(pid):
+                log = Path(state.run_dir, "logs", f"{name.replace('-', '_')}.log")
+                raise LaunchError(f"{name} exited during start-up; see {log}")
+        services, workers = _live(r, keys)
+        for name in sorted((services & want) - seen):
+            progress(f"  {name} ready")
+        seen |= services & want
+        if want <= services and workers >= 1:
+            progress(f"  worker ready ({workers})")
+            return
+        time.sleep(0.2)
+    missing = sorted(want - seen) + ([] if _live(r, keys)[1] else ["worker"])
+    raise LaunchError(f"not ready within {timeout:.0f}s: {', '.join(missing)}; logs in {state.run_dir}/logs")
+
+
+def down(run_dir: Path, timeout: float = 30.0, progress=print) -> bool:
+    """SIGTERM the services (gateway first), then redis and nats; True if all exited gracefully."""
+    state = ClusterState.load(run_dir)
+    if state is None:
+        progress(f"nothing to stop: no polyserve started from {run_dir}")
+        return True
+    graceful = True
+    order = [SERVICE_NAMES.get(s, s) for s in STOP_ORDER] + ["redis-server", "nats-server"]
+    for name in order:
+        pid = state.pids.get(name)
+        if pid and infra.pid_alive(pid):
+            ok = infra.stop_pid(pid, timeout=timeout)
+            graceful &= ok
+            progress(f"stopped {name} (pid {pid})" + ("" if ok else " forcibly after timeout"))
+    Path(run_dir, "state.json").unlink(missing_ok=True)
+    return graceful

@@ -1,0 +1,1 @@
+"""planner: periodic decisions; in this issue the per-token-latency HPA autoscaler."""

@@ -1,0 +1,214 @@
+"""Predictor handlers: answer PredictRequests and learn from Completed events.
+
+`LengthStats` keeps an in-memory copy of the Redis length statistics so that a
+prediction never waits on Redis longer than `redis_timeout_s`, and a brief Redis
+outage is answered from memory. Observations that cannot be written are kept
+(aggregated per model and bucket, so the buffer is bounded) and written later.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+
+from polyserve.predictor import policy
+from polyserve.predictor.config import PredictorSettings
+from polyserve.proto import Completed, Keys, Prediction, PredictRequest
+from polyserve.shared.bus import BusError
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class RedisUnavailable(Exception):
+    """Redis did not answer in time, failed, or is in its retry back-off."""
+
+
+class LengthStats:
+    """Per-model length statistics: a Redis hash shared by all predictors, and a local copy.
+
+    The view of a model is ``snapshot`` (last read from Redis, plus what this
+    instance wrote since) merged with ``flushing`` (being written now) and
+    ``pending`` (observations not yet written).
+    """
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, *, timeout_s: float, retry_s: float,
+                 max_models: int, clock: Callable[[], float] = time.monotonic):
+        self.r = redis
+        self.keys = keys
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self.max_models = max_models
+        self.clock = clock
+        self.snapshot: OrderedDict[str, policy.ModelStats] = OrderedDict()
+        self.pending: dict[str, policy.ModelStats] = {}
+        self.flushing: dict[str, policy.ModelStats] = {}
+        self._lock = asyncio.Lock()
+        self._down_until = 0.0
+        self.redis_ok = True
+        self.redis_errors = 0
+        self.dropped = 0
+
+    # ------------------------------------------------------------ redis access
+    async def _redis(self, op: Callable[[], Awaitable[T]], what: str) -> T:
+        """Run one Redis operation within the timeout; RedisUnavailable on failure or back-off."""
+        if self.clock() < self._down_until:
+            raise RedisUnavailable(f"{what}: Redis in back-off")
+        try:
+            result = await asyncio.wait_for(op(), self.timeout_s)
+        except Exception as exc:  # timeout, connection refused, ... : answer from memory
+            self.redis_errors += 1
+            self._down_until = self.clock() + self.retry_s
+            if self.redis_ok:
+                logger.warning("predictor: Redis unavailable (%s: %s: %s); answering from memory",
+                               what, type(exc).__name__, exc)
+            self.redis_ok = False
+            raise RedisUnavailable(f"{what}: {exc}") from exc
+        if not self.redis_ok:
+            logger.info("predictor: Redis reachable again")
+        self.redis_ok = True
+        return result
+
+    def _remember(self, model: str, stats: policy.ModelStats) -> None:
+        self.snapshot[model] = stats
+        self.snapshot.move_to_end(model)
+        while len(self.snapshot) > self.max_models:
+            self.snapshot.popitem(last=False)
+
+    # ------------------------------------------------------------ reads
+    async def get(self, model: str) -> policy.ModelStats:
+        """The statistics of `model`; loads them from Redis on first use, else answers from memory."""
+        base = self.snapshot.get(model)
+        if base is not None:
+            self.snapshot.move_to_end(model)
+        else:
+            try:
+                raw = await self._redis(lambda: self.r.hgetall(self.keys.lenstats(model)), "load stats")
+            except RedisUnavailable:
+                base = policy.ModelStats()
+            else:
+                base = policy.parse_hash(raw)
+                if model not in self.snapshot:  # a concurrent get() may have loaded it meanwhile
+                    self._remember(model, base)
+                base = self.snapshot.get(model, base)
+        for extra in (self.flushing.get(model), self.pending.get(model)):
+            if extra is not None:
+                base = base.merged(extra)
+        return base
+
+    async def refresh(self) -> None:
+        """Re-read every model kept in memory (picks up what other predictors learned)."""
+        async with self._lock:
+            models = list(self.snapshot)
+            if not models:
+                return
+
+            async def read() -> list[Any]:
+                async with self.r.pipeline(transaction=False) as p:
+                    for m in models:
+                        p.hgetall(self.keys.lenstats(m))
+                    return await p.execute()
+
+            try:
+                raws = await self._redis(read, "refresh stats")
+            except RedisUnavailable:
+                return
+            for m, raw in zip(models, raws):
+                if m in self.snapshot:
+                    self.snapshot[m] = policy.parse_hash(raw)
+
+    # ------------------------------------------------------------ writes
+    def add(self, model: str, input_tokens: int, output_tokens: int) -> bool:
+        """Buffer one observation; False (and counted) when the buffer has no room for a new model."""
+        if model not in self.pending and len(self.pending) >= self.max_models:
+            self.dropped += 1
+            return False
+        self.pending[model] = policy.observe(self.pending.get(model, policy.ModelStats()),
+                                             input_tokens, output_tokens)
+        return True
+
+    async def flush(self) -> bool:
+        """Write buffered observations with HINCRBY/HINCRBYFLOAT; True when nothing is left.
+
+        A write that times out may still have been applied by Redis, and the
+        retry then counts that batch twice; that skews the means only slightly,
+        but keep `redis_timeout_s` well above Redis's normal latency.
+        """
+        async with self._lock:
+            if not self.pending:
+                return True
+            batch, self.pending = self.pending, {}
+            self.flushing = batch
+
+            async def write() -> None:
+                async with self.r.pipeline(transaction=True) as p:
+                    for model, stats in batch.items():
+                        key = self.keys.lenstats(model)
+                        for fld, inc in policy.stats_increments(stats):
+                            if isinstance(inc, float):
+                                p.hincrbyfloat(key, fld, inc)
+                            else:
+                                p.hincrby(key, fld, inc)
+                    await p.execute()
+
+            try:
+                await self._redis(write, "save stats")
+            except BaseException as exc:  # also on cancellation: keep them for the next try
+                for model, stats in batch.items():
+                    self.pending[model] = stats.merged(self.pending.get(model, policy.ModelStats()))
+                if isinstance(exc, RedisUnavailable):
+                    return False
+                raise
+            finally:
+                self.flushing = {}
+            for model, stats in batch.items():
+                if model in self.snapshot:
+                    self.snapshot[model] = self.snapshot[model].merged(stats)
+            return not self.pending
+
+
+class PredictHandlers:
+    """`polyserve.v1.predict` and the `completed` event listener."""
+
+    def __init__(self, settings: PredictorSettings, stats: LengthStats):
+        self.settings = settings
+        self.stats = stats
+        self.bounds = settings.bounds
+        self.answers: dict[str, int] = {}  # by source
+        self.learned = 0
+        self.ignored = 0
+
+    async def predict(self, req: PredictRequest) -> Prediction:
+        """Estimate the output length of `req` (BusError 400 on invalid input)."""
+        if not req.model:
+            raise BusError(400, "model must be a non-empty model name")
+        if req.input_tokens < 0:
+            raise BusError(400, f"input_tokens must be >= 0, got {req.input_tokens}")
+        stats = await self.stats.get(req.model)
+        est = policy.estimate(stats, req.input_tokens, min_samples=self.settings.min_samples,
+                              prior_tokens=self.settings.prior_tokens, bounds=self.bounds)
+        self.answers[est.source] = self.answers.get(est.source, 0) + 1
+        logger.debug("predict %s model=%s in=%d -> %d tokens (class %d, %s, bucket %d, n=%d)",
+                     req.request_id, req.model, req.input_tokens, est.tokens, est.length_class,
+                     est.source, est.bucket, est.samples)
+        return Prediction(request_id=req.request_id, model=req.model, length_class=est.length_class,
+                          tokens_estimate=est.tokens, source=est.source, num_classes=est.num_classes)
+
+    async def on_completed(self, ev: Completed) -> None:
+        """Learn the true output length of a finished request."""
+        if not ev.model or ev.input_tokens < 0 or ev.output_tokens < 0:
+            self.ignored += 1
+            logger.warning("ignoring completed event %s with model=%r input_tokens=%d output_tokens=%d",
+                           ev.request_id, ev.model, ev.input_tokens, ev.output_tokens)
+            return
+        if not self.stats.add(ev.model, ev.input_tokens, ev.output_tokens):
+            logger.warning("length-stats buffer full (%d models); dropped observation of %s",
+                           len(self.stats.pending), ev.request_id)
+            return
+        self.learned += 1
+        await self.stats.flush()

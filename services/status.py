@@ -1,0 +1,65 @@
+"""`polyserve status`: services, workers and GPUs read from Redis."""
+from __future__ import annotations
+
+import json
+import time
+
+import redis
+from rich.console import Console
+from rich.table import Table
+
+from polyserve.launcher import ClusterState
+from polyserve.proto import Keys
+from polyserve.shared import infra
+
+
+def _live_json(r: redis.Redis, index: str, key_of) -> list[dict]:
+    members = [m.decode() for m in r.zrangebyscore(index, time.time(), "+inf")]
+    raws = r.mget([key_of(m) for m in members]) if members else []
+    return [json.loads(x) for x in raws if x]
+
+
+def cluster_status(state: ClusterState) -> dict:
+    """A JSON-able snapshot: processes, services, workers, GPUs (agents + latest telemetry)."""
+    keys = Keys(state.prefix)
+    r = redis.Redis.from_url(state.redis_url, socket_timeout=2)
+    services = _live_json(r, keys.services, lambda m: keys.service(*m.split(":", 1)))
+    workers = _live_json(r, keys.workers, keys.worker)
+    agents = _live_json(r, keys.agents, keys.agent)
+    for agent in agents:
+        raw = r.get(keys.gpu(agent["gpu_id"]))
+        agent["telemetry"] = json.loads(raw) if raw else None
+    procs = {name: {"pid": pid, "alive": infra.pid_alive(pid)} for name, pid in state.pids.items()}
+    return {"gateway_url": state.gateway_url, "nats_url": state.nats_url, "redis_url": state.redis_url,
+            "engine": state.engine, "model": state.model, "processes": procs, "services": services,
+            "workers": workers, "gpus": agents}
+
+
+def render_status(st: dict) -> None:
+    console = Console()
+    console.print(f"gateway [bold]{st['gateway_url']}[/]  nats {st['nats_url']}  redis {st['redis_url']}")
+    t = Table(title="services")
+    for col in ("service", "instance", "state", "pid"):
+        t.add_column(col)
+    for s in sorted(st["services"], key=lambda s: s["service"]):
+        t.add_row(s["service"], s["instance"], s["state"], str(s["pid"]))
+    console.print(t)
+    t = Table(title="workers")
+    for col in ("worker", "deployment", "engine", "gpu", "running", "waiting", "kv used/cap", "adapters"):
+        t.add_column(col)
+    for w in st["workers"]:
+        engine = w["engine"] + (" (simulated)" if w.get("simulated") else "")
+        adapters = ", ".join(f"{a['name']}(r{a['rank']})" for a in w.get("adapters", [])) or "-"
+        t.add_row(w["worker_id"], w["deployment"], engine, w.get("gpu_id", ""), str(w["running"]),
+                  str(w["waiting"]), f"{w['kv_used']}/{w['kv_capacity']}", adapters)
+    console.print(t)
+    t = Table(title="GPUs")
+    for col in ("gpu", "name", "power W", "SM MHz", "util %", "mem MB", "workers"):
+        t.add_column(col)
+    for g in st["gpus"]:
+        tel = g.get("telemetry") or {}
+        label = tel.get("name", "?") + (" (simulated)" if g.get("simulated") else "")
+        t.add_row(g["gpu_id"], label, f"{tel.get('power_w', 0):.0f}", str(tel.get("sm_clock_mhz", "")),
+                  f"{tel.get('util_gpu_pct', 0):.0f}", f"{tel.get('mem_used_mb', 0):.0f}/{tel.get('mem_total_mb', 0):.0f}",
+                  ", ".join(g.get("workers", {})))
+    console.print(t)

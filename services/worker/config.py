@@ -1,0 +1,69 @@
+"""Worker settings: env `POLYSERVE_WORKER_*` (or `POLYSERVE_*`) and `--flags`."""
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import msgspec
+
+from polyserve.shared import settings as settings_mod
+from polyserve.shared.settings import CommonSettings, SettingsError
+
+ENGINES = ("sim", "hf", "vllm")
+SCHEDULING = ("fcfs", "priority")
+
+
+def new_worker_id() -> str:
+    """A fresh worker id, `w-<hex6>`."""
+    return f"w-{uuid.uuid4().hex[:6]}"
+
+
+class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
+    worker_id: str = ""  # "" = generate w-<hex6> at start
+    deployment: str = "default"
+    model: str = "sim-llama2-70b"
+    engine: str = "sim"
+    gpu_id: str = ""
+    heartbeat_interval_s: float = 1.0
+    heartbeat_ttl_s: float = 3.0
+    max_waiting: int = 256  # bounded waiting queue; beyond it requests get 429
+    max_batch: int = 64  # sequences decoded together
+    kv_capacity_tokens: int = 0  # 0 = from the profile
+    profile: str = ""  # sim profile JSON path; "" = the shipped default
+    time_scale: float = 1.0  # × simulated compute time; 0 = none (control-plane benchmarks)
+    max_input_len: int = 4096
+    scheduling: str = "fcfs"  # waiting-queue order, see policy.ORDERS
+    model_path: str = ""  # hf engine: local checkpoint directory
+    device: str = "cpu"  # hf engine
+    dtype: str = "float32"  # hf engine
+
+    def validate(self) -> None:
+        """Raise SettingsError naming the worker setting that cannot be used."""
+        super().validate()
+        if self.engine not in ENGINES:
+            raise SettingsError(f"engine {self.engine!r} is unknown; choose one of {', '.join(ENGINES)}")
+        if self.scheduling not in SCHEDULING:
+            raise SettingsError(f"scheduling {self.scheduling!r} is unknown; choose one of {', '.join(SCHEDULING)}")
+        if self.worker_id and any(c in self.worker_id for c in " .*>:"):
+            raise SettingsError(f"worker_id {self.worker_id!r} must not contain spaces, '.', '*', '>' or ':'")
+        if self.heartbeat_interval_s <= 0 or self.heartbeat_ttl_s <= self.heartbeat_interval_s:
+            raise SettingsError("need heartbeat_interval_s > 0 and heartbeat_ttl_s > heartbeat_interval_s")
+        if self.max_waiting < 1 or self.max_batch < 1 or self.max_input_len < 1:
+            raise SettingsError("max_waiting, max_batch and max_input_len must be >= 1")
+        if self.kv_capacity_tokens < 0:
+            raise SettingsError("kv_capacity_tokens must be >= 0 (0 = from the profile)")
+        if self.time_scale < 0:
+            raise SettingsError("time_scale must be >= 0 (0 = no simulated compute time)")
+
+
+def with_worker_id(settings: WorkerSettings) -> WorkerSettings:
+    """`settings` with a generated worker_id when none was given."""
+    if settings.worker_id:
+        return settings
+    return msgspec.structs.replace(settings, worker_id=new_worker_id())
+
+
+def load(argv: list[str] | None = None, environ: dict[str, str] | None = None,
+         **overrides: Any) -> WorkerSettings:
+    """Worker settings from env, flags and overrides, with the worker_id filled in."""
+    return with_worker_id(settings_mod.load(WorkerSettings, "worker", argv, environ, **overrides))

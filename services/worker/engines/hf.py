@@ -1,0 +1,374 @@
+"""The `hf` engine: transformers + PEFT, continuous batching, multi-LoRA, on CPU or CUDA.
+
+Scheduling (this module) runs on the event loop; every model call runs in a worker
+thread (`asyncio.to_thread`) under one lock, so the loop stays responsive while a
+step computes and adapter loads never interleave with a step. One iteration of the
+loop: admit waiting requests in queue order while batch rows and the KV budget allow
+(each is prefilled alone and joins the batch), then one batched decode step for
+every running row (see `hf_batch` for the KV layout and why it is our own loop).
+
+Admission (`generate`'s first `__anext__`): a full waiting queue is EngineOverloaded
+(429); an input over `max_input_len`, or a request whose KV reservation could never
+fit, is a 400; an unknown adapter is a 404 naming the loaded ones.
+
+KV accounting: a running request reserves `n * (input + max_tokens)` tokens of the
+`kv_capacity_tokens` budget from admission until it ends; `load().kv_used` reports
+those reservations, so capacity - used is exactly what the next admission may take.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+import warnings
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from polyserve.proto import AdapterInfo
+
+from polyserve.worker.engine import (Delta, Engine, EngineError, EngineLoad, EngineOverloaded, EngineRequest,
+                                     Finished, make_stats)
+from polyserve.worker.engines.hf_batch import Batch, Row
+from polyserve.worker.lora import AdapterError, AdapterRegistry, check_name, read_adapter
+
+logger = logging.getLogger(__name__)
+
+OrderKey = Callable[[EngineRequest], Any]
+
+
+def fcfs(req: EngineRequest) -> float:
+    """First come, first served: the default queue order."""
+    return req.arrival
+
+
+def priority_first(req: EngineRequest) -> tuple[int, float]:
+    """Lower `priority` value first (vLLM's convention), FCFS within a priority."""
+    return (req.priority, req.arrival)
+
+
+ORDERS: dict[str, OrderKey] = {"fcfs": fcfs, "priority": priority_first}
+
+
+class _Active:
+    """One admitted request: its rows, its event queue, its timings."""
+
+    def __init__(self, req: EngineRequest, ids: list[int], seq: int, reserve: int):
+        self.req = req
+        self.ids = ids
+        self.seq = seq
+        self.reserve = reserve
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.rows: list[Row] = []
+        self.ended: set[int] = set()  # choices whose last Delta went out (loop side, not the rows' own state)
+        self.start: float | None = None
+        self.step_times: list[float] = []
+        self.out_tokens = 0
+        self.cancelled = False
+        self.done = False
+
+
+class HfEngine(Engine):
+    """Serves a Hugging Face causal LM (or the small random Llama) with PEFT adapters."""
+
+    name = "hf"
+    simulated = False
+
+    def __init__(self, settings: Any, order: OrderKey | None = None):
+        self.model_path = getattr(settings, "model_path", "") or ""
+        self.model_name = getattr(settings, "model", "") or (Path(self.model_path).name if self.model_path
+                                                             else "random-llama")
+        self.device = getattr(settings, "device", "cpu") or "cpu"
+        self.dtype = getattr(settings, "dtype", "float32") or "float32"
+        self.max_waiting = int(getattr(settings, "max_waiting", 64))
+        self.max_batch = int(getattr(settings, "max_batch", 16))
+        self.kv_capacity = int(getattr(settings, "kv_capacity_tokens", 0) or 0)  # 0 = sized at start
+        self.max_input_len = int(getattr(settings, "max_input_len", 2048))
+        self.queue_timeout_s = float(getattr(settings, "queue_timeout_s", 120.0))
+        self.prefill_tokens_per_step = int(getattr(settings, "prefill_tokens_per_step", 4096))
+        self.seed = int(getattr(settings, "seed", 0) or 0)
+        arch = getattr(settings, "random_arch", None) or None  # dict or JSON: a bigger random model
+        self.random_arch = json.loads(arch) if isinstance(arch, str) else arch
+        scheduling = getattr(settings, "scheduling", "fcfs") or "fcfs"
+        if order is None and scheduling not in ORDERS:
+            raise EngineError(f"scheduling {scheduling!r} is unknown; choose one of {', '.join(ORDERS)}", 400)
+        self.order: OrderKey = order or ORDERS[scheduling]
+        self.adapters = AdapterRegistry()
+        self._bundle = None
+        self._batch: Batch | None = None
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._waiting: list[_Active] = []
+        self._running: dict[str, _Active] = {}
+        self._known: dict[str, _Active] = {}
+        self._kv_reserved = 0
+        self._seq = itertools.count()
+        self._stopping = False
+
+    # ----------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        from polyserve.worker.engines.hf_model import auto_kv_capacity, load_bundle
+        self._bundle = await asyncio.to_thread(load_bundle, self.model_name, self.model_path, self.device,
+                                               self.dtype, self.seed, self.random_arch)
+        self.model_name = self._bundle.name
+        if self.kv_capacity <= 0:
+            self.kv_capacity = auto_kv_capacity(self._bundle)
+        self.max_input_len = min(self.max_input_len, self._bundle.max_positions - 1)
+        self._batch = Batch(self._bundle.model, self._bundle.device, self._bundle.suppress_ids)
+        self._stopping = False
+        self._task = asyncio.create_task(self._loop(), name=f"hf-engine-{self.model_name}")
+        logger.info("hf engine serving %s (%s) on %s", self.model_name, self._bundle.source, self._bundle.device)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        for act in list(self._known.values()):
+            self._fail(act, EngineError("the worker's engine is stopping", 503))
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, timeout=30)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                self._task.cancel()
+            self._task = None
+        if self._batch is not None:
+            self._batch.clear()
+
+    def set_order(self, order: OrderKey) -> None:
+        """Change the waiting queue's order (e.g. shortest-predicted-first with aging)."""
+        self.order = order
+
+    # ----------------------------------------------------------------- requests
+    async def generate(self, req: EngineRequest) -> AsyncIterator[Delta | Finished]:
+        act = self._admit(req)  # raises before any token
+        try:
+            while True:
+                event = await act.queue.get()
+                if isinstance(event, Exception):
+                    raise event
+                yield event
+                if isinstance(event, Finished):
+                    return
+        finally:
+            if not act.done:  # the consumer went away: free the slot now
+                self.cancel(req.request_id)
+
+    def _admit(self, req: EngineRequest) -> _Active:
+        if self._bundle is None or self._stopping:
+            raise EngineError("the hf engine is not running", 503)
+        p = req.params
+        if p.n < 1 or p.max_tokens < 1:
+            raise EngineError(f"n ({p.n}) and max_tokens ({p.max_tokens}) must be >= 1", 400)
+        if p.n > self.max_batch:
+            raise EngineError(f"n={p.n} exceeds this worker's max batch of {self.max_batch} rows", 400)
+        if req.adapter and req.adapter not in self.adapters:
+            raise EngineError(self.adapters.unknown_message(req.adapter), 404)
+        if req.request_id in self._known:
+            raise EngineError(f"request {req.request_id!r} is already running on this worker", 409)
+        ids = self._bundle.encode(req.prompt)
+        if not ids:
+            raise EngineError("the prompt encodes to no tokens", 400)
+        if len(ids) > self.max_input_len:
+            raise EngineError(f"input is {len(ids)} tokens, over this worker's max_input_len of "
+                              f"{self.max_input_len}", 400)
+        reserve = p.n * (len(ids) + p.max_tokens)
+        if reserve > self.kv_capacity:
+            raise EngineError(f"request needs {reserve} KV tokens (n x (input + max_tokens)), over this worker's "
+                              f"kv_capacity_tokens of {self.kv_capacity}", 400)
+        if len(self._waiting) >= self.max_waiting:
+            raise EngineOverloaded(f"waiting queue full ({self.max_waiting} requests); retry later")
+        act = _Active(req, ids, next(self._seq), reserve)
+        self._waiting.append(act)
+        self._known[req.request_id] = act
+        self._wake.set()
+        return act
+
+    def cancel(self, request_id: str) -> bool:
+        act = self._known.get(request_id)
+        if act is None or act.done:
+            return False
+        act.cancelled = True  # the batch drops its rows before the next step
+        for index in sorted(set(range(act.req.params.n)) - act.ended):
+            act.queue.put_nowait(Delta(index=index, text="", tokens=0, finish_reason="cancelled"))
+        self._finish(act)
+        return True
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(running=len(self._running), waiting=len(self._waiting), kv_used=self._kv_reserved,
+                          kv_capacity=self.kv_capacity, max_input_len=self.max_input_len,
+                          adapters=self.adapters.infos())
+
+    def count_tokens(self, text: str) -> int:
+        if self._bundle is None:
+            raise EngineError("the hf engine is not started", 503)
+        return len(self._bundle.encode(text))
+
+    def model_card(self) -> dict:
+        card = {"engine": self.name, "simulated": False, "model": self.model_name,
+                "max_input_len": self.max_input_len, "kv_capacity_tokens": self.kv_capacity}
+        if self._bundle is not None:
+            card.update(self._bundle.card())
+        return card
+
+    def format_chat(self, messages: list[dict]) -> str:
+        """Chat messages as one prompt, with the model's chat template when it has one."""
+        from polyserve.worker.engines.hf_model import format_chat
+        return format_chat(self._bundle.tokenizer, messages)
+
+    # ----------------------------------------------------------------- adapters
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Register a PEFT LoRA adapter at runtime; requests may name it as soon as this returns."""
+        if self._batch is None:
+            raise EngineError("the hf engine is not started", 503)
+        try:
+            check_name(name)
+            spec = read_adapter(path)
+        except AdapterError as exc:
+            raise EngineError(str(exc), exc.status) from exc
+        if name in self.adapters:
+            raise EngineError(f"adapter {name!r} is already loaded; unload it first", 409)
+        async with self._lock:
+            try:
+                await asyncio.to_thread(self._attach, name, str(spec.path))
+            except Exception as exc:
+                raise EngineError(f"adapter {name!r} at {spec.path} does not fit model {self.model_name}: {exc}",
+                                  400) from exc
+            info = self.adapters.add(name, spec)
+        logger.info("loaded adapter %s (rank %d) from %s", name, spec.rank, spec.path)
+        return info
+
+    async def unload_adapter(self, name: str, force: bool = False) -> None:
+        """Remove an adapter; refused (409) while requests use it, unless `force` cancels them."""
+        if name not in self.adapters:
+            raise EngineError(self.adapters.unknown_message(name), 404)
+        users = [a for a in self._known.values() if a.req.adapter == name and not a.done]
+        if users and not force:
+            raise EngineError(f"adapter {name!r} is in use by {len(users)} request(s)", 409)
+        for act in users:
+            self.cancel(act.req.request_id)
+        async with self._lock:
+            await asyncio.to_thread(self._detach, name)
+            self.adapters.remove(name)
+        logger.info("unloaded adapter %s", name)
+
+    def _attach(self, name: str, path: str) -> None:
+        from peft import PeftModel
+        model = self._batch.model
+        with warnings.catch_warnings():  # deprecation chatter between peft and transformers releases
+            warnings.simplefilter("ignore", FutureWarning)
+            if isinstance(model, PeftModel):
+                model.load_adapter(path, adapter_name=name, is_trainable=False)
+            else:
+                model = PeftModel.from_pretrained(model, path, adapter_name=name, is_trainable=False)
+        model.eval()
+        self._batch.model, self._batch.lora = model, True
+
+    def _detach(self, name: str) -> None:
+        model = self._batch.model
+        with warnings.catch_warnings():  # PEFT warns that another adapter becomes "active": we never use that
+            warnings.simplefilter("ignore", UserWarning)
+            model.delete_adapter(name)
+        if not list(model.peft_config):  # last one gone: back to the plain base model
+            self._batch.model, self._batch.lora = model.unload(), False
+
+    # ----------------------------------------------------------------- the loop
+    async def _loop(self) -> None:
+        while not self._stopping:
+            if not self._waiting and not self._running:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                async with self._lock:
+                    await self._admit_waiting()
+                    if self._batch.rows:
+                        self._dispatch(await asyncio.to_thread(self._batch.decode))
+                    elif self._running:  # cannot happen; never spin on requests that have no rows
+                        for act in list(self._running.values()):
+                            self._fail(act, EngineError("request lost its batch rows", 500))
+            except Exception as exc:  # a failed step: fail what ran, keep serving
+                logger.exception("hf engine step failed")
+                for act in list(self._running.values()):
+                    self._fail(act, EngineError(f"engine step failed: {exc}", 500))
+                self._batch.clear()
+            await asyncio.sleep(0)
+
+    def _rows_in_use(self) -> int:
+        return sum(a.req.params.n for a in self._running.values())
+
+    def _expire_waiting(self) -> None:
+        now = time.monotonic()
+        for act in [a for a in self._waiting if now - a.req.arrival > self.queue_timeout_s]:
+            self._fail(act, EngineOverloaded(f"waited over {self.queue_timeout_s:.0f} s in the queue"))
+
+    async def _admit_waiting(self) -> None:
+        """Move waiting requests into the batch (queue order; stop at the first that does not fit)."""
+        self._expire_waiting()
+        prefilled = 0  # prompt tokens this iteration: bounds the pause that prefills add to running decodes
+        self._waiting.sort(key=lambda a: (self.order(a.req), a.seq))
+        while self._waiting and not self._stopping:
+            act = self._waiting[0]
+            fits_rows = self._rows_in_use() + act.req.params.n <= self.max_batch
+            fits_kv = self._kv_reserved + act.reserve <= self.kv_capacity
+            fits_step = prefilled == 0 or prefilled + len(act.ids) <= self.prefill_tokens_per_step
+            if not (fits_rows and fits_kv and fits_step):
+                return
+            self._waiting.pop(0)
+            prefilled += len(act.ids)
+            self._running[act.req.request_id] = act
+            self._kv_reserved += act.reserve
+            act.start = time.monotonic()
+            b = self._bundle
+            try:
+                act.rows = [Row(act, i, act.req.params, act.req.adapter, b.tokenizer, act.ids, b.eos_ids,
+                                b.max_positions, b.device) for i in range(act.req.params.n)]
+                events = await asyncio.to_thread(self._batch.prefill, act.rows, act.ids)
+            except Exception as exc:  # the batch is untouched when a prefill fails: fail this request only
+                logger.exception("prefill of %s failed", act.req.request_id)
+                self._fail(act, EngineError(f"prefill failed: {exc}", 500))
+                continue
+            self._dispatch(events)
+
+    def _dispatch(self, events: list[tuple[Row, Delta]]) -> None:
+        """Hand a step's deltas to their requests (on the loop); finish requests whose choices all ended."""
+        now = time.monotonic()
+        stamped: set[int] = set()
+        for row, delta in events:
+            act: _Active = row.owner
+            if act.done:
+                continue
+            if id(act) not in stamped:
+                stamped.add(id(act))
+                act.step_times.append(now)
+            act.out_tokens += delta.tokens
+            act.queue.put_nowait(delta)
+            if delta.finish_reason is not None:
+                act.ended.add(delta.index)
+                if len(act.ended) == act.req.params.n:
+                    self._finish(act)
+
+    def _finish(self, act: _Active) -> None:
+        """The request is over (done, cancelled): release its slot and reservation, send Finished."""
+        self._release(act)
+        start = act.start if act.start is not None else time.monotonic()
+        stats = make_stats(len(act.ids), len(act.step_times), act.req.arrival, start, act.step_times)
+        act.queue.put_nowait(Finished(stats=msgspec.structs.replace(stats, output_tokens=act.out_tokens)))
+
+    def _fail(self, act: _Active, exc: EngineError) -> None:
+        if act.done:
+            return
+        act.cancelled = True
+        self._release(act)
+        act.queue.put_nowait(exc)
+
+    def _release(self, act: _Active) -> None:
+        act.done = True
+        self._known.pop(act.req.request_id, None)
+        if self._running.pop(act.req.request_id, None) is not None:
+            self._kv_reserved -= act.reserve
+        elif act in self._waiting:
+            self._waiting.remove(act)

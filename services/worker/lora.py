@@ -1,0 +1,210 @@
+"""LoRA adapters on a worker: reading PEFT adapter directories, the registry of loaded
+adapters (name -> rank, path), and a maker of random adapters for tests and demos.
+
+An adapter directory is PEFT's format: `adapter_config.json` (rank `r`, `lora_alpha`,
+`target_modules`, `base_model_name_or_path`) and `adapter_model.safetensors`.
+Reading and the registry need no torch; `create_random_adapter` imports it lazily.
+
+CLI (wired as `polyserve adapter create`):
+    python -m polyserve.worker.lora create --base random --rank 8 --out /tmp/a8 [--seed 0]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from polyserve.proto import AdapterInfo
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+DEFAULT_TARGETS = ("q_proj", "v_proj")
+RESERVED = {"__base__", "base", ""}
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}$")
+
+
+class AdapterError(ValueError):
+    """An adapter directory or name that cannot be used; `status` is the HTTP status to answer."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """What a PEFT adapter directory says about itself."""
+
+    path: Path
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    base_model: str = ""
+    peft_type: str = "LORA"
+
+
+def check_name(name: str) -> str:
+    """Adapter names travel in requests and as PEFT module keys: letters, digits, '_' and '-'."""
+    if name in RESERVED or not _NAME.match(name or ""):
+        raise AdapterError(f"adapter name {name!r} is not allowed (1-64 of [A-Za-z0-9_-], not {sorted(RESERVED - {''})})")
+    return name
+
+
+def read_adapter(path: str | Path) -> AdapterSpec:
+    """Validate a PEFT LoRA adapter directory and read its rank and targets."""
+    root = Path(path).expanduser()
+    cfg_path = root / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise AdapterError(f"{root} is not a PEFT adapter directory: no {CONFIG_FILE}", 404)
+    if not any((root / w).is_file() for w in WEIGHTS_FILES):
+        raise AdapterError(f"{root} has no adapter weights ({' or '.join(WEIGHTS_FILES)})", 404)
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise AdapterError(f"{cfg_path}: unreadable adapter config: {exc}") from exc
+    peft_type = str(cfg.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise AdapterError(f"{root}: peft_type {peft_type} is not LoRA")
+    rank = cfg.get("r")
+    if not isinstance(rank, int) or rank <= 0:
+        raise AdapterError(f"{cfg_path}: rank 'r' must be a positive integer, got {rank!r}")
+    targets = cfg.get("target_modules") or ()
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    return AdapterSpec(path=root, rank=rank, alpha=float(cfg.get("lora_alpha", rank)), target_modules=targets,
+                       base_model=str(cfg.get("base_model_name_or_path") or ""), peft_type=peft_type)
+
+
+@dataclass
+class AdapterRegistry:
+    """Adapters loaded on one worker, by name (the heartbeat reports `infos()`)."""
+
+    specs: dict[str, AdapterSpec] = field(default_factory=dict)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.specs
+
+    def names(self) -> list[str]:
+        return sorted(self.specs)
+
+    def add(self, name: str, spec: AdapterSpec) -> AdapterInfo:
+        self.specs[check_name(name)] = spec
+        return AdapterInfo(name=name, rank=spec.rank)
+
+    def remove(self, name: str) -> AdapterSpec:
+        try:
+            return self.specs.pop(name)
+        except KeyError:
+            raise AdapterError(self.unknown_message(name), 404) from None
+
+    def rank(self, name: str) -> int:
+        return self.specs[name].rank
+
+    def infos(self) -> list[AdapterInfo]:
+        return [AdapterInfo(name=n, rank=self.specs[n].rank) for n in self.names()]
+
+    def unknown_message(self, name: str) -> str:
+        loaded = ", ".join(self.names()) or "none"
+        return f"adapter {name!r} is not loaded on this worker (loaded adapters: {loaded})"
+
+
+# --------------------------------------------------------------------- random adapters
+def _base_structure(base):
+    """(model on the meta device or as given, name, weight std) for a base given as module, path or 'random[:seed]'."""
+    import torch
+    if isinstance(base, torch.nn.Module):
+        if hasattr(base, "get_base_model"):  # a PeftModel: key names are relative to the base model
+            base = base.get_base_model()
+        name = getattr(getattr(base, "config", None), "_name_or_path", "") or type(base).__name__
+        return base, name, None
+    base = str(base or "random")
+    if base == "random" or base.startswith("random:"):
+        from transformers import LlamaForCausalLM
+
+        from polyserve.worker.engines.hf_model import RANDOM_ARCH, random_config
+        with torch.device("meta"):
+            model = LlamaForCausalLM(random_config())
+        return model, "random-llama", RANDOM_ARCH["initializer_range"]
+    from transformers import AutoConfig, AutoModelForCausalLM
+    root = Path(base).expanduser()
+    if not (root / "config.json").is_file():
+        raise AdapterError(f"base {base!r} is neither 'random' nor a checkpoint directory with config.json")
+    config = AutoConfig.from_pretrained(str(root))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return model, str(root), float(getattr(config, "initializer_range", 0.02) or 0.02)
+
+
+def create_random_adapter(base, rank: int, out_dir: str | Path, seed: int = 0,
+                          targets: tuple[str, ...] = DEFAULT_TARGETS, alpha: float | None = None,
+                          strength: float = 0.5) -> Path:
+    """Write a random PEFT LoRA adapter of `rank` for `base` into `out_dir`; returns the directory.
+
+    `base` is a model, a checkpoint directory, or "random" (the engine's random Llama).
+    A and B are both non-zero (seeded), scaled so the adapter's contribution to each
+    target's output is about `strength` times the base projection's, whatever the rank:
+    it visibly changes generations, as a fine-tuned adapter would.
+    """
+    import torch
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    if rank <= 0:
+        raise AdapterError(f"rank must be > 0, got {rank}")
+    model, base_name, init_std = _base_structure(base)
+    alpha = float(alpha if alpha is not None else rank)
+    scaling = alpha / rank
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for mod_name, module in model.named_modules():
+        # nn.Linear, or a PEFT LoRA layer wrapping one (it exposes the same features and weight)
+        if mod_name.split(".")[-1] not in targets or not hasattr(module, "in_features"):
+            continue
+        fan_in, fan_out = module.in_features, module.out_features
+        w_std = init_std if module.weight.is_meta else float(module.weight.detach().float().std())
+        a = torch.randn(rank, fan_in, generator=gen) / math.sqrt(fan_in)  # A x has the scale of x
+        b_std = strength * w_std * math.sqrt(fan_in) / (math.sqrt(rank) * scaling)
+        b = torch.randn(fan_out, rank, generator=gen) * b_std
+        key = f"base_model.model.{mod_name}"
+        tensors[f"{key}.lora_A.weight"] = a.contiguous()
+        tensors[f"{key}.lora_B.weight"] = b.contiguous()
+    if not tensors:
+        raise AdapterError(f"no Linear modules named {list(targets)} in base {base_name!r}")
+    out = Path(out_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, bias="none",
+                        task_type="CAUSAL_LM", base_model_name_or_path=base_name)
+    config.save_pretrained(str(out))
+    save_file(tensors, str(out / WEIGHTS_FILES[0]), metadata={"format": "pt", "polyserve": f"random seed={seed}"})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`polyserve adapter create --base random --rank 8 --out DIR [--seed N] [--targets q_proj,v_proj]`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "create":
+        argv = argv[1:]
+    parser = argparse.ArgumentParser(prog="polyserve adapter create",
+                                     description="Create a random PEFT LoRA adapter (for tests and demos).")
+    parser.add_argument("--base", default="random", help="checkpoint directory, or 'random' (the built-in model)")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--out", required=True, help="directory to write the adapter into")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--alpha", type=float, default=None, help="lora_alpha (default: the rank)")
+    parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS), help="comma-separated module names")
+    args = parser.parse_args(argv)
+    try:
+        out = create_random_adapter(args.base, args.rank, args.out, seed=args.seed, alpha=args.alpha,
+                                    targets=tuple(t for t in args.targets.split(",") if t))
+    except AdapterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"path": str(out), "rank": args.rank, "base": str(args.base), "seed": args.seed}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,184 @@
+import asyncio
+import contextlib
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from polyserve.dispatcher.config import DispatcherSettings
+from polyserve.dispatcher.service import DispatcherService
+from polyserve.proto import (Completed, Deployment, DispatchRequest, Failed, Heartbeat, Placement,
+                             WorkerDown)
+from polyserve.shared import infra
+from polyserve.shared.bus import BusError
+from tests.helpers import running, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def heartbeat(subjects, wid: str, dep: str = "d", ttl_s: float = 5.0, **kw) -> Heartbeat:
+    return Heartbeat(worker_id=wid, deployment=dep, model="m", engine="sim", ttl_s=ttl_s,
+                     generate_subject=subjects.generate(wid), cancel_subject=subjects.cancel(wid), **kw)
+
+
+async def dispatch(bus, subjects, rid: str = "r", dep: str = "d", **kw) -> Placement:
+    req = DispatchRequest(request_id=rid, deployment=dep, model="m", input_tokens=10, **kw)
+    return await bus.request(subjects.dispatch, req, Placement, timeout=2)
+
+
+async def dispatch_error(bus, subjects, **kw) -> BusError:
+    with pytest.raises(BusError) as err:
+        await dispatch(bus, subjects, **kw)
+    return err.value
+
+
+async def start_workers(bus, subjects, svc, *wids, dep="d", **kw):
+    for wid in wids:
+        await bus.publish(subjects.worker_event("heartbeat"), heartbeat(subjects, wid, dep, **kw))
+    await wait_for(lambda: {h.worker_id for h in svc.registry.live(dep)} >= set(wids),
+                   what=f"workers {wids} live at the dispatcher")
+
+
+async def test_round_robin_spreads_and_placement_carries_subjects(make_settings, bus, subjects, state):
+    await state.put_deployment(Deployment(id="d", model="m", policy="round_robin"))
+    svc = DispatcherService(make_settings(DispatcherSettings, "dispatcher"))
+    async with running(svc):
+        await start_workers(bus, subjects, svc, "w1", "w2")
+        placed = [await dispatch(bus, subjects, rid=f"r{i}", priority=2) for i in range(4)]
+        assert [p.worker_id for p in placed] == ["w1", "w2", "w1", "w2"]
+        p = placed[0]
+        assert (p.request_id, p.policy, p.priority) == ("r0", "round_robin", 2)
+        assert p.generate_subject == subjects.generate("w1") and p.cancel_subject == subjects.cancel("w1")
+        assert (svc.outstanding.count("w1"), svc.outstanding.count("w2")) == (2, 2)
+        assert (await dispatch(bus, subjects, rid="x", exclude=["w1"])).worker_id == "w2"
+
+
+async def test_least_outstanding_accounts_completed_and_failed(make_settings, bus, subjects, state):
+    await state.put_deployment(Deployment(id="d", model="m", policy="least_outstanding"))
+    svc = DispatcherService(make_settings(DispatcherSettings, "dispatcher"))
+    async with running(svc):
+        await start_workers(bus, subjects, svc, "w1", "w2")
+        got = [(await dispatch(bus, subjects, rid=f"r{i}")).worker_id for i in range(3)]
+        assert got == ["w1", "w2", "w1"]  # ties go to the lower worker_id
+        assert (await dispatch(bus, subjects, rid="r3")).worker_id == "w2"
+        await bus.publish(subjects.event("completed"),
+                          Completed(request_id="r0", worker_id="w1", input_tokens=10, output_tokens=5,
+                                    e2e_ms=1, ttft_ms=1))
+        await bus.publish(subjects.event("failed"), Failed(request_id="r2", reason="boom", worker_id="w1"))
+        await wait_for(lambda: svc.outstanding.count("w1") == 0, what="w1's outstanding back to 0")
+        assert svc.outstanding.count("w2") == 2
+        assert [(await dispatch(bus, subjects, rid=f"s{i}")).worker_id for i in range(3)] == ["w1"] * 3
+        # engine-reported waiting counts too: a queue at w1 moves work to w2
+        await bus.publish(subjects.worker_event("heartbeat"), heartbeat(subjects, "w1", waiting=10))
+        await wait_for(lambda: any(h.waiting == 10 for h in svc.registry.live("d")), what="w1 load seen")
+        assert (await dispatch(bus, subjects, rid="t")).worker_id == "w2"
+
+
+async def test_power_of_two_uses_both_workers(make_settings, bus, subjects, state):
+    await state.put_deployment(Deployment(id="d", model="m", policy="power_of_two"))
+    svc = DispatcherService(make_settings(DispatcherSettings, "dispatcher", seed=7))
+    async with running(svc):
+        await start_workers(bus, subjects, svc, "w1", "w2")
+        got = [(await dispatch(bus, subjects, rid=f"r{i}")).worker_id for i in range(6)]
+        # with two workers both are always sampled, so p2c balances exactly like JSQ
+        assert sorted(got) == ["w1"] * 3 + ["w2"] * 3
+
+
+async def test_silent_worker_expires_after_ttl_and_down_removes_at_once(make_settings, bus, subjects, state):
+    await state.put_deployment(Deployment(id="d", model="m", policy="round_robin"))
+    svc = DispatcherService(make_settings(DispatcherSettings, "dispatcher", sweep_s=0.1))
+    async with running(svc):
+        await start_workers(bus, subjects, svc, "w1", "w2", "w3", ttl_s=0.5)
+
+        beating = {"w2", "w3"}
+
+        async def keep_alive():
+            while True:
+                for wid in sorted(beating):
+                    await bus.publish(subjects.worker_event("heartbeat"), heartbeat(subjects, wid, ttl_s=5))
+                await asyncio.sleep(0.1)
+
+        beater = asyncio.create_task(keep_alive())
+        try:
+            # w1 is silent: after its 0.5 s TTL it is never chosen again
+            await wait_for(lambda: "w1" not in {h.worker_id for h in svc.registry.live("d")}, timeout=3,
+                           what="w1 expired")
+            got = {(await dispatch(bus, subjects, rid=f"r{i}")).worker_id for i in range(6)}
+            assert got == {"w2", "w3"}
+            beating.discard("w2")  # killed and announced: removed at once, not after its 5 s TTL
+            await bus.publish(subjects.worker_event("down"), WorkerDown(worker_id="w2", reason="killed"))
+            await wait_for(lambda: "w2" not in {h.worker_id for h in svc.registry.live("d")}, timeout=2,
+                           what="w2 removed by worker_down")
+            got = {(await dispatch(bus, subjects, rid=f"s{i}")).worker_id for i in range(4)}
+            assert got == {"w3"}
+        finally:
+            beater.cancel()
+            await asyncio.gather(beater, return_exceptions=True)
+        await bus.publish(subjects.worker_event("down"), WorkerDown(worker_id="w3", reason="stopped"))
+        await wait_for(lambda: not svc.registry.live("d"), timeout=3, what="no live worker left")
+        err = await dispatch_error(bus, subjects, rid="late")
+        assert err.code == 503 and "no worker available for deployment 'd'" in err.description
+
+
+async def test_unknown_deployment_no_worker_and_bad_input(make_settings, bus, subjects, state):
+    await state.put_deployment(Deployment(id="empty", model="m"))
+    svc = DispatcherService(make_settings(DispatcherSettings, "dispatcher"))
+    async with running(svc):
+        err = await dispatch_error(bus, subjects, dep="nope")
+        assert err.code == 404 and "unknown deployment 'nope'" in err.description
+        assert "POST /v1/deployments" in err.description
+        err = await dispatch_error(bus, subjects, dep="empty")
+        assert err.code == 503 and "deployment 'empty'" in err.description and "none is running" in err.description
+        await start_workers(bus, subjects, svc, "w1", dep="empty")
+        err = await dispatch_error(bus, subjects, dep="empty", exclude=["w1"])
+        assert err.code == 503 and "1 registered" in err.description and "excluded" in err.description
+        err = await dispatch_error(bus, subjects, dep="", rid="x")
+        assert err.code == 400
+        # a deployment created after the first miss is found at once (misses are not cached)
+        await state.put_deployment(Deployment(id="nope", model="m"))
+        await start_workers(bus, subjects, svc, "w9", dep="nope")
+        assert (await dispatch(bus, subjects, dep="nope")).worker_id == "w9"
+
+
+async def test_seeded_from_redis_and_capped(make_settings, bus, subjects, state):
+    await state.put_deployment(Deployment(id="d", model="m"))
+    await state.put_worker(heartbeat(subjects, "seeded", ttl_s=30))
+    svc = DispatcherService(make_settings(DispatcherSettings, "dispatcher", max_outstanding=1))
+    async with running(svc):
+        assert (await dispatch(bus, subjects, rid="a")).worker_id == "seeded"  # no heartbeat yet
+        err = await dispatch_error(bus, subjects, rid="b")
+        assert err.code == 429 and "max_outstanding" in err.description
+
+
+@contextlib.contextmanager
+def private_redis():
+    run_dir = Path(tempfile.mkdtemp(prefix="dr-", dir="/tmp"))
+    proc, url = infra.start_redis(run_dir, unix_socket=str(run_dir / "r.sock"))
+    try:
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            infra.stop_pid(proc.pid)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+async def test_cached_deployment_serves_through_redis_outage(make_settings, bus, subjects, prefix):
+    from polyserve.proto import Keys
+    from polyserve.shared.state import State, connect
+
+    with private_redis() as (proc, url):
+        st = State(connect(url), Keys(prefix))
+        await st.put_deployment(Deployment(id="d", model="m"))
+        await st.close()
+        svc = DispatcherService(make_settings(DispatcherSettings, "dispatcher", redis_url=url,
+                                              deployment_cache_s=0.05, redis_timeout_s=0.2))
+        async with running(svc):
+            await start_workers(bus, subjects, svc, "w1")
+            assert (await dispatch(bus, subjects, rid="a")).worker_id == "w1"
+            infra.stop_pid(proc.pid)
+            proc.wait(5)
+            await asyncio.sleep(0.1)  # let the cached copy go stale (deployment_cache_s=0.05)
+            assert (await dispatch(bus, subjects, rid="b")).worker_id == "w1"
+            err = await dispatch_error(bus, subjects, rid="c", dep="never-seen")
+            assert err.code == 503 and "Redis" in err.description

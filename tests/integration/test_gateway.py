@@ -1,0 +1,211 @@
+"""The OpenAI-compatible gateway over real HTTP with the official `openai` client,
+in front of real predictor, dispatcher and sim worker services on real NATS/Redis."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from polyserve.proto import AnyEvent
+from polyserve.shared.bus import decode
+from tests.helpers import wait_for
+from tests.integration.conftest import MODEL
+
+pytestmark = pytest.mark.integration
+
+
+def kind(ev) -> str:
+    """The tag of an event struct (its `event` field on the wire)."""
+    return type(ev).__struct_config__.tag
+
+
+async def collect_events(bus, subjects, into: list):
+    async def on(ev):
+        into.append(ev)
+
+    await bus.listen(f"{subjects.prefix}.v1.events.>", AnyEvent, on)
+    await bus.nc.flush()
+
+
+async def test_completions_and_chat_stream_and_not(plane, bus, subjects):
+    events: list = []
+    await collect_events(bus, subjects, events)
+    async with plane() as p:
+        models = await p.client.models.list()
+        assert [m.id for m in models.data] == [MODEL]
+
+        c = await p.client.completions.create(model=MODEL, prompt="hello there", max_tokens=5,
+                                              extra_body={"min_tokens": 5})
+        assert c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 5
+        assert c.model_extra.get("simulated") is True
+
+        two = await p.client.completions.create(model=MODEL, prompt="hi", max_tokens=4, n=2, seed=7,
+                                                temperature=0.7, top_p=0.9)
+        assert len(two.choices) == 2 and {ch.index for ch in two.choices} == {0, 1}
+        again = await p.client.completions.create(model=MODEL, prompt="hi", max_tokens=4, n=2, seed=7,
+                                                  temperature=0.7, top_p=0.9)
+        assert [ch.text for ch in again.choices] == [ch.text for ch in two.choices]
+
+        stream = await p.client.completions.create(model=MODEL, prompt="stream me", max_tokens=6, stream=True,
+                                                   extra_body={"min_tokens": 6})
+        pieces = [ch async for ch in stream]
+        assert sum(1 for ch in pieces if ch.choices and ch.choices[0].text) == 6
+        assert pieces[-1].choices[0].finish_reason == "length"
+
+        chat = await p.client.chat.completions.create(model=MODEL, max_tokens=3,
+                                                      messages=[{"role": "user", "content": "hello"}])
+        assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+        cstream = await p.client.chat.completions.create(model=MODEL, max_tokens=3, stream=True,
+                                                         stream_options={"include_usage": True},
+                                                         messages=[{"role": "user", "content": "hi"}])
+        chunks = [ch async for ch in cstream]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+
+        # a stop string ends the text before it
+        first = (await p.client.completions.create(model=MODEL, prompt="x", max_tokens=8, seed=1,
+                                                   extra_body={"min_tokens": 8})).choices[0].text
+        word = first.split()[2]
+        stopped = await p.client.completions.create(model=MODEL, prompt="x", max_tokens=8, seed=1, stop=[word],
+                                                    extra_body={"min_tokens": 2})
+        assert stopped.choices[0].finish_reason == "stop" and word not in stopped.choices[0].text
+        assert first.startswith(stopped.choices[0].text)
+
+    rid = c.id
+    await wait_for(lambda: any(getattr(e, "request_id", None) == rid and kind(e) == "completed" for e in events),
+                   what="completed event")
+    kinds = [kind(e) for e in events if getattr(e, "request_id", None) == rid]
+    assert kinds == ["admitted", "predicted", "dispatched", "first_token", "completed"]
+    done = next(e for e in events if getattr(e, "request_id", None) == rid and kind(e) == "completed")
+    assert done.output_tokens == 5 and done.e2e_ms > 0 and done.simulated
+    assert any(kind(e) == "heartbeat" for e in events)
+
+
+async def test_one_trace_spans_every_service(plane, span_exporter):
+    async with plane() as p:
+        c = await p.client.completions.create(model=MODEL, prompt="trace me", max_tokens=2)
+    await wait_for(lambda: any(s.name == "worker generate" for s in span_exporter.get_finished_spans()),
+                   what="worker span")
+    spans = span_exporter.get_finished_spans()
+    root = next(s for s in spans if s.attributes.get("polyserve.request_id") == c.id)
+    in_trace = [s for s in spans if s.context.trace_id == root.context.trace_id]
+    services = {s.resource.attributes["service.name"] for s in in_trace}
+    assert {"polyserve-gateway", "polyserve-predictor", "polyserve-dispatcher", "polyserve-worker"} <= services
+
+
+async def test_bad_input_gets_clear_4xx_and_disturbs_nothing(plane):
+    async with plane() as p:
+        async with httpx.AsyncClient(base_url=p.url) as h:
+            r = await h.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+            assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+            r = await h.post("/v1/completions", json={"model": MODEL})
+            assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
+            r = await h.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": "many"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        with pytest.raises(openai.BadRequestError, match="max_tokens must be at least 1"):
+            await p.client.completions.create(model=MODEL, prompt="x", max_tokens=0)
+        with pytest.raises(openai.BadRequestError, match="limit of 4096"):
+            await p.client.completions.create(model=MODEL, prompt="x", max_tokens=100_000)
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            await p.client.completions.create(model="nope", prompt="x", max_tokens=2)
+        with pytest.raises(openai.BadRequestError):
+            await p.client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
+        ok = await p.client.completions.create(model=MODEL, prompt="still fine", max_tokens=2)
+        assert ok.choices[0].text
+
+
+async def test_no_worker_is_503_and_silent_services_are_not_a_hang(plane, bus, subjects):
+    async with plane(with_worker=False) as p:
+        with pytest.raises(openai.APIStatusError) as err:
+            await p.client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert err.value.status_code == 503 and "no worker" in err.value.message
+    async with plane(with_predictor=False, predict_timeout_s=0.5) as p:
+        with pytest.raises(openai.APIStatusError) as err:
+            await p.client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert err.value.status_code == 503 and "predictor" in err.value.message
+
+        async def black_hole(msg):  # a predictor that never answers
+            pass
+
+        sub = await bus.nc.subscribe(subjects.predict, cb=black_hole)
+        await bus.nc.flush()
+        loop = asyncio.get_running_loop()
+        t = loop.time()
+        with pytest.raises(openai.APIStatusError) as err:
+            await p.client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert err.value.status_code == 504 and loop.time() - t < 5
+        await sub.unsubscribe()
+
+
+async def test_admin_api_deployments_and_key(plane):
+    async with plane(admin_api_key="s3cret") as p:
+        async with httpx.AsyncClient(base_url=p.url) as h:
+            body = {"id": "chat-a", "model": "m-a", "engine": "sim", "policy": "round_robin",
+                    "scaler": {"type": "pertoken", "min_replicas": 1, "max_replicas": 3, "window_s": 20,
+                               "threshold_ms": 40}}
+            assert (await h.post("/v1/deployments", json=body)).status_code == 401
+            auth = {"Authorization": "Bearer s3cret"}
+            r = await h.post("/v1/deployments", json=body, headers=auth)
+            assert r.status_code == 201 and r.json()["scaler"]["max_replicas"] == 3
+            assert (await h.post("/v1/deployments", json=body, headers=auth)).status_code == 409
+            bad = dict(body, id="b", policy="magic")
+            r = await h.post("/v1/deployments", json=bad, headers=auth)
+            assert r.status_code == 400 and "magic" in r.json()["error"]["message"]
+            r = await h.post("/v1/deployments", json=dict(body, id="c", scaler={"min_replicas": 5,
+                                                                               "max_replicas": 2}), headers=auth)
+            assert r.status_code == 400
+            ids = [d["id"] for d in (await h.get("/v1/deployments", headers=auth)).json()["data"]]
+            assert "chat-a" in ids and MODEL in ids
+            assert (await h.get("/v1/deployments/chat-a", headers=auth)).json()["model"] == "m-a"
+            assert (await h.delete("/v1/deployments/chat-a", headers=auth)).status_code == 200
+            assert (await h.get("/v1/deployments/chat-a", headers=auth)).status_code == 404
+            assert (await h.delete("/v1/deployments/chat-a", headers=auth)).status_code == 404
+            assert (await h.get("/healthz")).status_code == 200
+            assert (await h.get("/readyz")).status_code == 200
+            metrics = (await h.get("/metrics")).text
+            assert "polyserve_requests_total" in metrics
+
+
+async def test_client_disconnect_cancels_at_the_worker(plane, bus, subjects):
+    events: list = []
+    await collect_events(bus, subjects, events)
+    async with plane(worker_kw={"time_scale": 1.0}) as p:
+        async with httpx.AsyncClient(base_url=p.url, timeout=10) as h:
+            async with h.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "long", "stream": True,
+                                                                 "max_tokens": 2000, "min_tokens": 2000}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data:"):
+                        break
+        await wait_for(lambda: any(kind(e) == "failed" and e.status == 499 for e in events), what="499 event")
+        await wait_for(lambda: p.worker.engine.load().running == 0, what="worker slot freed")
+
+
+async def test_overload_answers_429_with_retry_after(plane):
+    async with plane(max_inflight=1, worker_kw={"time_scale": 1.0}) as p:
+        slow = asyncio.create_task(p.client.completions.create(model=MODEL, prompt="slow", max_tokens=50,
+                                                               extra_body={"min_tokens": 50}))
+        await wait_for(lambda: p.gateway.inflight == 1, what="first request in flight")
+        async with httpx.AsyncClient(base_url=p.url) as h:
+            r = await h.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert (await slow).choices[0].finish_reason == "length"
+
+
+async def test_redis_briefly_down_gateway_serves_cached_reads(plane, infra_servers, make_settings, tmp_path):
+    import os
+    import signal
+
+    async with plane(deployment_cache_s=0.1) as p:
+        await p.client.completions.create(model=MODEL, prompt="warm", max_tokens=2)
+        os.kill(infra_servers.redis_pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(0.2)  # let the cache go stale so the gateway tries Redis and falls back
+            c = await p.client.completions.create(model=MODEL, prompt="redis is away", max_tokens=2)
+            assert c.choices[0].text
+            models = await p.client.models.list()
+            assert [m.id for m in models.data] == [MODEL]
+        finally:
+            os.kill(infra_servers.redis_pid, signal.SIGCONT)

@@ -1,0 +1,142 @@
+import contextlib
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from polyserve.predictor.config import PredictorSettings
+from polyserve.predictor.service import PredictorService
+from polyserve.proto import Completed, Keys, PredictRequest, Prediction
+from polyserve.shared import infra
+from polyserve.shared.bus import BusError
+from tests.helpers import running, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def completed(i: int, model: str = "m", inp: int = 100, out: int = 50) -> Completed:
+    return Completed(request_id=f"r{i}", model=model, worker_id="w", input_tokens=inp, output_tokens=out,
+                     e2e_ms=10.0, ttft_ms=1.0)
+
+
+async def predict(bus, subjects, model: str = "m", inp: int = 100) -> Prediction:
+    return await bus.request(subjects.predict, PredictRequest(request_id="q", model=model, input_tokens=inp),
+                             Prediction, timeout=2)
+
+
+async def test_prior_then_history_persisted_across_restart(make_settings, bus, subjects, state, prefix):
+    cfg = make_settings(PredictorSettings, "predictor", refresh_s=0.2)
+    async with running(PredictorService(cfg)):
+        first = await predict(bus, subjects)
+        assert (first.source, first.tokens_estimate, first.length_class, first.num_classes) == ("prior", 129, 2, 5)
+        for i in range(5):  # input 100 -> bucket 6 (64..127 tokens)
+            await bus.publish(subjects.event("completed"), completed(i))
+
+        async def learned():
+            p = await predict(bus, subjects)
+            return p.source == "history" and p.tokens_estimate == 50 and p
+
+        p = await wait_for(learned, what="a history estimate after 5 completed events")
+        assert p.length_class == 1
+        raw = await state.r.hgetall(Keys(prefix).lenstats("m"))
+        assert int(raw[b"n:6"]) == 5 and int(raw[b"sum:6"]) == 250
+        # another bucket of the same model falls back to the model-wide mean; other models to the prior
+        assert (await predict(bus, subjects, inp=5000)).source == "history"
+        assert (await predict(bus, subjects, model="other")).source == "prior"
+
+    async with running(PredictorService(make_settings(PredictorSettings, "predictor"))):
+        again = await predict(bus, subjects)
+        assert (again.source, again.tokens_estimate) == ("history", 50)
+
+
+async def test_bad_input_is_400(make_settings, bus, subjects):
+    async with running(PredictorService(make_settings(PredictorSettings, "predictor"))):
+        with pytest.raises(BusError) as err:
+            await bus.request(subjects.predict, PredictRequest(request_id="q", model="m", input_tokens=-1),
+                              Prediction, timeout=2)
+        assert err.value.code == 400 and "input_tokens" in err.value.description
+        with pytest.raises(BusError) as err:
+            await bus.request(subjects.predict, PredictRequest(request_id="q", model="", input_tokens=3),
+                              Prediction, timeout=2)
+        assert err.value.code == 400 and "model" in err.value.description
+        with pytest.raises(BusError) as err:
+            await bus.request(subjects.predict, {"request_id": "q", "model": "m"}, Prediction, timeout=2)
+        assert err.value.code == 400
+        assert (await predict(bus, subjects)).source == "prior"  # still serving
+
+
+async def test_two_predictors_count_each_event_once(make_settings, bus, subjects, state, prefix):
+    a = PredictorService(make_settings(PredictorSettings, "predictor", refresh_s=0.1))
+    b = PredictorService(make_settings(PredictorSettings, "predictor", refresh_s=0.1))
+    async with running(a, b):
+        for i in range(20):
+            await bus.publish(subjects.event("completed"), completed(i, model="shared", inp=10, out=30))
+
+        async def saved():
+            raw = await state.r.hgetall(Keys(prefix).lenstats("shared"))
+            return raw and int(raw[b"n:3"]) == 20
+
+        await wait_for(saved, what="20 observations in Redis")
+        assert a.handlers.learned + b.handlers.learned == 20
+        for svc in (a, b):  # each sees what the other learned, through Redis
+            async def seen(svc=svc):
+                return (await svc.stats.get("shared")).overall.count == 20
+
+            await wait_for(seen, what=f"{svc.settings.instance} to see all 20 observations")
+        p = await predict(bus, subjects, model="shared", inp=10)
+        assert (p.source, p.tokens_estimate) == ("history", 30)
+
+
+@contextlib.contextmanager
+def private_redis():
+    """A redis-server of this test's own, so it can be stopped without disturbing others."""
+    run_dir = Path(tempfile.mkdtemp(prefix="pr-", dir="/tmp"))
+    sock = str(run_dir / "r.sock")
+    procs = []
+
+    def start():
+        proc, url = infra.start_redis(run_dir, unix_socket=sock)
+        procs.append(proc)
+        return proc, url
+
+    try:
+        yield start
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                infra.stop_pid(proc.pid)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+async def test_redis_outage_answers_from_memory_and_saves_later(make_settings, bus, subjects, prefix):
+    with private_redis() as start:
+        proc, url = start()
+        cfg = make_settings(PredictorSettings, "predictor", redis_url=url, refresh_s=0.1,
+                            redis_timeout_s=0.2, redis_retry_s=0.2)
+        svc = PredictorService(cfg)
+        async with running(svc):
+            for i in range(5):
+                await bus.publish(subjects.event("completed"), completed(i, out=70))
+            await wait_for(lambda: svc.handlers.learned == 5, what="5 learned")
+            assert (await predict(bus, subjects)).tokens_estimate == 70
+            infra.stop_pid(proc.pid)
+            proc.wait(5)
+            p = await predict(bus, subjects)  # answered from memory, well within the 2 s timeout
+            assert (p.source, p.tokens_estimate) == ("history", 70)
+            assert (await predict(bus, subjects, model="new")).source == "prior"
+            for i in range(5, 10):  # learned while Redis is down: buffered
+                await bus.publish(subjects.event("completed"), completed(i, out=170))
+            await wait_for(lambda: svc.handlers.learned == 10, what="10 learned")
+            assert (await predict(bus, subjects)).tokens_estimate == 120
+            assert not svc.stats.redis_ok and svc.stats.pending
+            proc, _ = start()  # Redis is back (empty): the buffered observations are written
+            r = svc.state.r
+            key = Keys(prefix).lenstats("m")
+
+            async def saved():
+                raw = await r.hgetall(key)
+                return raw and int(raw[b"n:6"]) == 5 and int(raw[b"sum:6"]) == 5 * 170
+
+            await wait_for(saved, timeout=10, what="the buffered observations in the restarted Redis")
+            assert not svc.stats.pending and svc.stats.redis_ok

@@ -1,0 +1,140 @@
+"""System tier: nats-server, redis-server and the six services as processes,
+started by `polyserve up`'s code, driven with the official openai client."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import nats
+import openai
+import pytest
+
+from polyserve.status import cluster_status
+
+pytestmark = pytest.mark.system
+
+
+def wait_until(pred, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class EventLog:
+    """Collects every event of the cluster in a background thread."""
+
+    def __init__(self, url: str, prefix: str):
+        import asyncio
+
+        self.events: list[dict] = []
+        self._loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        async def main():
+            self.nc = await nats.connect(url)
+            await self.nc.subscribe(f"{prefix}.v1.events.>", cb=self._on)
+            await self.nc.subscribe(f"{prefix}.v1.telemetry.>", cb=self._on)
+            await self.nc.flush()
+            ready.set()
+
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(main(), self._loop)
+        ready.wait(10)
+
+    async def _on(self, msg):
+        self.events.append(json.loads(msg.data))
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for e in list(self.events) if e.get("event") == kind]
+
+    def close(self):
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self.nc.drain(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+@pytest.fixture(scope="module")
+def events(cluster):
+    log = EventLog(cluster.nats_url, cluster.prefix)
+    yield log
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=cluster.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def test_up_reports_every_service_and_status_shows_them(cluster):
+    assert any("gateway ready" in line for line in cluster.progress)
+    st = cluster_status(cluster)
+    names = {s["service"] for s in st["services"]}
+    assert {"gateway", "predictor", "dispatcher", "planner", "gpu-agent", "worker"} <= names
+    assert len(st["workers"]) == 1 and st["workers"][0]["simulated"] is True
+    assert st["gpus"] and st["gpus"][0]["simulated"] is True
+    out = subprocess.run([sys.executable, "-m", "polyserve.cli", "--run-dir", cluster.run_dir, "status"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "gateway" in out.stdout and "simulated" in out.stdout
+
+
+def test_openai_client_and_events(cluster, client, events):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["sys-sim"]
+    c = client.completions.create(model="sys-sim", prompt="hello", max_tokens=4)
+    assert c.choices[0].text
+    text = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model="sys-sim", stream=True, max_tokens=4, messages=[{"role": "user", "content": "hi"}]) if ch.choices)
+    assert text
+    wait_until(lambda: any(e["request_id"] == c.id for e in events.of("completed")), what="completed event")
+    kinds = [e["event"] for e in list(events.events) if e.get("request_id") == c.id]
+    assert kinds == ["admitted", "predicted", "dispatched", "first_token", "completed"]
+    wait_until(lambda: events.of("heartbeat") and events.of("gpu"), what="heartbeat and gpu telemetry")
+    assert all(g["simulated"] for g in events.of("gpu"))
+
+
+def test_worker_killed_mid_stream_fails_fast_and_is_not_placed_on(cluster, client, events):
+    st = cluster_status(cluster)
+    victim = st["workers"][0]["worker_id"]
+    pid = next(s["pid"] for s in st["services"] if s["service"] == "worker")
+    stream = client.completions.create(model="sys-sim", prompt="long", max_tokens=3000, stream=True,
+                                       extra_body={"min_tokens": 3000})
+    got = 0
+    t_kill = None
+    with pytest.raises(openai.APIError) as err:
+        for _ in stream:
+            got += 1
+            if got == 5:
+                os.kill(pid, signal.SIGKILL)
+                t_kill = time.monotonic()
+    assert time.monotonic() - t_kill < 5, "the client must get an error, not a hang"
+    assert victim in str(err.value) or "failed" in str(err.value)
+    wait_until(lambda: any(e["worker_id"] == victim and "code -9" in e["reason"] or "-9" in e["reason"]
+                           for e in events.of("worker_down")), what="worker_down with the exit code")
+    failed = wait_until(lambda: [e for e in events.of("failed") if e.get("worker_id") == victim],
+                        what="failed event")
+    assert failed[0]["reason"]
+    # the planner replaces it; no request is ever placed on the dead worker again
+    t_dead = time.monotonic()
+    ok = wait_until(lambda: _try(client), timeout=30, what="a replacement worker serving")
+    assert ok
+    later = [e for e in events.of("dispatched") if e["ts"] > time.time() - (time.monotonic() - t_dead)]
+    assert later and all(e["worker_id"] != victim for e in later)
+
+
+def _try(client):
+    try:
+        return client.completions.create(model="sys-sim", prompt="again", max_tokens=2).choices[0].text
+    except openai.APIStatusError as exc:
+        assert exc.status_code == 503, exc
+        return None

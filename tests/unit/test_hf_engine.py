@@ -1,0 +1,282 @@
+"""The `hf` engine on CPU with the small random Llama: continuous batching, sampling, limits."""
+from __future__ import annotations
+
+import asyncio
+import os
+import types
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from polyserve.proto import SamplingParams  # noqa: E402
+from polyserve.worker.engine import Delta, EngineError, EngineOverloaded, EngineRequest, Finished  # noqa: E402
+from polyserve.worker.engines.hf import HfEngine  # noqa: E402
+from polyserve.worker.engines.hf_text import IncrementalDetokenizer, StopMatcher  # noqa: E402
+from tests.helpers import wait_for  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+
+def settings(**kw):
+    base = dict(model="tiny-random", model_path="", device="cpu", dtype="float32", max_waiting=32,
+                max_batch=16, kv_capacity_tokens=1 << 20, max_input_len=512)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+class Result:
+    def __init__(self):
+        self.text: dict[int, str] = {}
+        self.tokens: dict[int, int] = {}
+        self.finish: dict[int, str | None] = {}
+        self.deltas = 0
+        self.stats = None
+
+
+async def collect(engine, rid, prompt, adapter=None, on_delta=None, priority=0, **params) -> Result:
+    res = Result()
+    req = EngineRequest(rid, prompt, SamplingParams(**params), adapter=adapter, priority=priority)
+    async for ev in engine.generate(req):
+        if isinstance(ev, Delta):
+            res.deltas += 1
+            res.text[ev.index] = res.text.get(ev.index, "") + ev.text
+            res.tokens[ev.index] = res.tokens.get(ev.index, 0) + ev.tokens
+            if ev.finish_reason:
+                res.finish[ev.index] = ev.finish_reason
+            if on_delta:
+                on_delta(res)
+        else:
+            assert isinstance(ev, Finished)
+            res.stats = ev.stats
+    return res
+
+
+@pytest.fixture(scope="module")
+async def engine():
+    eng = HfEngine(settings())
+    await eng.start()
+    yield eng
+    await eng.stop()
+
+
+PROMPTS = ["hello world", "the quick brown fox jumps over the lazy dog " * 3, "a", "serving models is fun " * 7]
+
+
+async def test_greedy_alone_equals_inside_a_busy_continuous_batch(engine):
+    alone = {p: (await collect(engine, f"alone{i}", p, max_tokens=24 + 8 * i, temperature=0)).text[0]
+             for i, p in enumerate(PROMPTS)}
+    assert len(set(alone[PROMPTS[0]].split())) > 8, "random model output should be varied"
+
+    joined = asyncio.Event()
+    late: list[asyncio.Task] = []
+    busy: list[int] = []
+
+    def join_midway(res: Result):
+        busy.append(engine.load().running)
+        if sum(res.tokens.values()) == 6 and not joined.is_set():  # others join while this one decodes
+            joined.set()
+            late.extend(asyncio.create_task(collect(engine, f"late{i}", p, max_tokens=24 + 8 * i, temperature=0))
+                        for i, p in enumerate(PROMPTS) if i >= 2)
+
+    noise = [asyncio.create_task(collect(engine, f"noise{i}", "noise " * (i + 1), max_tokens=60, temperature=0.9,
+                                         top_p=0.9, seed=i, n=1 + i % 2)) for i in range(3)]
+    first = await asyncio.gather(collect(engine, "b0", PROMPTS[0], max_tokens=24, temperature=0,
+                                         on_delta=join_midway),
+                                 collect(engine, "b1", PROMPTS[1], max_tokens=32, temperature=0))
+    rest = await asyncio.gather(*late)
+    await asyncio.gather(*noise)
+    assert max(busy) >= 4, "the request should have shared the batch"
+    assert first[0].text[0] == alone[PROMPTS[0]]
+    assert first[1].text[0] == alone[PROMPTS[1]]
+    for res, p in zip(rest, PROMPTS[2:]):
+        assert res.text[0] == alone[p]
+
+
+async def test_max_tokens_ends_exactly_with_one_delta_per_token(engine):
+    res = await collect(engine, "mt", "count the tokens", max_tokens=17, temperature=0)
+    assert res.tokens[0] == 17 and res.deltas == 17 and res.finish[0] == "length"
+    assert res.stats.output_tokens == 17 and res.stats.input_tokens == engine.count_tokens("count the tokens")
+    assert res.stats.ttft_ms > 0 and res.stats.tbt_max_ms >= res.stats.tbt_mean_ms > 0 and res.stats.atgt_ms > 0
+
+
+async def test_stop_string_ends_generation_exactly_before_it(engine):
+    full = (await collect(engine, "s0", "stop here please", max_tokens=40, temperature=0)).text[0]
+    words = full.split()
+    # a stop string spanning a token boundary: the end of word 5 and the start of word 6
+    stop = words[5][-2:] + " " + words[6][:2]
+    cut = full.find(stop)
+    assert cut > 0
+    res = await collect(engine, "s1", "stop here please", max_tokens=40, temperature=0, stop=["zzzzqx", stop])
+    assert res.text[0] == full[:cut] and res.finish[0] == "stop"
+    assert res.tokens[0] < 40
+
+
+async def test_seeded_sampling_is_reproducible_and_n_choices_differ(engine):
+    kw = dict(max_tokens=20, temperature=1.0, top_p=0.95, top_k=100, seed=7, n=2)
+    a = await collect(engine, "n0", "sample me", **kw)
+    b, _ = await asyncio.gather(collect(engine, "n1", "sample me", **kw),
+                                collect(engine, "n2", "something else entirely", max_tokens=30, temperature=0))
+    assert a.text == b.text and set(a.text) == {0, 1}
+    assert a.text[0] != a.text[1]
+    assert a.finish == {0: "length", 1: "length"} and a.stats.output_tokens == 40
+
+
+async def test_cancel_frees_slot_and_kv_at_once(engine):
+    started = asyncio.Event()
+    task = asyncio.create_task(collect(engine, "long", "go on forever", max_tokens=3000, temperature=0.5, n=2,
+                                       on_delta=lambda r: started.set() if r.tokens[0] >= 3 else None))
+    await asyncio.wait_for(started.wait(), 20)
+    load = engine.load()
+    assert load.running == 1 and load.kv_used == 2 * (engine.count_tokens("go on forever") + 3000)
+    assert len(engine._batch.rows) == 2
+    assert engine.cancel("long") is True
+    load = engine.load()
+    assert load.running == 0 and load.kv_used == 0
+    res = await asyncio.wait_for(task, 10)
+    assert res.finish == {0: "cancelled", 1: "cancelled"} and res.tokens[0] < 3000
+    await wait_for(lambda: engine._batch.kv_columns == 0 and not engine._batch.rows, 5, what="KV freed")
+    assert engine.cancel("long") is False
+
+
+async def test_consumer_going_away_cancels_the_request(engine):
+    agen = engine.generate(EngineRequest("gone", "hi", SamplingParams(max_tokens=3000, temperature=0)))
+    await agen.__anext__()
+    assert engine.load().running == 1
+    await agen.aclose()
+    assert engine.load().running == 0 and engine.load().kv_used == 0
+
+
+async def test_admission_errors_raise_on_first_anext(engine):
+    with pytest.raises(EngineError, match="max_input_len of 512") as err:
+        await engine.generate(EngineRequest("big", "word " * 600, SamplingParams())).__anext__()
+    assert err.value.status == 400
+    with pytest.raises(EngineError) as err:
+        await engine.generate(EngineRequest("ad", "hi", SamplingParams(), adapter="nope")).__anext__()
+    assert err.value.status == 404 and "nope" in str(err.value)
+
+
+async def test_bounded_waiting_queue_overloads():
+    eng = HfEngine(settings(max_waiting=1, max_batch=1))
+    await eng.start()
+    try:
+        started = asyncio.Event()
+        running = asyncio.create_task(collect(eng, "r", "x", max_tokens=3000, temperature=0,
+                                              on_delta=lambda r: started.set()))
+        await asyncio.wait_for(started.wait(), 20)
+        waiting = asyncio.create_task(collect(eng, "w", "y", max_tokens=2, temperature=0))
+        await wait_for(lambda: eng.load().waiting == 1, 5, what="one waiting")
+        with pytest.raises(EngineOverloaded) as err:
+            await eng.generate(EngineRequest("o", "z", SamplingParams())).__anext__()
+        assert err.value.status == 429
+        eng.cancel("r")
+        assert (await asyncio.wait_for(waiting, 20)).finish[0] == "length"
+        await running
+    finally:
+        await eng.stop()
+
+
+async def test_kv_budget_bounds_admission_and_queue_order_is_pluggable():
+    eng = HfEngine(settings(kv_capacity_tokens=120, max_batch=8), order=lambda r: -r.priority)
+    await eng.start()
+    try:
+        with pytest.raises(EngineError, match="kv_capacity_tokens of 120") as err:
+            await eng.generate(EngineRequest("huge", "x", SamplingParams(max_tokens=200))).__anext__()
+        assert err.value.status == 400
+        started = asyncio.Event()
+        first = asyncio.create_task(collect(eng, "a", "x", max_tokens=100, temperature=0,
+                                            on_delta=lambda r: started.set()))
+        await asyncio.wait_for(started.wait(), 20)
+        order: list[str] = []
+        low = asyncio.create_task(collect(eng, "low", "y", max_tokens=50, temperature=0, priority=0,
+                                          on_delta=lambda r: order.append("low")))
+        high = asyncio.create_task(collect(eng, "high", "z", max_tokens=50, temperature=0, priority=5,
+                                           on_delta=lambda r: order.append("high")))
+        await wait_for(lambda: eng.load().waiting == 2, 5, what="both wait for KV")
+        assert eng.load().running == 1 and eng.load().kv_used == 102
+        await asyncio.gather(first, low, high)
+        assert order[0] == "high"
+    finally:
+        await eng.stop()
+
+
+async def test_event_loop_stays_responsive_while_decoding(engine):
+    task = asyncio.create_task(collect(engine, "resp", "busy " * 50, max_tokens=200, temperature=0))
+    loop = asyncio.get_running_loop()
+    lags = []
+    while not task.done():
+        t = loop.time()
+        await asyncio.sleep(0.005)
+        lags.append(loop.time() - t - 0.005)
+    await task
+    assert len(lags) > 5 and sorted(lags)[len(lags) // 2] < 0.05
+
+
+def test_model_card_says_untrained(engine):
+    card = engine.model_card()
+    assert card["engine"] == "hf" and card["simulated"] is False and card["untrained"] is True
+    assert "random" in card["note"]
+
+
+# ------------------------------------------------------------------ text helpers
+def test_incremental_detokenizer_joins_to_the_decoded_text():
+    from polyserve.worker.engines.hf_model import fallback_tokenizer
+    tok = fallback_tokenizer()
+    prompt = tok.encode("once upon a", add_special_tokens=False)
+    ids = tok.encode("time, there's a tokenizer-unfriendly string: unbelievably ##weird!", add_special_tokens=False)
+    det = IncrementalDetokenizer(tok, prompt)
+    pieces = [det.add(i) for i in ids] + [det.flush()]
+    assert "".join(pieces).strip() == tok.decode(ids)
+
+
+def test_stop_matcher_holds_back_partial_matches():
+    m = StopMatcher(["END", "xyz"])
+    assert m.feed("abc E") == ("abc ", False)  # "E" may start "END"
+    assert m.feed("N") == ("", False)
+    assert m.feed("x") == ("EN", False)  # "EN" can no longer become "END"; "x" may start "xyz"
+    m = StopMatcher(["END"])
+    assert m.feed("ab") == ("ab", False)
+    assert m.feed("cEN") == ("c", False)
+    assert m.feed("Dtail") == ("", True) and m.text == "abc"
+    m = StopMatcher(["END"])
+    assert m.feed("aE") == ("a", False) and m.flush() == "E"
+    m = StopMatcher(["END"])
+    assert m.feed("aEND", check=False) == ("aEND", False)
+
+
+def test_min_tokens_suppresses_eos():
+    import torch
+
+    from polyserve.worker.engines.hf_batch import Row, sample
+    from polyserve.worker.engines.hf_model import fallback_tokenizer
+    tok = fallback_tokenizer()
+    eos = tok.sep_token_id
+    logits = torch.zeros(2, len(tok))
+    logits[:, eos] = 10.0
+    rows = [Row(None, 0, SamplingParams(temperature=0, min_tokens=3), None, tok, [1], {eos}, 100, torch.device("cpu")),
+            Row(None, 0, SamplingParams(temperature=0, min_tokens=0), None, tok, [1], {eos}, 100, torch.device("cpu"))]
+    first, second = sample(logits, rows, None)
+    assert first != eos and second == eos
+    assert rows[1].accept(second).finish_reason == "stop"
+
+
+async def test_serves_a_local_checkpoint_directory(tmp_path):
+    from polyserve.worker.engines.hf_model import save_random_checkpoint
+    ckpt = save_random_checkpoint(tmp_path / "ckpt", seed=0)
+    assert (ckpt / "model.safetensors").is_file() and (ckpt / "tokenizer_config.json").is_file()
+    eng = HfEngine(settings(model="", model_path=str(ckpt)))
+    await eng.start()
+    try:
+        card = eng.model_card()
+        assert card["source"] == str(ckpt) and card["chat_template"] and "untrained" not in card
+        assert eng.model_name == "ckpt"
+        prompt = eng.format_chat([{"role": "user", "content": "hi"}])
+        assert prompt == "user: hi\nassistant:"
+        ids = eng._bundle.encode("hi there")
+        assert ids[0] == eng._bundle.tokenizer.cls_token_id and ids[-1] != eng._bundle.tokenizer.sep_token_id
+        res = await collect(eng, "c", prompt, max_tokens=12, temperature=0)
+        assert res.tokens[0] == 12 or res.finish[0] == "stop"
+    finally:
+        await eng.stop()
