@@ -84,6 +84,7 @@ class GenerateRequest(Msg, kw_only=True):
     priority: int = 0
     predicted_tokens: int = 0
     length_class: int = -1
+    adapter_path: str = ""  # where the worker loads `adapter` from if it has not yet (lazy load)
 
 
 class GenerateAccepted(Msg, kw_only=True):
@@ -304,6 +305,25 @@ class Deployment(Msg, kw_only=True):
     created: float = msgspec.field(default_factory=now)
 
 
+class AdapterSpec(Msg, kw_only=True):
+    """A LoRA adapter in the global registry (CaraServe): PEFT directory, rank, base deployment."""
+
+    name: str
+    path: str
+    deployment: str
+    rank: int
+    created: float = msgspec.field(default_factory=now)
+
+
+class AdapterCommand(Msg, kw_only=True):
+    """Ask workers to load or unload an adapter now (`action`: "load" | "unload")."""
+
+    action: str
+    name: str
+    path: str = ""
+    deployment: str = ""
+
+
 class AgentInfo(Msg, kw_only=True):
     gpu_id: str
     simulated: bool
@@ -317,5 +337,5 @@ ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     GenerateAccepted, RequestStats, TokenChunk, CancelRequest, Admitted, Predicted, Dispatched,
     FirstToken, Completed, Failed, AdapterInfo, Heartbeat, WorkerUp, WorkerDown, ServiceState,
     ScaleDecision, GpuTelemetry, StartWorker, StopWorker, AgentReply, ScalerPolicy, Deployment,
-    AgentInfo,
+    AgentInfo, AdapterSpec, AdapterCommand,
 )

@@ -26,6 +26,10 @@ class Subjects:
     def cancel(self, worker_id: str) -> str:
         return f"{self.prefix}.v1.worker.{worker_id}.cancel"
 
+    def adapters(self, deployment: str) -> str:
+        """Broadcast to every worker of a deployment: AdapterCommand (load/unload)."""
+        return f"{self.prefix}.v1.adapters.{deployment}"
+
     def agent(self, gpu_id: str, action: str) -> str:
         return f"{self.prefix}.v1.agent.{gpu_id}.{action}"
 
@@ -88,6 +92,13 @@ class Keys:
 
     def lenstats(self, model: str) -> str:
         return f"{self.prefix}:lenstats:{model}"
+
+    def adapter(self, name: str) -> str:
+        return f"{self.prefix}:adapter:{name}"
+
+    @property
+    def adapters(self) -> str:
+        return f"{self.prefix}:adapters"
 
     def plan(self, deployment: str) -> str:
         return f"{self.prefix}:plan:{deployment}"

@@ -100,6 +100,27 @@ def cmd_events(args: argparse.Namespace) -> int:
     return 0
 
 
+# Subcommands whose module owns its own argument parsing: `main(argv) -> int`.
+DELEGATED = {
+    "adapter": ("polyserve.worker.lora", "create a random PEFT LoRA adapter (adapter create --rank R --out DIR)"),
+    "predictor": ("polyserve.predictor.cli", "train / evaluate the output-length predictor"),
+    "profile": ("polyserve.profiler.cli", "profile an engine and fit its performance models"),
+    "simulate": ("polyserve.simulator.cli", "trace-driven cluster simulation"),
+}
+
+
+def run_delegated(name: str, argv: list[str]) -> int:
+    import importlib
+
+    module, _ = DELEGATED[name]
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        _say(f"`polyserve {name}` is not available in this install ({exc})")
+        return 2
+    return int(mod.main(argv) or 0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="polyserve", description=__doc__)
     p.add_argument("--run-dir", default=str(launcher.default_run_dir()),
@@ -139,11 +160,21 @@ def build_parser() -> argparse.ArgumentParser:
     from polyserve import bench
 
     bench.add_parser(sub)
+    for name, (_, help_text) in DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    # `polyserve [--run-dir D] <delegated> ...`: hand the rest to that module
+    for i, arg in enumerate(argv):
+        if arg in DELEGATED:
+            return run_delegated(arg, argv[i + 1:])
+        if not arg.startswith("-") and (i == 0 or argv[i - 1] != "--run-dir"):
+            break
+    args = parser.parse_args(argv)
     return args.fn(args)
 
 

@@ -133,6 +133,8 @@ def up(spec: ClusterSpec, progress=print) -> ClusterState:
                           "run `polyserve down` first")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     engine = pick_engine(spec.engine)
+    if engine == "vllm" and not spec.model_path:
+        raise LaunchError("the vllm engine needs a model: pass --model-path DIR (a local checkpoint)")
     model = spec.model or default_model(engine)
     progress(f"starting nats-server and redis-server (run dir {run_dir})")
     nats_proc, nats_url, mon = infra.start_nats(run_dir / "nats", port=_port(spec.nats_port))

@@ -9,7 +9,7 @@ from typing import TypeVar
 import msgspec
 import redis.asyncio as aioredis
 
-from polyserve.proto import AgentInfo, Deployment, Heartbeat, Keys, ScaleDecision, ServiceState
+from polyserve.proto import AdapterSpec, AgentInfo, Deployment, Heartbeat, Keys, ScaleDecision, ServiceState
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,6 +53,25 @@ class State:
         async with self.r.pipeline(transaction=True) as p:
             p.delete(self.keys.deployment(dep_id))
             p.srem(self.keys.deployments, dep_id)
+            removed, _ = await p.execute()
+        return bool(removed)
+
+    # LoRA adapter registry ---------------------------------------------------------
+    async def put_adapter(self, spec: AdapterSpec) -> None:
+        async with self.r.pipeline(transaction=True) as p:
+            p.set(self.keys.adapter(spec.name), msgspec.json.encode(spec))
+            p.sadd(self.keys.adapters, spec.name)
+            await p.execute()
+
+    async def list_adapters(self) -> list[AdapterSpec]:
+        names = sorted(m.decode() for m in await self.r.smembers(self.keys.adapters))
+        raws = await self.r.mget([self.keys.adapter(n) for n in names]) if names else []
+        return [msgspec.json.decode(x, type=AdapterSpec) for x in raws if x]
+
+    async def delete_adapter(self, name: str) -> bool:
+        async with self.r.pipeline(transaction=True) as p:
+            p.delete(self.keys.adapter(name))
+            p.srem(self.keys.adapters, name)
             removed, _ = await p.execute()
         return bool(removed)
 

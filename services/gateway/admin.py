@@ -6,17 +6,18 @@ from __future__ import annotations
 import hmac
 import json
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from polyserve.proto import Deployment, ScalerPolicy
+from polyserve.proto import AdapterCommand, AdapterSpec, Deployment, ScalerPolicy
 
 from .handlers import GatewayError
 from .policy import InvalidRequest
-from .schemas import DeploymentBody
+from .schemas import AdapterBody, DeploymentBody
 
 if TYPE_CHECKING:
     from .service import GatewayService
@@ -24,6 +25,18 @@ if TYPE_CHECKING:
 
 def _to_json(dep: Deployment) -> dict:
     return msgspec.to_builtins(dep)
+
+
+def _adapter_rank(path: str) -> int:
+    """The LoRA rank `r` from a PEFT adapter directory; InvalidRequest saying what is missing."""
+    cfg = Path(path) / "adapter_config.json"
+    if not (Path(path) / "adapter_model.safetensors").is_file() or not cfg.is_file():
+        raise InvalidRequest(f"{path} is not a PEFT adapter directory (needs adapter_config.json and "
+                             "adapter_model.safetensors readable by the workers)", "path")
+    try:
+        return int(json.loads(cfg.read_text())["r"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InvalidRequest(f"{cfg} has no integer rank `r`: {exc}", "path") from exc
 
 
 def add_admin_routes(app: FastAPI, gw: "GatewayService") -> None:
@@ -84,6 +97,36 @@ def add_admin_routes(app: FastAPI, gw: "GatewayService") -> None:
             raise GatewayError(404, f"no deployment '{dep_id}'")
         await gw.refresh_deployments(force=True)
         return {"id": dep_id, "deleted": True}
+
+    @app.post("/v1/adapters", status_code=201, dependencies=admin)
+    async def register_adapter(body: AdapterBody) -> JSONResponse:
+        rank = _adapter_rank(body.path)
+        if await state_call(gw.state.get_deployment(body.deployment)) is None:
+            raise InvalidRequest(f"no deployment '{body.deployment}' to attach the adapter to", "deployment", 404)
+        spec = AdapterSpec(name=body.name, path=str(Path(body.path).resolve()), deployment=body.deployment,
+                           rank=rank)
+        await state_call(gw.state.put_adapter(spec))
+        if body.load:
+            await gw.bus.publish(gw.subjects.adapters(body.deployment),
+                                 AdapterCommand(action="load", name=spec.name, path=spec.path,
+                                                deployment=spec.deployment))
+        await gw.refresh_deployments(force=True)
+        return JSONResponse(msgspec.to_builtins(spec), status_code=201)
+
+    @app.get("/v1/adapters", dependencies=admin)
+    async def list_adapters() -> dict:
+        return {"object": "list", "data": msgspec.to_builtins(await state_call(gw.state.list_adapters()))}
+
+    @app.delete("/v1/adapters/{name}", dependencies=admin)
+    async def delete_adapter(name: str) -> dict:
+        spec = gw.adapters.get(name)
+        if not await state_call(gw.state.delete_adapter(name)):
+            raise GatewayError(404, f"no adapter '{name}'")
+        if spec is not None:
+            await gw.bus.publish(gw.subjects.adapters(spec.deployment),
+                                 AdapterCommand(action="unload", name=name, deployment=spec.deployment))
+        await gw.refresh_deployments(force=True)
+        return {"name": name, "deleted": True}
 
     @app.get("/v1/cluster", dependencies=admin)
     async def cluster() -> dict:

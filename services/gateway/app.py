@@ -76,9 +76,12 @@ def build_app(gw: "GatewayService") -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         deps = await gw.refresh_deployments()
-        return {"object": "list", "data": [
-            {"id": d.id, "object": "model", "created": int(d.created), "owned_by": "polyserve",
-             "root": d.model, "engine": d.engine, "policy": d.policy} for d in deps.values()]}
+        data = [{"id": d.id, "object": "model", "created": int(d.created), "owned_by": "polyserve",
+                 "root": d.model, "parent": None, "engine": d.engine, "policy": d.policy} for d in deps.values()]
+        data += [{"id": a.name, "object": "model", "created": int(a.created), "owned_by": "polyserve",
+                  "root": a.path, "parent": a.deployment, "lora_rank": a.rank}
+                 for a in gw.adapters.values() if a.deployment in deps]
+        return {"object": "list", "data": data}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request) -> Response:
@@ -102,16 +105,24 @@ def build_app(gw: "GatewayService") -> FastAPI:
         params = policy.sampling_params(body, default_max_tokens=s.default_max_tokens,
                                         max_tokens_limit=s.max_tokens_limit, max_n=s.max_n)
         try:
-            deployment = await gw.find_deployment(body.model)
+            deployment, adapter = await gw.find_deployment(body.model)
         except Exception as exc:
             raise GatewayError(503, f"cluster state unavailable: {exc}", retry_after=1) from exc
         if deployment is None:
             raise policy.InvalidRequest(f"The model '{body.model}' does not exist; GET /v1/models lists "
                                         "the served models", "model", 404, "model_not_found")
+        if body.adapter:
+            adapter = gw.adapters.get(body.adapter)
+            if adapter is None or adapter.deployment != deployment.id:
+                known = sorted(a.name for a in gw.adapters.values() if a.deployment == deployment.id)
+                raise policy.InvalidRequest(f"unknown adapter '{body.adapter}' for '{deployment.id}'; "
+                                            f"registered: {known or 'none'} (POST /v1/adapters)", "adapter", 404,
+                                            "adapter_not_found")
         span = gw.tracer.start_span("gateway " + ("chat" if chat else "completion"), kind=SpanKind.SERVER,
                                     context=propagate.extract(dict(request.headers)))
         run = RequestRun(gw=gw, deployment=deployment, prompt=prompt, params=params, stream=body.stream,
-                         adapter=body.adapter, priority=body.priority)
+                         adapter=adapter.name if adapter else None, adapter_path=adapter.path if adapter else "",
+                         priority=body.priority)
         span.set_attribute("polyserve.request_id", run.request_id)
         gw.inflight += 1
         gw.metrics.inflight.inc()

@@ -64,6 +64,7 @@ class RequestRun:
     params: SamplingParams
     stream: bool
     adapter: str | None = None
+    adapter_path: str = ""
     priority: int = 0
     request_id: str = field(default_factory=lambda: "cmpl-" + uuid.uuid4().hex[:24])
     t0: float = field(default_factory=time.monotonic)
@@ -170,7 +171,8 @@ class RequestRun:
         p = self.prediction
         return GenerateRequest(request_id=self.request_id, deployment=self.deployment.id,
                                model=self.deployment.model, prompt=self.prompt, input_tokens=self.input_tokens,
-                               params=self.params, stream_to=inbox, adapter=self.adapter, priority=self.priority,
+                               params=self.params, stream_to=inbox, adapter=self.adapter,
+                               adapter_path=self.adapter_path, priority=self.priority,
                                predicted_tokens=p.tokens_estimate if p else 0,
                                length_class=p.length_class if p else -1)
 

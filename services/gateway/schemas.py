@@ -66,3 +66,14 @@ class DeploymentBody(BaseModel):
     engine: Literal["sim", "hf", "vllm"] = "sim"
     policy: str = "least_outstanding"
     scaler: ScalerBody = ScalerBody()
+
+
+class AdapterBody(BaseModel):
+    """Register a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
+    path: str = Field(min_length=1)
+    deployment: str
+    load: bool = False  # load on every worker of the deployment now (else on first use)

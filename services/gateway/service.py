@@ -10,7 +10,7 @@ import time
 
 import uvicorn
 
-from polyserve.proto import Deployment, Heartbeat, WorkerDown
+from polyserve.proto import AdapterSpec, Deployment, Heartbeat, WorkerDown
 from polyserve.shared.lifecycle import ServiceBase
 
 from .app import build_app
@@ -38,6 +38,7 @@ class GatewayService(ServiceBase):
         self.inflight = 0
         self.draining = False
         self._deployments: dict[str, Deployment] = {}
+        self.adapters: dict[str, AdapterSpec] = {}
         self._deployments_at = 0.0
         self._deployments_lock = asyncio.Lock()
         self._heartbeats: dict[str, tuple[float, float]] = {}  # worker -> (monotonic seen, ttl)
@@ -119,6 +120,7 @@ class GatewayService(ServiceBase):
                 return self._deployments
             try:
                 deps = await asyncio.wait_for(self.state.list_deployments(), timeout=2.0)
+                adapters = await asyncio.wait_for(self.state.list_adapters(), timeout=2.0)
             except Exception as exc:
                 if not self._deployments:
                     raise
@@ -127,15 +129,20 @@ class GatewayService(ServiceBase):
                 self._deployments_at = time.monotonic()
                 return self._deployments
             self._deployments = {d.id: d for d in deps}
+            self.adapters = {a.name: a for a in adapters}
             self._deployments_at = time.monotonic()
             return self._deployments
 
-    async def find_deployment(self, model: str) -> Deployment | None:
-        """The deployment a request's `model` names: by deployment id, else by model name."""
+    async def find_deployment(self, model: str) -> tuple[Deployment | None, AdapterSpec | None]:
+        """What a request's `model` names: a deployment (by id, else model name), or a
+        registered LoRA adapter, which resolves to its base deployment (as in vLLM)."""
         deps = await self.refresh_deployments()
         if model in deps:
-            return deps[model]
+            return deps[model], None
         for dep in deps.values():
             if dep.model == model:
-                return dep
-        return None
+                return dep, None
+        spec = self.adapters.get(model)
+        if spec is not None:
+            return deps.get(spec.deployment), spec
+        return None, None

@@ -35,7 +35,12 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
     scheduling: str = "fcfs"  # waiting-queue order, see policy.ORDERS
     model_path: str = ""  # hf engine: local checkpoint directory
     device: str = "cpu"  # hf engine
-    dtype: str = "float32"  # hf engine
+    dtype: str = "float32"  # hf engine (vllm: float32 means "auto")
+    gpu_memory_utilization: float = 0.9  # vllm engine
+    max_model_len: int = 0  # vllm engine; 0 = the model's own
+    enable_lora: bool = True  # vllm engine
+    max_lora_rank: int = 64  # vllm engine
+    max_loras: int = 4  # vllm engine: adapters resident on the GPU at once
 
     def validate(self) -> None:
         """Raise SettingsError naming the worker setting that cannot be used."""

@@ -103,12 +103,25 @@ class Engine(abc.ABC):
         """What /v1/models reports about the served model."""
         return {"engine": self.name, "simulated": self.simulated}
 
+    def has_adapter(self, name: str) -> bool:
+        """Whether LoRA adapter `name` is loaded on this engine."""
+        return any(a.name == name for a in self.load().adapters)
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Load a PEFT LoRA adapter at runtime (engines without LoRA refuse)."""
+        raise EngineError(f"the {self.name} engine does not serve LoRA adapters", 501)
+
+    async def unload_adapter(self, name: str, force: bool = False) -> None:
+        """Unload an adapter; 409 while requests use it unless `force` cancels them."""
+        raise EngineError(f"the {self.name} engine does not serve LoRA adapters", 501)
+
 
 def make_stats(input_tokens: int, output_tokens: int, arrival: float, start: float,
                token_times: list[float]) -> RequestStats:
     """RequestStats from monotonic timestamps: arrival, start of prefill, each token's emission.
 
-    ATGT = decode time / (output tokens - 1) (Aladdin §2.2)."""
+    ATGT = decode time / (output tokens - 1) (Aladdin §2.2). Engines with n > 1 choices
+    pass one timestamp per decode step and correct `output_tokens` afterwards."""
     first = token_times[0] if token_times else start
     gaps = [b - a for a, b in zip(token_times, token_times[1:])]
     decode_s = (token_times[-1] - token_times[0]) if len(token_times) > 1 else 0.0

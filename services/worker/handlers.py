@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 
 from opentelemetry import trace
 
-from polyserve.proto import CancelRequest, GenerateAccepted, GenerateRequest, RequestStats, TokenChunk
+from polyserve.proto import AdapterCommand, CancelRequest, GenerateAccepted, GenerateRequest, RequestStats, TokenChunk
 from polyserve.shared.bus import Bus, BusError
 from polyserve.worker.engine import Delta, Engine, EngineError, EngineOverloaded, EngineRequest, Finished
 
@@ -74,12 +74,39 @@ class WorkerHandlers:
         self.streams: set[asyncio.Task] = set()
         self.completed = 0
         self.failed = 0
+        self._adapter_locks: dict[str, asyncio.Lock] = {}
+
+    async def ensure_adapter(self, name: str, path: str) -> None:
+        """Load adapter `name` from `path` unless loaded (one load at a time per name)."""
+        lock = self._adapter_locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            if self.engine.has_adapter(name):
+                return
+            t = asyncio.get_running_loop().time()
+            await self.engine.load_adapter(name, path)
+            logger.info("worker %s loaded adapter %s from %s in %.0f ms", self.worker_id, name, path,
+                        (asyncio.get_running_loop().time() - t) * 1e3)
+
+    async def adapter_command(self, cmd: AdapterCommand) -> None:
+        """Load or unload an adapter on the deployment's broadcast (admin API)."""
+        try:
+            if cmd.action == "load":
+                await self.ensure_adapter(cmd.name, cmd.path)
+            elif cmd.action == "unload" and self.engine.has_adapter(cmd.name):
+                await self.engine.unload_adapter(cmd.name, force=True)
+        except EngineError as exc:
+            logger.error("worker %s: adapter %s %s failed: %s", self.worker_id, cmd.action, cmd.name, exc)
 
     async def generate(self, req: GenerateRequest) -> GenerateAccepted:
         """Admit into the engine (errors become the reply), then stream in a task."""
         if self.closing:
             raise BusError(503, f"worker {self.worker_id} is shutting down; dispatch elsewhere")
         validate(req)
+        if req.adapter and req.adapter_path and not self.engine.has_adapter(req.adapter):
+            try:  # a cold start: the request waits for the load (CaraServe hides this later)
+                await self.ensure_adapter(req.adapter, req.adapter_path)
+            except EngineError as exc:
+                raise BusError(exc.status, f"adapter {req.adapter}: {exc}") from exc
         ereq = EngineRequest(request_id=req.request_id, prompt=req.prompt, params=req.params,
                              adapter=req.adapter, priority=req.priority,
                              predicted_tokens=req.predicted_tokens, length_class=req.length_class)

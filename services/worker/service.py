@@ -6,7 +6,7 @@ import asyncio
 import logging
 from typing import Any
 
-from polyserve.proto import CancelRequest, GenerateRequest, Heartbeat, WorkerDown, WorkerUp
+from polyserve.proto import AdapterCommand, CancelRequest, GenerateRequest, Heartbeat, WorkerDown, WorkerUp
 from polyserve.shared.lifecycle import ServiceBase
 from polyserve.worker.config import WorkerSettings, with_worker_id
 from polyserve.worker.engine import Engine
@@ -42,6 +42,7 @@ class WorkerService(ServiceBase):
         self.handlers = WorkerHandlers(self.engine, self.bus, self.tracer, self.worker_id)
         await self.bus.serve(self.subjects.generate(self.worker_id), GenerateRequest, self.handlers.generate)
         await self.bus.serve(self.subjects.cancel(self.worker_id), CancelRequest, self.handlers.cancel)
+        await self.bus.listen(self.subjects.adapters(s.deployment), AdapterCommand, self.handlers.adapter_command)
         await self.bus.nc.flush()  # subscribed before anyone is told where to send
         await self.bus.publish(self.subjects.worker_event("up"), WorkerUp(
             worker_id=self.worker_id, deployment=s.deployment, model=s.model, engine=self.engine.name,

@@ -30,7 +30,9 @@ from pathlib import Path
 
 import msgspec
 
+from polyserve.proto import AdapterInfo
 from polyserve.worker import policy
+from polyserve.worker.lora import AdapterError, AdapterRegistry, read_adapter
 from polyserve.worker.engine import (Delta, Engine, EngineError, EngineLoad, EngineOverloaded,
                                      EngineRequest, Finished, make_stats)
 
@@ -148,6 +150,7 @@ class SimEngine(Engine):
         self._running: list[_Req] = []
         self._requests: dict[str, _Req] = {}
         self._kv_used = 0
+        self._adapters = AdapterRegistry()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -195,9 +198,29 @@ class SimEngine(Engine):
         return True
 
     def load(self) -> EngineLoad:
-        """Requests running and waiting, KV reserved and capacity (tokens)."""
+        """Requests running and waiting, KV reserved and capacity (tokens), adapters."""
         return EngineLoad(running=len(self._running), waiting=len(self._waiting), kv_used=self._kv_used,
-                          kv_capacity=self.kv_capacity, max_input_len=self.max_input_len)
+                          kv_capacity=self.kv_capacity, max_input_len=self.max_input_len,
+                          adapters=self._adapters.infos())
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Register a PEFT adapter by name (its rank is read; no weights are used: simulated)."""
+        try:
+            return self._adapters.add(name, read_adapter(path))
+        except AdapterError as exc:
+            raise EngineError(str(exc), exc.status) from exc
+
+    async def unload_adapter(self, name: str, force: bool = False) -> None:
+        """Forget an adapter; 409 while requests use it unless `force` cancels them."""
+        users = [r for r in self._requests.values() if r.req.adapter == name and not r.done]
+        if users and not force:
+            raise EngineError(f"adapter {name!r} is in use by {len(users)} request(s)", 409)
+        for r in users:
+            self.cancel(r.req.request_id)
+        try:
+            self._adapters.remove(name)
+        except AdapterError as exc:
+            raise EngineError(str(exc), exc.status) from exc
 
     def count_tokens(self, text: str) -> int:
         """ceil(1.3 × words): the sim's stand-in tokenizer."""
@@ -219,6 +242,8 @@ class SimEngine(Engine):
             raise EngineError("need max_tokens >= 1, n >= 1 and 0 <= min_tokens <= max_tokens", 400)
         if p.n > self.max_batch:
             raise EngineError(f"n={p.n} exceeds this worker's batch size {self.max_batch}", 400)
+        if req.adapter and req.adapter not in self._adapters:
+            raise EngineError(self._adapters.unknown_message(req.adapter), 404)
         l_in = self.count_tokens(req.prompt)
         if l_in > self.max_input_len:
             raise EngineError(f"prompt has {l_in} tokens; this worker accepts at most "

@@ -1,0 +1,153 @@
+"""The slice of vLLM's Python API that the `vllm` engine uses, imported lazily and
+detected once, so `vllm_engine` never touches `vllm` at import time.
+
+Everything here is written against vLLM's documented engine API (see `vllm_engine`
+for the version pinned and the sources checked). Detection, in order:
+
+- engine class: `vllm.v1.engine.async_llm.AsyncLLM` (the V1 engine; in 0.11 the
+  old `AsyncLLMEngine` name is only an alias of it), else `vllm.AsyncLLMEngine`
+  (the V0 engine of releases before V1 existed);
+- streaming mode: `vllm.sampling_params.RequestOutputKind.DELTA` when it exists
+  (each `CompletionOutput` then carries only the new text and token ids), else
+  vLLM's default cumulative outputs, which the engine diffs per choice index;
+- engine-args fields: only those the installed `AsyncEngineArgs` dataclass declares
+  are passed (and a dropped one is logged), so a renamed knob cannot stop start-up.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from polyserve.proto import SamplingParams as ProtoSamplingParams
+
+from polyserve.worker.engine import EngineError
+
+logger = logging.getLogger(__name__)
+
+# vLLM's CompletionOutput.finish_reason strings (vllm/v1/engine/__init__.py
+# FINISH_REASON_STRINGS: "stop", "length", "abort", later also "error", "repetition").
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled", "repetition": "stop"}
+ERROR_REASON = "error"
+
+
+@dataclass
+class VllmApi:
+    """The vLLM names the engine uses, resolved from the installed package."""
+
+    version: str
+    engine_cls: Any  # AsyncLLM (V1) or AsyncLLMEngine (V0)
+    flavor: str  # "AsyncLLM" | "AsyncLLMEngine"
+    AsyncEngineArgs: Any
+    SamplingParams: Any
+    LoRARequest: Any
+    delta_kind: Any = None  # RequestOutputKind.DELTA, or None: outputs are cumulative
+
+    @property
+    def delta_outputs(self) -> bool:
+        return self.delta_kind is not None
+
+
+def _attr(module_name: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module_name), name, None)
+    except ImportError:
+        return None
+
+
+def import_vllm(target: str) -> VllmApi:
+    """Import vLLM and resolve the API; EngineError (500) saying what to install when it cannot be."""
+    try:
+        vllm = importlib.import_module("vllm")
+    except ImportError as exc:
+        if isinstance(exc, ModuleNotFoundError) and exc.name in (None, "vllm"):
+            raise EngineError(f"vLLM {target} is not installed; pip install vllm=={target} on a GPU host "
+                              f"(or use engine=hf)", 500) from exc
+        raise EngineError(f"vLLM is installed but failed to import ({exc}); this engine targets vLLM {target}: "
+                          f"pip install vllm=={target} on a GPU host", 500) from exc
+    version = str(getattr(vllm, "__version__", "unknown"))
+    engine_cls, flavor = _attr("vllm.v1.engine.async_llm", "AsyncLLM"), "AsyncLLM"
+    if engine_cls is None:
+        engine_cls = getattr(vllm, "AsyncLLMEngine", None) or _attr("vllm.engine.async_llm_engine", "AsyncLLMEngine")
+        flavor = "AsyncLLMEngine"
+    names = {
+        "AsyncEngineArgs": getattr(vllm, "AsyncEngineArgs", None) or _attr("vllm.engine.arg_utils", "AsyncEngineArgs"),
+        "SamplingParams": getattr(vllm, "SamplingParams", None) or _attr("vllm.sampling_params", "SamplingParams"),
+        "LoRARequest": _attr("vllm.lora.request", "LoRARequest"),
+    }
+    missing = [n for n, v in (("AsyncLLM/AsyncLLMEngine", engine_cls), *names.items()) if v is None]
+    if missing:
+        raise EngineError(f"vLLM {version} lacks {', '.join(missing)}; this engine targets vLLM {target}: "
+                          f"pip install vllm=={target}", 500)
+    kind = _attr("vllm.sampling_params", "RequestOutputKind")
+    if version.split(".")[:2] != target.split(".")[:2]:
+        logger.warning("vLLM %s is installed; the vllm engine targets %s (the API it uses is detected, "
+                       "but only %s is the version it was written against)", version, target, target)
+    return VllmApi(version=version, engine_cls=engine_cls, flavor=flavor, delta_kind=getattr(kind, "DELTA", None),
+                   **names)
+
+
+def engine_args(api: VllmApi, wanted: dict[str, Any]) -> Any:
+    """`AsyncEngineArgs(**wanted)` keeping only the fields this vLLM declares."""
+    cls = api.AsyncEngineArgs
+    if dataclasses.is_dataclass(cls):
+        known = {f.name for f in dataclasses.fields(cls)}
+        dropped = sorted(k for k in wanted if k not in known)
+        if dropped:
+            logger.warning("vLLM %s has no engine args %s; ignored", api.version, ", ".join(dropped))
+        wanted = {k: v for k, v in wanted.items() if k in known}
+    return cls(**wanted)
+
+
+def sampling_params(api: VllmApi, p: ProtoSamplingParams) -> Any:
+    """vLLM SamplingParams for a polyserve request (top_k 0 = off becomes vLLM's -1 = off,
+    which every release accepts; 0 is only accepted by newer ones)."""
+    kw: dict[str, Any] = dict(n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else -1,
+                              seed=p.seed, stop=list(p.stop) or None, max_tokens=p.max_tokens,
+                              min_tokens=p.min_tokens)
+    if api.delta_kind is not None:
+        kw["output_kind"] = api.delta_kind
+    try:
+        return api.SamplingParams(**kw)
+    except Exception as exc:  # vLLM validates in __post_init__ (ValueError / VLLMValidationError)
+        raise EngineError(f"sampling parameters rejected by vLLM: {exc}", 400) from exc
+
+
+def error_status(exc: BaseException) -> int:
+    """HTTP status for an exception out of vLLM's generate(): 400 for validation, 503 for a dead engine."""
+    names = {c.__name__ for c in type(exc).__mro__}
+    if names & {"EngineDeadError", "AsyncEngineDeadError"}:
+        return 503
+    if isinstance(exc, (ValueError, TypeError)) or names & {"VLLMValidationError", "VLLMClientError"}:
+        return 400
+    return 500
+
+
+def engine_config(engine: Any) -> Any:
+    """The engine's VllmConfig when reachable without a call (AsyncLLM.vllm_config; V0: engine.engine)."""
+    cfg = getattr(engine, "vllm_config", None)
+    if cfg is None:
+        cfg = getattr(getattr(engine, "engine", None), "vllm_config", None)
+    return cfg
+
+
+def kv_capacity_tokens(cfg: Any) -> int:
+    """`cache_config.num_gpu_blocks * block_size`: the KV tokens vLLM allocated (the V1 front end learns
+    num_gpu_blocks from the engine core's READY handshake); 0 when either is not known."""
+    cache = getattr(cfg, "cache_config", None)
+    blocks, block = getattr(cache, "num_gpu_blocks", None), getattr(cache, "block_size", None)
+    try:
+        return int(blocks) * int(block) if blocks and block else 0
+    except (TypeError, ValueError):
+        return 0
+
+
+def max_model_len(engine: Any, cfg: Any) -> int:
+    """The model's context length as vLLM resolved it (0 when not reachable)."""
+    for mc in (getattr(cfg, "model_config", None), getattr(engine, "model_config", None)):
+        value = getattr(mc, "max_model_len", None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0

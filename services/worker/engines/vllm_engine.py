@@ -1,0 +1,417 @@
+"""The `vllm` engine: vLLM's async engine in-process, for GPU operators.
+
+UNTESTED ON A GPU IN THIS PROJECT SO FAR. vLLM cannot be installed where polyserve is
+developed; this adapter is written against vLLM's documented API at TARGET_VLLM_VERSION
+and covered by contract tests against a fake of that API's shape
+(tests/unit/test_vllm_contract.py, tests/fakes/fake_vllm.py).
+
+vLLM API used (checked against the 0.11.2 docs and sources; `vllm_api` detects the rest):
+- `AsyncEngineArgs(model=..., served_model_name=..., dtype=..., max_num_seqs=..., max_model_len=...,
+  scheduling_policy="fcfs"|"priority", enable_lora=..., max_lora_rank=..., max_loras=...,
+  gpu_memory_utilization=..., seed=...)`;
+- `AsyncLLM.from_engine_args(args)` (`vllm.v1.engine.async_llm`; falls back to V0's
+  `vllm.AsyncLLMEngine.from_engine_args` on releases without V1);
+- `engine.generate({"prompt_token_ids": ids}, SamplingParams, request_id, lora_request=..., priority=...)`:
+  an async generator of `RequestOutput` (`.outputs[i]` = `CompletionOutput` with `.index`, `.text`,
+  `.token_ids`, `.finish_reason` in "stop"/"length"/"abort"; `.finished`). With n > 1 an output may
+  carry only some choices, so choices are keyed by `.index`, never by position;
+- `SamplingParams(n, temperature, top_p, top_k, seed, stop, max_tokens, min_tokens,
+  output_kind=RequestOutputKind.DELTA)`; without RequestOutputKind outputs are cumulative and diffed;
+- `await engine.abort(request_id)`; `engine.get_tokenizer()` (a coroutine in 0.11, plain in newer
+  releases: both handled); `add_lora` / `remove_lora(lora_int_id)`; `shutdown()`;
+- `LoRARequest(lora_name, lora_int_id, lora_path)`, one per request; the int id is allocated once per
+  adapter name (vLLM caches adapters by it: "lora_int_id must be globally unique for a given adapter").
+
+Mapping to polyserve: `max_batch` -> max_num_seqs; `scheduling` "priority" -> scheduling_policy
+"priority" and each request's priority passed through (vLLM: lower value = earlier, the same
+convention as the hf engine); finish reasons stop/length kept, "abort" -> "cancelled".
+
+Load (heartbeats): vLLM's stat loggers are not a stable API, so running/waiting come from this
+engine's own accounting: an admitted request is *waiting* until its first output arrives and
+*running* after (a long prompt being prefilled therefore counts as waiting). `kv_used` is the
+context those running requests hold, n x input + generated tokens (prefix sharing ignored).
+`kv_capacity` is vLLM's `cache_config.num_gpu_blocks * block_size` when the engine exposes it,
+else 0 (unknown). `max_waiting` bounds the waiting count (429 beyond it), `max_input_len` is
+clamped to the model's `max_model_len - 1`.
+
+Settings read: model, model_path (served instead of `model` when set), max_waiting, max_batch,
+max_input_len, scheduling, dtype ("float32", the hf engine's CPU default, and "" mean vLLM's
+"auto"). `device` is ignored (vLLM picks its platform), `kv_capacity_tokens` too (vLLM sizes its
+cache from gpu_memory_utilization). Optional, read with getattr: gpu_memory_utilization (0.9),
+max_model_len (0 = the model's), enable_lora (True), max_lora_rank (64), max_loras (4),
+seed (0), vllm_engine_args (dict or JSON of extra AsyncEngineArgs fields).
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from polyserve.proto import AdapterInfo
+
+from polyserve.worker.engine import (Delta, Engine, EngineError, EngineLoad, EngineOverloaded, EngineRequest,
+                                     Finished, make_stats)
+from polyserve.worker.engines import vllm_api
+from polyserve.worker.lora import AdapterError, AdapterRegistry, check_name, read_adapter
+
+logger = logging.getLogger(__name__)
+
+TARGET_VLLM_VERSION = "0.11.2"
+
+
+class _Req:
+    """One admitted request: its vLLM stream task, its event queue, per-choice progress."""
+
+    def __init__(self, req: EngineRequest, ids: list[int], sampling: Any, lora: Any):
+        self.req = req
+        self.ids = ids
+        self.sampling = sampling
+        self.lora = lora
+        self.n = req.params.n
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.task: asyncio.Task | None = None
+        self.start = time.monotonic()  # submitted to vLLM (its own queueing is not visible here)
+        self.first_output: float | None = None
+        self.step_times: list[float] = []
+        self.first_tokens = 0
+        self.text_len = [0] * self.n  # cumulative mode: what was already emitted, per choice
+        self.tok_len = [0] * self.n
+        self.tokens = [0] * self.n
+        self.ended: set[int] = set()
+        self.done = False
+
+
+class VllmEngine(Engine):
+    """polyserve's Engine over vLLM's AsyncLLM (or V0 AsyncLLMEngine), in this process."""
+
+    name = "vllm"
+    simulated = False
+
+    def __init__(self, settings: Any):
+        self.api = vllm_api.import_vllm(TARGET_VLLM_VERSION)  # lazy: EngineError now if vLLM is missing
+        self.model_path = getattr(settings, "model_path", "") or ""
+        self.model_name = getattr(settings, "model", "") or Path(self.model_path).name or "vllm-model"
+        self.max_waiting = int(getattr(settings, "max_waiting", 256))
+        self.max_batch = int(getattr(settings, "max_batch", 64))
+        self.max_input_len = int(getattr(settings, "max_input_len", 4096))
+        self.scheduling = getattr(settings, "scheduling", "fcfs") or "fcfs"
+        if self.scheduling not in ("fcfs", "priority"):
+            raise EngineError(f"scheduling {self.scheduling!r} is unknown; vLLM offers fcfs and priority", 400)
+        self.enable_lora = bool(getattr(settings, "enable_lora", True))
+        self.max_lora_rank = int(getattr(settings, "max_lora_rank", 64))
+        dtype = getattr(settings, "dtype", "") or ""
+        extra = getattr(settings, "vllm_engine_args", None) or {}
+        extra = json.loads(extra) if isinstance(extra, str) else dict(extra)
+        max_len = int(getattr(settings, "max_model_len", 0) or 0)
+        self.engine_args: dict[str, Any] = dict(
+            model=self.model_path or self.model_name,
+            served_model_name=self.model_name,
+            dtype="auto" if dtype in ("", "float32", "auto") else dtype,
+            max_num_seqs=self.max_batch,
+            max_model_len=max_len or None,
+            scheduling_policy=self.scheduling,
+            enable_lora=self.enable_lora,
+            max_lora_rank=self.max_lora_rank,
+            max_loras=int(getattr(settings, "max_loras", 4)),
+            gpu_memory_utilization=float(getattr(settings, "gpu_memory_utilization", 0.9)),
+            seed=int(getattr(settings, "seed", 0) or 0),
+        )
+        self.engine_args.update(extra)
+        self.adapters = AdapterRegistry()
+        self._lora_ids: dict[str, int] = {}  # name -> lora_int_id, kept across unload/reload
+        self._lora_next = itertools.count(1)  # vLLM requires lora_int_id > 0
+        self._loras: dict[str, Any] = {}  # loaded name -> LoRARequest
+        self._engine: Any = None
+        self._tokenizer: Any = None
+        self._known: dict[str, _Req] = {}
+        self._background: set[asyncio.Task] = set()
+        self.kv_capacity = 0
+        self.max_model_len = 0
+        self._stopping = False
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> VllmEngine:
+        return cls(settings)
+
+    # ----------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        args = vllm_api.engine_args(self.api, self.engine_args)
+        try:
+            self._engine = self.api.engine_cls.from_engine_args(args)
+            tokenizer = self._engine.get_tokenizer()
+            self._tokenizer = await tokenizer if inspect.isawaitable(tokenizer) else tokenizer
+        except EngineError:
+            raise
+        except Exception as exc:
+            raise EngineError(f"vLLM {self.api.version} could not serve {self.engine_args['model']!r}: {exc}",
+                              500) from exc
+        cfg = vllm_api.engine_config(self._engine)
+        if cfg is None and hasattr(self._engine, "get_vllm_config"):
+            cfg = await self._engine.get_vllm_config()
+        self.kv_capacity = vllm_api.kv_capacity_tokens(cfg)
+        self.max_model_len = vllm_api.max_model_len(self._engine, cfg)
+        if self.max_model_len:
+            self.max_input_len = min(self.max_input_len, self.max_model_len - 1)
+        self._stopping = False
+        logger.info("vllm engine (vLLM %s, %s) serving %s: %s KV tokens, max_model_len %s, scheduling %s",
+                    self.api.version, self.api.flavor, self.model_name, self.kv_capacity or "unknown",
+                    self.max_model_len or "unknown", self.scheduling)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        pumps = []
+        for act in list(self._known.values()):
+            self._fail(act, EngineError("the worker's engine is stopping", 503))
+            if act.task is not None and not act.task.done():
+                act.task.cancel()
+                pumps.append(act.task)
+            self._abort(act.req.request_id)
+        tasks = pumps + [t for t in self._background if not t.done()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=10)
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            shutdown = getattr(engine, "shutdown", None) or getattr(engine, "shutdown_background_loop", None)
+            if shutdown is not None:
+                result = shutdown()
+                if inspect.isawaitable(result):
+                    await result
+
+    # ----------------------------------------------------------------- requests
+    async def generate(self, req: EngineRequest) -> AsyncIterator[Delta | Finished]:
+        act = self._admit(req)  # raises on the first __anext__, before any suspension
+        try:
+            while True:
+                event = await act.queue.get()
+                if isinstance(event, Exception):
+                    raise event
+                yield event
+                if isinstance(event, Finished):
+                    return
+        finally:
+            if not act.done:  # the consumer went away: abort in vLLM now
+                self.cancel(req.request_id)
+
+    def _admit(self, req: EngineRequest) -> _Req:
+        if self._engine is None or self._stopping:
+            raise EngineError("the vllm engine is not running", 503)
+        p = req.params
+        if p.n < 1 or p.max_tokens < 1:
+            raise EngineError(f"n ({p.n}) and max_tokens ({p.max_tokens}) must be >= 1", 400)
+        if p.n > self.max_batch:
+            raise EngineError(f"n={p.n} exceeds this worker's max batch of {self.max_batch} sequences", 400)
+        if req.adapter and req.adapter not in self.adapters:
+            raise EngineError(self.adapters.unknown_message(req.adapter), 404)
+        if req.request_id in self._known:
+            raise EngineError(f"request {req.request_id!r} is already running on this worker", 409)
+        ids = list(self._tokenizer.encode(req.prompt))
+        if not ids:
+            raise EngineError("the prompt encodes to no tokens", 400)
+        if len(ids) > self.max_input_len:
+            raise EngineError(f"input is {len(ids)} tokens, over this worker's max_input_len of "
+                              f"{self.max_input_len}", 400)
+        if self._waiting_count() >= self.max_waiting:
+            raise EngineOverloaded(f"waiting queue full ({self.max_waiting} requests); retry later")
+        sampling = vllm_api.sampling_params(self.api, p)
+        act = _Req(req, ids, sampling, self._loras.get(req.adapter) if req.adapter else None)
+        self._known[req.request_id] = act
+        act.task = asyncio.create_task(self._pump(act), name=f"vllm:{req.request_id}")
+        return act
+
+    async def _pump(self, act: _Req) -> None:
+        """Drive vLLM's stream for one request into its queue (a task, so cancel() can stop it at once)."""
+        priority = act.req.priority if self.scheduling == "priority" else 0  # V0 rejects priority under fcfs
+        out = None
+        try:
+            stream = self._engine.generate({"prompt_token_ids": act.ids}, act.sampling, act.req.request_id,
+                                           lora_request=act.lora, priority=priority)
+            try:
+                async for out in stream:
+                    if act.done:
+                        break
+                    self._on_output(act, out)
+            finally:
+                aclose = getattr(stream, "aclose", None)
+                if aclose is not None:
+                    await aclose()  # vLLM's generate() aborts the request when closed early
+            if not act.done:  # vLLM ended the stream without finishing every choice
+                self._close_open(act, "stop" if getattr(out, "finished", False) else "cancelled")
+        except asyncio.CancelledError:
+            if not act.done:  # not by cancel(): e.g. the loop shutting down
+                self._fail(act, EngineError("vLLM stream cancelled", 503))
+            raise
+        except Exception as exc:  # noqa: BLE001 - every vLLM failure must reach the client
+            logger.warning("vLLM request %s failed: %s: %s", act.req.request_id, type(exc).__name__, exc)
+            self._fail(act, EngineError(f"vLLM: {type(exc).__name__}: {exc}", vllm_api.error_status(exc)))
+
+    def _on_output(self, act: _Req, out: Any) -> None:
+        now = time.monotonic()
+        new_tokens = 0
+        for co in out.outputs:
+            i = int(co.index)
+            if i in act.ended or not 0 <= i < act.n:
+                continue
+            text, token_ids = co.text or "", list(co.token_ids or ())
+            if not self.api.delta_outputs:  # cumulative: emit what is past the last output of this choice
+                full_text, full_tokens = text, len(token_ids)
+                text = full_text[act.text_len[i]:] if len(full_text) >= act.text_len[i] else ""
+                count = max(0, full_tokens - act.tok_len[i])
+                act.text_len[i], act.tok_len[i] = len(full_text), full_tokens
+            else:
+                count = len(token_ids)
+            reason = co.finish_reason
+            if reason == vllm_api.ERROR_REASON:
+                self._fail(act, EngineError(f"vLLM reported an internal error on choice {i}", 500))
+                return
+            mapped = vllm_api.FINISH_REASONS.get(str(reason), str(reason)) if reason is not None else None
+            act.tokens[i] += count
+            new_tokens = max(new_tokens, count)
+            if text or count or mapped:
+                act.queue.put_nowait(Delta(index=i, text=text, tokens=count, finish_reason=mapped))
+            if mapped:
+                act.ended.add(i)
+        if new_tokens:
+            if act.first_output is None:
+                act.first_output, act.first_tokens = now, new_tokens
+            act.step_times.append(now)
+        if len(act.ended) == act.n:
+            self._finish(act)
+        elif getattr(out, "finished", False):
+            self._close_open(act, "stop")
+
+    def _close_open(self, act: _Req, reason: str) -> None:
+        for i in sorted(set(range(act.n)) - act.ended):
+            act.queue.put_nowait(Delta(index=i, text="", tokens=0, finish_reason=reason))
+            act.ended.add(i)
+        self._finish(act)
+
+    def cancel(self, request_id: str) -> bool:
+        act = self._known.get(request_id)
+        if act is None or act.done:
+            return False
+        self._close_open(act, "cancelled")
+        if act.task is not None and not act.task.done() and act.task is not asyncio.current_task():
+            act.task.cancel()  # vLLM's generate() aborts on CancelledError too
+        self._abort(request_id)
+        return True
+
+    def _abort(self, request_id: str) -> None:
+        """`await engine.abort(request_id)` in the background (cancel() is synchronous)."""
+        engine = self._engine
+        if engine is None:
+            return
+
+        async def abort() -> None:
+            try:
+                await engine.abort(request_id)
+            except Exception as exc:  # noqa: BLE001 - aborting a finished request may raise on some versions
+                logger.debug("vLLM abort(%s): %s", request_id, exc)
+
+        task = asyncio.get_running_loop().create_task(abort(), name=f"vllm-abort:{request_id}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _finish(self, act: _Req) -> None:
+        """All choices ended (or cancelled): release the request and send Finished."""
+        act.done = True
+        self._known.pop(act.req.request_id, None)
+        steps = 1 + max(0, max(act.tokens, default=0) - act.first_tokens) if act.step_times else 0
+        stats = make_stats(len(act.ids), steps, act.req.arrival, act.start, act.step_times)
+        act.queue.put_nowait(Finished(stats=msgspec.structs.replace(stats, output_tokens=sum(act.tokens))))
+
+    def _fail(self, act: _Req, exc: EngineError) -> None:
+        if act.done:
+            return
+        act.done = True
+        self._known.pop(act.req.request_id, None)
+        act.queue.put_nowait(exc)
+
+    def _waiting_count(self) -> int:
+        return sum(1 for a in self._known.values() if a.first_output is None)
+
+    def load(self) -> EngineLoad:
+        running = [a for a in self._known.values() if a.first_output is not None]
+        kv_used = sum(a.n * len(a.ids) + sum(a.tokens) for a in running)
+        return EngineLoad(running=len(running), waiting=len(self._known) - len(running), kv_used=kv_used,
+                          kv_capacity=self.kv_capacity, max_input_len=self.max_input_len,
+                          adapters=self.adapters.infos())
+
+    def count_tokens(self, text: str) -> int:
+        if self._tokenizer is None:
+            raise EngineError("the vllm engine is not started", 503)
+        return len(self._tokenizer.encode(text))
+
+    def model_card(self) -> dict:
+        return {"engine": self.name, "simulated": False, "model": self.model_name,
+                "source": self.engine_args["model"], "vllm_version": self.api.version,
+                "vllm_target_version": TARGET_VLLM_VERSION, "vllm_api": self.api.flavor,
+                "max_input_len": self.max_input_len, "max_model_len": self.max_model_len,
+                "kv_capacity_tokens": self.kv_capacity, "scheduling": self.scheduling,
+                "note": "vllm adapter: untested on a GPU in this project so far"}
+
+    def format_chat(self, messages: list[dict]) -> str:
+        """Chat messages as one prompt, with the model's chat template when it has one."""
+        tok = self._tokenizer
+        if tok is not None and getattr(tok, "chat_template", None):
+            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return "\n".join([f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages] + ["assistant:"])
+
+    # ----------------------------------------------------------------- adapters
+    def has_adapter(self, name: str) -> bool:
+        return name in self.adapters
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Register a PEFT LoRA adapter; requests may name it as soon as this returns."""
+        if self._engine is None:
+            raise EngineError("the vllm engine is not started", 503)
+        if not self.enable_lora:
+            raise EngineError("LoRA is disabled on this worker (enable_lora=False)", 400)
+        try:
+            check_name(name)
+            spec = read_adapter(path)
+        except AdapterError as exc:
+            raise EngineError(str(exc), exc.status) from exc
+        if name in self.adapters:
+            raise EngineError(f"adapter {name!r} is already loaded; unload it first", 409)
+        if spec.rank > self.max_lora_rank:
+            raise EngineError(f"adapter {name!r} has rank {spec.rank}, over this worker's max_lora_rank of "
+                              f"{self.max_lora_rank}", 400)
+        lora_id = self._lora_ids.setdefault(name, next(self._lora_next))
+        lora = self.api.LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=str(spec.path))
+        add = getattr(self._engine, "add_lora", None)
+        if add is not None:  # load it now (vLLM would otherwise load it on first use), so errors show here
+            try:
+                await add(lora)
+            except Exception as exc:
+                raise EngineError(f"vLLM cannot load adapter {name!r} from {spec.path}: {exc}", 400) from exc
+        self._loras[name] = lora
+        info = self.adapters.add(name, spec)
+        logger.info("loaded adapter %s (rank %d, lora_int_id %d) from %s", name, spec.rank, lora_id, spec.path)
+        return info
+
+    async def unload_adapter(self, name: str, force: bool = False) -> None:
+        """Remove an adapter; refused (409) while requests use it, unless `force` cancels them."""
+        if name not in self.adapters:
+            raise EngineError(self.adapters.unknown_message(name), 404)
+        users = [a for a in self._known.values() if a.req.adapter == name and not a.done]
+        if users and not force:
+            raise EngineError(f"adapter {name!r} is in use by {len(users)} request(s)", 409)
+        for act in users:
+            self.cancel(act.req.request_id)
+        lora = self._loras.pop(name)
+        self.adapters.remove(name)
+        remove = getattr(self._engine, "remove_lora", None)
+        if remove is not None:  # drop vLLM's cached weights: a reload under this name reads the path again
+            try:
+                await remove(lora.lora_int_id)
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("vLLM remove_lora(%s) failed: %s", lora.lora_int_id, exc)
+        logger.info("unloaded adapter %s", name)

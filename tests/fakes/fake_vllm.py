@@ -1,0 +1,434 @@
+"""A fake of the slice of vLLM's Python API that polyserve's `vllm` engine uses.
+
+It mirrors the SHAPES of vLLM 0.11.2 (class names, module paths, method signatures,
+RequestOutput/CompletionOutput fields and their streaming semantics), not its
+behaviour on a GPU: the "model" is a script of characters, one character per token.
+Contract tests install it with `install(monkeypatch, flavor)`, which puts these
+modules in `sys.modules`: vllm, vllm.sampling_params, vllm.outputs, vllm.lora.request,
+vllm.engine.arg_utils, vllm.engine.async_llm_engine and (V1 flavors) vllm.v1.engine.async_llm.
+
+Semantics mirrored from vLLM (sources in the engine's docstring and the report):
+- `SamplingParams.output_kind`: CUMULATIVE (default) gives each choice's whole text and
+  token ids so far in every output; DELTA gives only what is new since the last output.
+- Stop strings: the returned text never contains the stop string (it is cut there),
+  and text that could still become a stop string is held back while streaming, so an
+  output may carry more or fewer characters than it carries tokens.
+- V1 parallel sampling (n > 1): each RequestOutput carries the CompletionOutput of the
+  one child that advanced (choices identified by `.index`); `finished` is set on the
+  output where the last child finishes. V0 (flavor "v0"): every output carries all choices.
+- finish_reason strings: "stop" (EOS or stop string), "length" (max_tokens), "abort".
+- `abort(request_id)` ends a live stream with finish_reason "abort" (every choice); a generate() task
+  that is cancelled aborts its own request (as vLLM's generate() does on CancelledError).
+- `LoRARequest(lora_name, lora_int_id, lora_path)`: lora_int_id must be > 0; requests with a
+  LoRA are rejected unless the engine was built with enable_lora (vLLM raises ValueError).
+- V0 raises ValueError for a non-zero priority unless scheduling_policy == "priority".
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+VERSION = "0.11.2"
+EOS_ID = 0
+
+
+# --------------------------------------------------------------------- vllm.sampling_params
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+class SamplingParams:
+    """vLLM's SamplingParams (a msgspec.Struct there): the fields the engine sets, validated like vLLM."""
+
+    _with_output_kind = True
+
+    def __init__(self, n: int = 1, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int | None = None, stop: str | list[str] | None = None, max_tokens: int | None = 16,
+                 min_tokens: int = 0, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, **other: Any):
+        unknown = set(other) - {"presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                                "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens",
+                                "include_stop_str_in_output"}
+        if unknown:
+            raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
+        if n < 1:
+            raise ValueError(f"n must be at least 1, got {n}.")
+        if temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {temperature}.")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
+        if top_k < -1:
+            raise ValueError(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}.")
+        if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {min_tokens}.")
+        self.n, self.temperature, self.top_p, self.top_k, self.seed = n, temperature, top_p, top_k, seed
+        self.stop = [stop] if isinstance(stop, str) else list(stop or [])
+        self.max_tokens, self.min_tokens, self.output_kind = max_tokens, min_tokens, output_kind
+
+
+class CumulativeOnlySamplingParams(SamplingParams):
+    """An older SamplingParams without `output_kind` (outputs are always cumulative)."""
+
+    def __init__(self, *args: Any, **kw: Any):
+        if "output_kind" in kw:
+            raise TypeError("unexpected keyword argument 'output_kind'")
+        super().__init__(*args, **kw)
+
+
+# --------------------------------------------------------------------- vllm.outputs
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: Any = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    lora_request: Any = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestOutput:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                 prompt_logprobs: Any, outputs: list[CompletionOutput], finished: bool, metrics: Any = None,
+                 lora_request: Any = None, **kwargs: Any):
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.prompt_logprobs, self.outputs, self.finished = prompt_logprobs, outputs, finished
+        self.metrics, self.lora_request = metrics, lora_request
+
+
+# --------------------------------------------------------------------- vllm.lora.request
+class LoRARequest:
+    """vLLM's LoRARequest (msgspec.Struct): equality and hash by lora_name, as in vLLM."""
+
+    def __init__(self, lora_name: str, lora_int_id: int, lora_path: str = "", **kwargs: Any):
+        if lora_int_id < 1:
+            raise ValueError(f"id must be > 0, got {lora_int_id}")
+        self.lora_name, self.lora_int_id, self.lora_path = lora_name, lora_int_id, lora_path
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LoRARequest) and other.lora_name == self.lora_name
+
+    def __hash__(self) -> int:
+        return hash(self.lora_name)
+
+    def __repr__(self) -> str:
+        return f"LoRARequest({self.lora_name!r}, {self.lora_int_id}, {self.lora_path!r})"
+
+
+# --------------------------------------------------------------------- vllm.engine.arg_utils
+@dataclass
+class AsyncEngineArgs:
+    model: str = "facebook/opt-125m"
+    served_model_name: str | list[str] | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int | None = 0
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    scheduling_policy: str = "fcfs"
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
+    enable_prefix_caching: bool | None = None
+    disable_log_stats: bool = False
+    enable_log_requests: bool = False
+
+
+# --------------------------------------------------------------------- the tokenizer
+class FakeTokenizer:
+    """One token per character (ids are code points; 0 is EOS)."""
+
+    chat_template = None
+    eos_token_id = EOS_ID
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids if i != EOS_ID)
+
+
+def default_script(prompt_ids: list[int], index: int, lora: LoRARequest | None) -> str:
+    """What the fake model "generates" for a choice: deterministic per prompt, choice and adapter."""
+    tag = f"[{lora.lora_name}]" if lora is not None else ""
+    return f"{tag}choice{index}:" + "abcdefghijklmnopqrstuvwxyz" * 4
+
+
+# --------------------------------------------------------------------- the engines
+class _Child:
+    def __init__(self, index: int, script: str):
+        self.index, self.script = index, script
+        self.text, self.token_ids = "", []
+        self.finish_reason: str | None = None
+        self.sent_text, self.sent_tokens = 0, 0  # delta mode bookkeeping
+        self.reported = False  # its finish_reason went out in an output
+
+
+class FakeAsyncLLM:
+    """vllm.v1.engine.async_llm.AsyncLLM: from_engine_args, generate, abort, get_tokenizer (a coroutine
+    in 0.11), add_lora/remove_lora/list_loras, shutdown; vllm_config.cache_config / .model_config."""
+
+    per_child_outputs = True  # V1 parallel sampling: one child per RequestOutput
+    last: FakeAsyncLLM | None = None
+
+    def __init__(self, engine_args: AsyncEngineArgs):
+        self.engine_args = engine_args
+        self.vllm_config = types.SimpleNamespace(
+            cache_config=types.SimpleNamespace(num_gpu_blocks=1000, block_size=16),
+            model_config=types.SimpleNamespace(max_model_len=engine_args.max_model_len or 2048),
+            scheduler_config=types.SimpleNamespace(policy=engine_args.scheduling_policy))
+        self.model_config = self.vllm_config.model_config
+        self.tokenizer = FakeTokenizer()
+        self.calls: list[dict[str, Any]] = []
+        self.aborted: list[str] = []
+        self.loras: dict[int, LoRARequest] = {}
+        self.removed_loras: list[int] = []
+        self.script: Callable[[list[int], int, LoRARequest | None], str] = default_script
+        self.step_delay = 0.0
+        self.gate: asyncio.Event | None = None  # when set, generate() waits on it before the first token
+        self.inject: dict[str, str] = {}  # request_id -> finish_reason forced on its first token ("abort", "error")
+        self.live: dict[str, list[_Child]] = {}
+        self.shut_down = False
+
+    @classmethod
+    def from_engine_args(cls, engine_args: AsyncEngineArgs, start_engine_loop: bool = True,
+                         usage_context: Any = None, stat_loggers: Any = None) -> FakeAsyncLLM:
+        if not isinstance(engine_args, AsyncEngineArgs):
+            raise TypeError("engine_args must be AsyncEngineArgs")
+        if str(engine_args.model).startswith("/nonexistent"):
+            raise OSError(f"{engine_args.model} is not a local folder and is not a valid model identifier")
+        engine = cls(engine_args)
+        type(engine).last = engine
+        FakeAsyncLLM.last = engine
+        return engine
+
+    async def get_tokenizer(self) -> FakeTokenizer:
+        return self.tokenizer
+
+    def _validate(self, prompt: Any, params: SamplingParams, lora_request: Any, priority: int) -> list[int]:
+        if lora_request is not None and not self.engine_args.enable_lora:
+            raise ValueError(f"Got lora_request {lora_request} but LoRA is not enabled!")
+        ids = list(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else self.tokenizer.encode(prompt)
+        if not ids:
+            raise ValueError("The decoder prompt cannot be empty")
+        if len(ids) > self.model_config.max_model_len:
+            raise ValueError(f"The decoder prompt (length {len(ids)}) is longer than the maximum model length "
+                             f"of {self.model_config.max_model_len}.")
+        return ids
+
+    async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str, *,
+                       prompt_text: str | None = None, lora_request: LoRARequest | None = None,
+                       tokenization_kwargs: dict | None = None, trace_headers: Any = None, priority: int = 0,
+                       data_parallel_rank: int | None = None):
+        async for out in self._generate(prompt, sampling_params, request_id, lora_request, priority):
+            yield out
+
+    async def _generate(self, prompt, params, request_id, lora_request, priority):
+        ids = self._validate(prompt, params, lora_request, priority)
+        self.calls.append(dict(prompt=prompt, params=params, request_id=request_id, lora_request=lora_request,
+                               priority=priority))
+        children = [_Child(i, self.script(ids, i, lora_request)) for i in range(params.n)]
+        self.live[request_id] = children
+        delta = getattr(params, "output_kind", RequestOutputKind.CUMULATIVE) == RequestOutputKind.DELTA
+        holdback = max((len(s) for s in params.stop), default=1) - 1
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            while any(c.finish_reason is None for c in children):
+                if request_id in self.aborted:
+                    for c in children:
+                        c.finish_reason = c.finish_reason or "abort"
+                    yield self._output(request_id, ids, children, children, delta, holdback, lora_request)
+                    return
+                stepped, forced = [], self.inject.pop(request_id, None)
+                for c in children:
+                    if c.finish_reason is None:
+                        self._step(c, params, forced)
+                        stepped.append(c)
+                groups = [[c] for c in stepped] if self.per_child_outputs else [stepped]
+                for group in groups:
+                    yield self._output(request_id, ids, children, group, delta, holdback, lora_request)
+                await asyncio.sleep(self.step_delay)
+        except asyncio.CancelledError:
+            await self.abort(request_id)  # vLLM's generate() aborts its request when cancelled
+            raise
+        finally:
+            self.live.pop(request_id, None)
+
+    @staticmethod
+    def _step(c: _Child, params: SamplingParams, forced: str | None) -> None:
+        n_out = len(c.token_ids)
+        if forced:
+            c.finish_reason = forced
+            return
+        if n_out >= len(c.script) and n_out >= params.min_tokens:  # EOS: in token_ids, not in text
+            c.token_ids.append(EOS_ID)
+            c.finish_reason = "stop"
+            return
+        ch = c.script[n_out] if n_out < len(c.script) else " "
+        c.token_ids.append(ord(ch))
+        c.text += ch
+        if len(c.token_ids) >= params.min_tokens:
+            for s in params.stop:
+                at = c.text.find(s)
+                if at >= 0:
+                    c.text = c.text[:at]
+                    c.finish_reason = "stop"
+                    return
+        if params.max_tokens is not None and len(c.token_ids) >= params.max_tokens:
+            c.finish_reason = "length"
+
+    def _output(self, request_id, ids, children, group, delta, holdback, lora_request) -> RequestOutput:
+        outs = []
+        for c in group:
+            visible = len(c.text) if c.finish_reason is not None else max(c.sent_text, len(c.text) - holdback)
+            if delta:
+                text, toks = c.text[c.sent_text:visible], c.token_ids[c.sent_tokens:]
+            else:
+                text, toks = c.text[:visible], list(c.token_ids)
+            c.sent_text, c.sent_tokens = visible, len(c.token_ids)
+            c.reported = c.finish_reason is not None
+            outs.append(CompletionOutput(index=c.index, text=text, token_ids=list(toks), finish_reason=c.finish_reason,
+                                         lora_request=lora_request))
+        finished = all(c.reported for c in children)  # set on the output of the last child to finish
+        return RequestOutput(request_id, None, ids, None, outs, finished, lora_request=lora_request)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        if not self.engine_args.enable_lora:
+            raise ValueError("LoRA is not enabled")
+        if not Path(lora_request.lora_path).is_dir():
+            raise ValueError(f"Loading lora {lora_request.lora_name} failed: No adapter found for "
+                             f"{lora_request.lora_path}")
+        self.loras[lora_request.lora_int_id] = lora_request
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        self.removed_loras.append(lora_id)
+        return self.loras.pop(lora_id, None) is not None
+
+    async def list_loras(self) -> set[int]:
+        return set(self.loras)
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+class FakeAsyncLLMSyncTokenizer(FakeAsyncLLM):
+    """Newer V1 releases: get_tokenizer() is a plain method."""
+
+    def get_tokenizer(self) -> FakeTokenizer:  # type: ignore[override]
+        return self.tokenizer
+
+
+class FakeAsyncLLMEngine(FakeAsyncLLM):
+    """V0's vllm.AsyncLLMEngine: positional lora_request/priority, get_tokenizer(lora_request) coroutine,
+    shutdown_background_loop(), config under `.engine`, every output carrying all choices, and a
+    ValueError for a non-zero priority without priority scheduling."""
+
+    per_child_outputs = False
+
+    def __init__(self, engine_args: AsyncEngineArgs):
+        super().__init__(engine_args)
+        self.engine = types.SimpleNamespace(vllm_config=self.vllm_config)
+        del self.vllm_config
+        del self.model_config
+        self.model_config = self.engine.vllm_config.model_config
+
+    async def get_tokenizer(self, lora_request: Any = None) -> FakeTokenizer:  # type: ignore[override]
+        return self.tokenizer
+
+    async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,  # type: ignore[override]
+                       lora_request: LoRARequest | None = None, trace_headers: Any = None,
+                       prompt_adapter_request: Any = None, priority: int = 0):
+        if priority != 0 and self.engine_args.scheduling_policy != "priority":
+            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
+        async for out in self._generate(prompt, sampling_params, request_id, lora_request, priority):
+            yield out
+
+    shutdown = None  # type: ignore[assignment]  # V0 has shutdown_background_loop() instead
+
+    def shutdown_background_loop(self) -> None:
+        self.shut_down = True
+
+
+FLAVORS = {
+    "v1": FakeAsyncLLM,  # 0.11.x: AsyncLLM, DELTA outputs, async get_tokenizer
+    "v1-sync-tokenizer": FakeAsyncLLMSyncTokenizer,  # newer V1
+    "v0": FakeAsyncLLMEngine,  # pre-V1 AsyncLLMEngine, cumulative outputs only
+}
+
+
+@dataclass
+class FakeVllm:
+    flavor: str
+    engine_cls: type
+    modules: dict[str, types.ModuleType] = field(default_factory=dict)
+
+    @property
+    def engine(self) -> FakeAsyncLLM:
+        assert self.engine_cls.last is not None, "no engine was built"
+        return self.engine_cls.last
+
+
+def _module(name: str, **attrs: Any) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    mod.__dict__.update(attrs)
+    return mod
+
+
+def install(monkeypatch, flavor: str = "v1", version: str = VERSION) -> FakeVllm:
+    """Put the fake `vllm` package into sys.modules (undone by monkeypatch at test end)."""
+    engine_cls = FLAVORS[flavor]
+    engine_cls.last = None
+    cumulative_only = flavor == "v0"
+    sp_cls = CumulativeOnlySamplingParams if cumulative_only else SamplingParams
+    sp_mod = _module("vllm.sampling_params", SamplingParams=sp_cls)
+    if not cumulative_only:
+        sp_mod.RequestOutputKind = RequestOutputKind
+    mods = {
+        "vllm": _module("vllm", __version__=version, AsyncEngineArgs=AsyncEngineArgs, SamplingParams=sp_cls,
+                        RequestOutput=RequestOutput, CompletionOutput=CompletionOutput,
+                        AsyncLLMEngine=engine_cls, __path__=[]),
+        "vllm.sampling_params": sp_mod,
+        "vllm.outputs": _module("vllm.outputs", RequestOutput=RequestOutput, CompletionOutput=CompletionOutput),
+        "vllm.lora": _module("vllm.lora", __path__=[]),
+        "vllm.lora.request": _module("vllm.lora.request", LoRARequest=LoRARequest),
+        "vllm.engine": _module("vllm.engine", __path__=[]),
+        "vllm.engine.arg_utils": _module("vllm.engine.arg_utils", AsyncEngineArgs=AsyncEngineArgs),
+        "vllm.engine.async_llm_engine": _module("vllm.engine.async_llm_engine", AsyncLLMEngine=engine_cls),
+    }
+    if flavor != "v0":
+        mods.update({
+            "vllm.v1": _module("vllm.v1", __path__=[]),
+            "vllm.v1.engine": _module("vllm.v1.engine", __path__=[]),
+            "vllm.v1.engine.async_llm": _module("vllm.v1.engine.async_llm", AsyncLLM=engine_cls),
+        })
+    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    return FakeVllm(flavor=flavor, engine_cls=engine_cls, modules=mods)
+
+
+def field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
