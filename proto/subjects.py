@@ -50,6 +50,10 @@ class Subjects:
     def gpu_telemetry(self, gpu_id: str) -> str:
         return f"{self.prefix}.v1.telemetry.gpu.{gpu_id}"
 
+    def embed(self, worker_id: str) -> str:
+        """An encoder worker's embeddings: EmbedRequest -> EmbedReply."""
+        return f"{self.prefix}.v1.worker.{worker_id}.embed"
+
     @property
     def all(self) -> str:
         return f"{self.prefix}.>"

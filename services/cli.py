@@ -106,6 +106,7 @@ DELEGATED = {
     "predictor": ("polyserve.predictor.cli", "train / evaluate the output-length predictor"),
     "profile": ("polyserve.profiler.cli", "profile an engine and fit its performance models"),
     "simulate": ("polyserve.simulator.cli", "trace-driven cluster simulation"),
+    "bench-embeddings": ("polyserve.bench_embeddings", "Arlo polymorphing experiment (ST vs DT vs MLQ)"),
 }
 
 

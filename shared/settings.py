@@ -50,9 +50,14 @@ def _env_values(cls: type[msgspec.Struct], service: str, environ: dict[str, str]
 
 
 def add_flags(parser: argparse.ArgumentParser, cls: type[msgspec.Struct]) -> None:
-    """One `--field-name` flag per settings field (strings, converted later)."""
-    for name in cls.__struct_fields__:
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None)
+    """One `--field-name` flag per settings field (strings, converted later); a
+    boolean field may be given bare (`--allow-clock-control` means true)."""
+    for f in msgspec.structs.fields(cls):
+        flag = f"--{f.name.replace('_', '-')}"
+        if f.type is bool:
+            parser.add_argument(flag, dest=f.name, default=None, nargs="?", const="true")
+        else:
+            parser.add_argument(flag, dest=f.name, default=None)
 
 
 def load(cls: type[T], service: str, argv: list[str] | None = None,

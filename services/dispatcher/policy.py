@@ -20,6 +20,25 @@ from __future__ import annotations
 import random as _random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotation only: policy.py stays import-light
+    from polyserve.dispatcher.perf_models import WorkerPerf
+
+
+@dataclass(frozen=True, slots=True)
+class RunningRequest:
+    """One request placed on a worker and not finished, as the dispatcher tracks it
+    (Aladdin Table 1: l_in, l_pred, l_out so far, t_dec so far; CaraServe: its rank)."""
+
+    request_id: str = ""
+    input_tokens: int = 0
+    predicted_tokens: int = 0  # l_pred (0 = unknown)
+    generated: int = 0  # output tokens so far (l_out in Aladdin's Table 1)
+    decode_ms: float = 0.0  # time spent in the decode phase so far (t_dec)
+    started: bool = True  # False: placed but not yet prefilled (Aladdin's "new" requests)
+    adapter: str | None = None
+    rank: int = 0  # LoRA rank of its adapter (0 = base model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +54,15 @@ class WorkerView:
     max_input_len: int = 0  # 0 = no limit
     gpu_id: str = ""
     adapters: tuple[str, ...] = ()
+    # --- used by Aladdin, CaraServe, least_loaded and first_fit (all optional) ---
+    adapter_ranks: tuple[int, ...] = ()  # rank of each entry of `adapters`, same order
+    max_adapters: int = 0  # adapter slots on the GPU; 0 = no limit
+    kernel: str = "bgmv"  # LoRA kernel: "bgmv" (batch x max rank) | "mbgmv" (sum of ranks)
+    max_batch: int = 0  # engine batch limit; 0 = unknown
+    requests: tuple[RunningRequest, ...] = ()  # placed and unfinished, with lengths
+    perf: WorkerPerf | None = None  # the worker's (fitted) performance models; None = unknown
+    len_error: float = 0.0  # Aladdin Alg. 2 l^e from requests that finished before their prediction
+    batch_error: float = 0.0  # Aladdin Alg. 2 b^e, same source
 
     @property
     def kv_free_fraction(self) -> float:
@@ -54,6 +82,9 @@ class RequestView:
     length_class: int = -1
     adapter: str | None = None
     priority: int = 0
+    adapter_rank: int = 0  # LoRA rank of `adapter` (0 = base model or unknown)
+    ttft_slo_ms: float = 0.0  # 0 = the policy's default (Aladdin Table 2)
+    atgt_slo_ms: float = 0.0  # time per output token SLO; 0 = the policy's default
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,15 +157,74 @@ def random_choice(workers: Sequence[WorkerView], request: RequestView, state: Po
     return Decision(rng.choice(list(workers)).worker_id, state)
 
 
+def _in_flight(w: WorkerView) -> int:
+    return max(w.outstanding, w.running + w.waiting, len(w.requests))
+
+
+def _token_load(w: WorkerView) -> float:
+    """Tokens of work still held by a worker: Σ(input + predicted output) of its requests
+    when the dispatcher tracks them, else its KV use (fraction), else its queue."""
+    if w.requests:
+        return float(sum(r.input_tokens + max(r.predicted_tokens, r.generated) for r in w.requests))
+    if w.kv_capacity > 0:
+        return w.kv_used / w.kv_capacity * 1e6
+    return float(_in_flight(w))
+
+
+def least_loaded(workers: Sequence[WorkerView], request: RequestView, state: PolicyState,
+                 rng: _random.Random) -> Decision:
+    """MostIdle (CaraServe §7.5 baseline): the worker with the least work in tokens
+    (`_token_load`), ties by requests in flight, then worker_id."""
+    _require(workers)
+    return Decision(min(workers, key=lambda w: (_token_load(w), _in_flight(w), w.worker_id)).worker_id, state)
+
+
+FIRST_FIT_DEFAULT_BATCH = 64  # the sim engine's max_batch default, when a worker does not say
+
+
+def first_fit(workers: Sequence[WorkerView], request: RequestView, state: PolicyState,
+              rng: _random.Random) -> Decision:
+    """First-fit bin packing (Punica, CaraServe §7.5 baseline): the first worker in worker_id
+    order with a free batch slot and room in its KV cache for the request's input + predicted
+    output; when none has room, the least loaded (`load_key`)."""
+    _require(workers)
+    need = request.input_tokens + request.predicted_tokens
+    for w in sorted(workers, key=lambda w: w.worker_id):
+        slots = w.max_batch or FIRST_FIT_DEFAULT_BATCH
+        kv_ok = w.kv_capacity <= 0 or w.kv_used + need <= w.kv_capacity
+        if _in_flight(w) < slots and kv_ok:
+            return Decision(w.worker_id, state)
+    return Decision(min(workers, key=load_key).worker_id, state)
+
+
 POLICIES: dict[str, Policy] = {
     "round_robin": round_robin,
     "least_outstanding": least_outstanding,
     "power_of_two": power_of_two,
     "random": random_choice,
+    "least_loaded": least_loaded,
+    "first_fit": first_fit,
 }
 """Policy name -> function. Deployment.policy must be one of these names."""
 
 DEFAULT_POLICY = "least_outstanding"
+
+
+def _register_model_policies() -> None:
+    """Aladdin best-fit and CaraServe rank-aware live in their own modules (they import
+    this one for the views); registered here so `POLICIES` names every policy. A module
+    already being imported (it imported us first) registers itself when it is done."""
+    import importlib
+    import sys
+
+    for module, name, attr in (("polyserve.dispatcher.policy_aladdin", "aladdin", "aladdin_best_fit"),
+                               ("polyserve.dispatcher.policy_caraserve", "caraserve", "caraserve_rank_aware"),
+                               ("polyserve.dispatcher.policy_arlo", "arlo_mlq", "arlo_mlq")):
+        if module not in sys.modules:
+            POLICIES.setdefault(name, getattr(importlib.import_module(module), attr))
+
+
+_register_model_policies()
 
 
 def get_policy(name: str) -> Policy:

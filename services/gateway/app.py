@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import policy
 from .admin import add_admin_routes
+from .embeddings import add_embedding_routes
 from .handlers import GatewayError, RequestRun
 from .schemas import ChatBody, CompletionBody
 
@@ -191,6 +192,7 @@ def build_app(gw: "GatewayService") -> FastAPI:
             _done(gw, span)
 
     add_admin_routes(app, gw)
+    add_embedding_routes(app, gw)
     return app
 
 

@@ -63,7 +63,7 @@ class DeploymentBody(BaseModel):
 
     id: str | None = Field(None, pattern=r"^[A-Za-z0-9_\-]{1,64}$")
     model: str = Field(min_length=1, max_length=200)
-    engine: Literal["sim", "hf", "vllm"] = "sim"
+    engine: Literal["sim", "hf", "vllm", "encoder"] = "sim"
     policy: str = "least_outstanding"
     scaler: ScalerBody = ScalerBody()
 

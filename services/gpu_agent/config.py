@@ -25,6 +25,26 @@ class GpuAgentSettings(CommonSettings, frozen=True, kw_only=True):
     worker_time_scale: passed to workers as POLYSERVE_WORKER_TIME_SCALE when
         not "" (sim engine pace; "0" = no compute time).
     max_workers: the most worker processes this agent runs at once.
+
+    MIAD frequency control (µ-Serve §3.4; `polyserve.gpu_agent.miad`):
+    miad_enabled: run the controller: every `miad_interval_s` compute the SM clock
+        from the hosted workers' latency against their SLO and publish it
+        (ClockDecision on `<prefix>.v1.telemetry.clock.<gpu_id>`).
+    allow_clock_control: APPLY the decision. Off by default: the agent then only
+        publishes what it would set. On a simulated GPU it sets the simulated
+        clock limit; on a real GPU it locks clocks through NVML
+        (nvmlDeviceSetGpuLockedClocks). Never turn it on for a lent or shared GPU.
+    miad_interval_s: control period (µ-Serve: 500 ms).
+    miad_window_s: completed requests of this many seconds make a worker's latency.
+    miad_step_mhz: STEP of the additive decrease.
+    miad_min_clock_mhz: the lowest clock MIAD sets (MIN); the maximum is the GPU's.
+    miad_threshold: the slack threshold (µ-Serve: 0.05).
+    miad_slo_ms: the latency target; 0 = the deployment's scaler threshold
+        (per token for a `pertoken` scaler, per request for `request`).
+    miad_down_requires_all: lower the clock only when every worker can afford it
+        (False = Alg. 3 as printed: when any can; see miad.py).
+    miad_scale_out_after: consecutive UP requests at maximum clock before the
+        decision carries the scale-out signal.
     """
 
     gpu_id: str = ""
@@ -38,6 +58,16 @@ class GpuAgentSettings(CommonSettings, frozen=True, kw_only=True):
     worker_cmd: str = ""
     worker_time_scale: str = ""
     max_workers: int = 16
+    miad_enabled: bool = True
+    allow_clock_control: bool = False
+    miad_interval_s: float = 0.5
+    miad_window_s: float = 2.0
+    miad_step_mhz: int = 100
+    miad_min_clock_mhz: int = 210
+    miad_threshold: float = 0.05
+    miad_slo_ms: float = 0.0
+    miad_down_requires_all: bool = True
+    miad_scale_out_after: int = 4
 
     def validate(self) -> None:
         super().validate()
@@ -51,6 +81,12 @@ class GpuAgentSettings(CommonSettings, frozen=True, kw_only=True):
             raise SettingsError("agent_ttl_s must exceed telemetry_interval_s, or the agent flickers out of Redis")
         if self.max_workers < 1:
             raise SettingsError("max_workers must be >= 1")
+        if self.miad_interval_s <= 0 or self.miad_window_s <= 0 or self.miad_step_mhz <= 0:
+            raise SettingsError("miad_interval_s, miad_window_s and miad_step_mhz must be > 0")
+        if self.miad_min_clock_mhz <= 0 or self.miad_slo_ms < 0 or not 0 <= self.miad_threshold < 1:
+            raise SettingsError("miad_min_clock_mhz must be > 0, miad_slo_ms >= 0, miad_threshold in [0, 1)")
+        if self.miad_scale_out_after < 1:
+            raise SettingsError("miad_scale_out_after must be >= 1")
         try:
             shlex.split(self.worker_cmd)
         except ValueError as exc:

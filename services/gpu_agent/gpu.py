@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from polyserve.gpu_agent.gpu_model import GAMMA
+
 logger = logging.getLogger(__name__)
 
 
@@ -144,6 +146,7 @@ class SimSpec:
     base_mem_mb: float = 500.0
     worker_mem_mb: float = 16384.0
     half_util_requests: float = 2.0
+    clock_power_exponent: float = GAMMA  # gpu_model: calibrated from the Splitwise power cap
 
 
 class SimulatedGpu:
@@ -154,9 +157,10 @@ class SimulatedGpu:
 
     * utilisation `u = a / (a + k)` with `k = half_util_requests` (saturating:
       1 request -> 33 %, 8 requests -> 80 %);
-    * power `P = P_idle + (P_max - P_idle) * u * f / f_max`: rising with load
-      and linearly with clock, the near-linear power/frequency relation µ-Serve
-      measured (§2.2, Fig. 2);
+    * power `P = P_idle + (P_max - P_idle) * u * (f / f_max)^γ`: rising with load
+      and close to linearly with clock, as µ-Serve measured (§2.2, Fig. 2), with
+      γ = `gpu_model.GAMMA` (1.55) calibrated in `gpu_model` from the Splitwise
+      power-capped runs;
     * energy: `P` integrated over time between readings (joules);
     * memory used: `base + workers * worker_mem` capped at the total;
       memory utilisation `0.6 * u`.
@@ -186,6 +190,11 @@ class SimulatedGpu:
         self._integrate()
         self._clock_limit = min(self.spec.max_sm_clock_mhz, max(self.spec.idle_sm_clock_mhz, int(mhz)))
 
+    @property
+    def clock_limit_mhz(self) -> int:
+        """The SM clock cap in force (what MIAD set, or the maximum)."""
+        return self._clock_limit
+
     def utilisation(self) -> float:
         """Fraction of time busy, 0..1."""
         a = self._active
@@ -198,7 +207,7 @@ class SimulatedGpu:
         """Watts for the current load and clock (see the class docstring)."""
         s = self.spec
         return s.idle_power_w + (s.max_power_w - s.idle_power_w) * self.utilisation() * (
-            self.sm_clock() / s.max_sm_clock_mhz)
+            self.sm_clock() / s.max_sm_clock_mhz) ** s.clock_power_exponent
 
     def _integrate(self) -> None:
         """Add the energy used since the last call; every state change calls this first,

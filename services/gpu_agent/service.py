@@ -1,9 +1,11 @@
 """The gpu-agent: one per GPU. Telemetry, presence in Redis, and the worker processes.
 
-Loops: telemetry (GpuTelemetry + AgentInfo every `telemetry_interval_s`) and
-the watcher (every `watch_interval_s`: reaps workers, SIGKILLs those past their
-stop deadline, reports the ones that died on their own). The agent never
-restarts a worker by itself: the planner reconciles.
+Loops: telemetry (GpuTelemetry + AgentInfo every `telemetry_interval_s`), the
+watcher (every `watch_interval_s`: reaps workers, SIGKILLs those past their
+stop deadline, reports the ones that died on their own) and, with
+`miad_enabled`, the MIAD frequency controller (`frequency.py`), which applies
+clocks only with `allow_clock_control`. The agent never restarts a worker by
+itself: the planner reconciles.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 
 from polyserve.gpu_agent import policy
 from polyserve.gpu_agent.config import GpuAgentSettings
+from polyserve.gpu_agent.frequency import FrequencyController
 from polyserve.gpu_agent.gpu import Gpu, GpuReading, detect_gpu
 from polyserve.gpu_agent.handlers import AgentHandlers
 from polyserve.proto import AgentInfo, GpuTelemetry, Heartbeat, StartWorker, StopWorker, WorkerDown
@@ -65,6 +68,7 @@ class GpuAgentService(ServiceBase):
         self.load: dict[str, int] = {}  # worker_id -> running + waiting, from heartbeats
         self.log_dir = Path(settings.worker_log_dir) if settings.worker_log_dir else None
         self.handlers = AgentHandlers(self)
+        self.frequency = FrequencyController(self)
 
     # ------------------------------------------------------------------ lifecycle
     async def on_start(self) -> None:
@@ -85,6 +89,9 @@ class GpuAgentService(ServiceBase):
         await self.publish_info()
         self.background(self._telemetry_loop(), "telemetry")
         self.background(self._watch_loop(), "watch")
+        if s.miad_enabled:
+            await self.frequency.start()
+            self.background(self.frequency.loop(), "miad")
         logger.info("gpu-agent %s (%s, simulated=%s); worker logs in %s",
                     self.gpu_id, self.gpu.name, self.gpu.simulated, self.log_dir)
 
@@ -107,6 +114,10 @@ class GpuAgentService(ServiceBase):
             await self.state.remove_agent(self.gpu_id)
         except Exception as exc:  # noqa: BLE001 - Redis down at shutdown: the TTL cleans up
             logger.warning("could not deregister agent %s: %s", self.gpu_id, exc)
+        try:
+            self.frequency.close()  # locked clocks back to the driver's default
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("could not restore clocks on %s: %s", self.gpu_id, exc)
         if self.gpu is not None:
             self.gpu.close()
 

@@ -25,6 +25,13 @@ class PlannerSettings(CommonSettings, frozen=True, kw_only=True):
         count and would make it overshoot).
     stop_orphans: stop workers whose deployment no longer exists in Redis.
     max_samples: per-deployment bound of the sample window.
+    actuator: "agents" (start/stop worker processes through the gpu-agents) or
+        "kubernetes" (patch the replicas of one Kubernetes Deployment per
+        deployment, `polyserve.planner.k8s`; needs the `kubernetes` package).
+    k8s_namespace, k8s_name_template: where that Deployment is and its name
+        (`{deployment}` is replaced by the deployment id).
+    k8s_in_cluster: use the pod's service account; False = k8s_kubeconfig
+        ("" = the default kubeconfig).
     """
 
     poll_interval_s: float = 5.0
@@ -35,6 +42,11 @@ class PlannerSettings(CommonSettings, frozen=True, kw_only=True):
     reset_window_on_scale: bool = True
     stop_orphans: bool = True
     max_samples: int = 10_000
+    actuator: str = "agents"
+    k8s_namespace: str = "polyserve"
+    k8s_name_template: str = "polyserve-worker-{deployment}"
+    k8s_in_cluster: bool = True
+    k8s_kubeconfig: str = ""
 
     def validate(self) -> None:
         super().validate()
@@ -48,3 +60,7 @@ class PlannerSettings(CommonSettings, frozen=True, kw_only=True):
             raise SettingsError("tolerance must be in [0, 1)")
         if self.max_samples < 1:
             raise SettingsError("max_samples must be >= 1")
+        if self.actuator not in ("agents", "kubernetes"):
+            raise SettingsError(f"actuator {self.actuator!r} must be 'agents' or 'kubernetes'")
+        if "{deployment}" not in self.k8s_name_template:
+            raise SettingsError("k8s_name_template must contain {deployment}")

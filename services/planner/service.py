@@ -6,7 +6,9 @@ from the moment it is spawned, so nothing is started twice), compute the
 windowed metric from `completed` events, decide with `policy.decide`, publish
 the `ScaleDecision` (event + Redis plan) and actuate through the agents:
 StartWorker on the agents with the fewest workers, StopWorker on the agents
-hosting the most workers of the deployment.
+hosting the most workers of the deployment. With `actuator=kubernetes` the count
+and the action are the replicas of the deployment's Kubernetes Deployment instead
+(`k8s.KubernetesActuator`; pods created but not yet running count as pending).
 """
 from __future__ import annotations
 
@@ -42,13 +44,28 @@ class PlannerService(ServiceBase):
         self.history: dict[str, deque[tuple[float, int]]] = {}  # recommendations, for stabilisation
         self.last_change: dict[str, float] = {}  # deployment -> time of the last scaling action
         self.heartbeats: dict[str, float] = {}  # worker_id -> time of its last heartbeat
+        self.live_workers: list[Heartbeat] = []  # from Redis, each tick in Kubernetes mode
         self.first_seen: dict[str, float] = {}  # worker_id -> when an AgentInfo first listed it
         self.decisions: dict[str, ScaleDecision] = {}
         self.handlers = PlannerHandlers(self)
         self._lock = asyncio.Lock()
+        self.k8s = None  # k8s.KubernetesActuator with actuator=kubernetes (set at start, or by tests)
 
     # ------------------------------------------------------------------ lifecycle
     async def on_start(self) -> None:
+        s = self.settings
+        if s.actuator == "kubernetes" and self.k8s is None:
+            from polyserve.planner.k8s import KubernetesActuator
+
+            try:
+                import kubernetes  # noqa: F401
+            except ImportError as exc:
+                raise RuntimeError("actuator=kubernetes needs the `kubernetes` package "
+                                   "(pip install 'polyserve[k8s]')") from exc
+            self.k8s = await asyncio.to_thread(
+                KubernetesActuator.from_config, s.k8s_namespace, in_cluster=s.k8s_in_cluster,
+                kubeconfig=s.k8s_kubeconfig or None, name_template=s.k8s_name_template,
+                timeout_s=s.request_timeout_s)
         await self.bus.listen(self.subjects.event("completed"), Completed, self.handlers.on_completed)
         await self.bus.listen(self.subjects.worker_event("heartbeat"), Heartbeat, self.handlers.on_heartbeat)
         await self.bus.listen(self.subjects.worker_event("down"), WorkerDown, self.handlers.on_worker_down)
@@ -81,6 +98,8 @@ class PlannerService(ServiceBase):
         async with self._lock:
             deployments = await self.state.list_deployments()
             agents = await self.state.live_agents()
+            if self.k8s is not None:
+                self.live_workers = await self.state.live_workers()
             now = time.time()
             self._track_workers(agents, now)
             known = {d.id for d in deployments}
@@ -118,6 +137,9 @@ class PlannerService(ServiceBase):
         scaler = dep.scaler
         hosting = {a.gpu_id: [w for w, d in a.workers.items() if d == dep.id] for a in agents}
         current = sum(len(ws) for ws in hosting.values())
+        if self.k8s is not None:
+            replicas = await asyncio.to_thread(self.k8s.replicas, dep.id)
+            hosting, current = {}, replicas.desired
         t0 = now - scaler.window_s
         if s.reset_window_on_scale and dep.id in self.last_change:
             t0 = max(t0, self.last_change[dep.id])
@@ -129,13 +151,17 @@ class PlannerService(ServiceBase):
         while history and history[0][0] < now - s.scale_down_stabilization_s:
             history.popleft()
         pending = self._pending([w for ws in hosting.values() for w in ws], now)
+        if self.k8s is not None and now - self.last_change.get(dep.id, 0.0) < s.worker_start_grace_s:
+            pending = max(0, replicas.desired - self._serving(dep.id))  # pods not serving yet
         decision = policy.decide(current, samples, scaler, now=now, history=list(history),
                                  stabilization_s=s.scale_down_stabilization_s, pending=pending,
                                  max_step=s.max_step, tolerance=s.tolerance)
         history.append((now, decision.recommended))
         reason = decision.reason
         if decision.desired != current:
-            if not agents:
+            if self.k8s is not None:
+                reason += await self._actuate_k8s(dep, decision.desired)
+            elif not agents:
                 reason = f"{NO_AGENT}; {reason}"
                 logger.warning("deployment %s wants %d workers, has %d: %s",
                                dep.id, decision.desired, current, NO_AGENT)
@@ -171,6 +197,21 @@ class PlannerService(ServiceBase):
         if changed:
             self.last_change[dep.id] = time.time()
         return note + (f"; failed: {'; '.join(failures)}" if failures else "")
+
+    def _serving(self, dep_id: str) -> int:
+        """Workers of `dep_id` with a live heartbeat in Redis (Kubernetes mode: the pods' workers)."""
+        return sum(1 for hb in self.live_workers if hb.deployment == dep_id)
+
+    async def _actuate_k8s(self, dep: Deployment, desired: int) -> str:
+        from polyserve.planner.k8s import ActuatorError
+
+        try:
+            got = await asyncio.to_thread(self.k8s.scale, dep.id, desired)
+        except ActuatorError as exc:
+            logger.warning("kubernetes refused to scale %s: %s", dep.id, exc)
+            return f"; kubernetes failed: {exc}"
+        self.last_change[dep.id] = time.time()
+        return f"; kubernetes replicas -> {got}"
 
     async def _ask(self, gpu_id: str, action: str, req: StartWorker | StopWorker,
                    failures: list[str]) -> AgentReply | None:

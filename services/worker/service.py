@@ -9,6 +9,7 @@ from typing import Any
 from polyserve.proto import AdapterCommand, CancelRequest, GenerateRequest, Heartbeat, WorkerDown, WorkerUp
 from polyserve.shared.lifecycle import ServiceBase
 from polyserve.worker.config import WorkerSettings, with_worker_id
+from polyserve.worker.embed_handler import serve_embeddings
 from polyserve.worker.engine import Engine
 from polyserve.worker.engines import make_engine
 from polyserve.worker.handlers import WorkerHandlers
@@ -42,6 +43,7 @@ class WorkerService(ServiceBase):
         self.handlers = WorkerHandlers(self.engine, self.bus, self.tracer, self.worker_id)
         await self.bus.serve(self.subjects.generate(self.worker_id), GenerateRequest, self.handlers.generate)
         await self.bus.serve(self.subjects.cancel(self.worker_id), CancelRequest, self.handlers.cancel)
+        self.embed_handler = await serve_embeddings(self)  # encoder engines: <p>.v1.worker.<id>.embed
         await self.bus.listen(self.subjects.adapters(s.deployment), AdapterCommand, self.handlers.adapter_command)
         await self.bus.nc.flush()  # subscribed before anyone is told where to send
         await self.bus.publish(self.subjects.worker_event("up"), WorkerUp(

@@ -9,10 +9,11 @@ import importlib
 
 from polyserve.worker.engine import Engine, EngineError
 
-ENGINES = ("sim", "hf", "vllm")
+ENGINES = ("sim", "hf", "vllm", "encoder")
 _LAZY = {
     "hf": ("polyserve.worker.engines.hf", "HfEngine"),
     "vllm": ("polyserve.worker.engines.vllm_engine", "VllmEngine"),
+    "encoder": ("polyserve.worker.engines.encoder", "EncoderEngine"),
 }
 
 

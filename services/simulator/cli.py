@@ -1,0 +1,232 @@
+"""`polyserve simulate` (also `python -m polyserve.simulator.cli`): trace-driven cluster
+simulation. Runs every combination of --policy × --order × --kernel × --rate-scale on
+each --trace, writes results.json, results.txt and PNG plots to --out. SIMULATED.
+
+Examples::
+
+    # policies at three loads, fixed 4 workers of the default profile
+    python -m polyserve.simulator.cli --policy aladdin,least_outstanding,power_of_two \\
+        --rate-scale 0.5,1,2 --workers 4 --out sim-out/policies
+    # the fewest workers that keep 99% of requests within both SLOs
+    python -m polyserve.simulator.cli --policy least_outstanding,power_of_two,aladdin \\
+        --rate-scale 1,2,4 --search-gpus --target 0.99 --out sim-out/gpus
+    # µ-Serve queue orders on one worker
+    python -m polyserve.simulator.cli --order fcfs,ssjf,sjf_oracle --workers 2 --out sim-out/sjf
+    # CaraServe: LoRA adapters of ranks 8-64 with Azure Functions popularity
+    python -m polyserve.simulator.cli --adapters 1000 --kernel bgmv,mbgmv \\
+        --policy caraserve,least_loaded,first_fit,random --workers 4 --out sim-out/lora
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from polyserve.dispatcher.perf_models import KERNELS, load_perf
+from polyserve.simulator import report
+from polyserve.simulator.cluster import SIM_POLICIES, SimConfig, simulate
+from polyserve.simulator.engine import WorkerConfig
+from polyserve.simulator.predictor import MODES, LengthPredictor, load_confusion
+from polyserve.simulator.trace import assign_adapters, datasets_dir, load_azure_llm, make_adapters, window
+from polyserve.worker.policy import ORDER_KEYS
+
+DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / "worker" / "profiles" / "sim-llama2-70b-h100-tp4.json"
+
+
+def _csv(text: str, cast=str) -> list:
+    return [cast(x.strip()) for x in text.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="polyserve simulate", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    traces = datasets_dir() / "traces"
+    ap.add_argument("--trace", action="append", default=None,
+                    help=f"Azure LLM trace CSV, repeatable (default {traces / 'azure_llm_2023_conv.csv'})")
+    ap.add_argument("--profile", default=str(DEFAULT_PROFILE), help="engine profile JSON (worker/profiles)")
+    ap.add_argument("--policy", default="least_outstanding", help=f"comma list of: {', '.join(SIM_POLICIES)}")
+    ap.add_argument("--order", default="fcfs", help=f"queue orders, comma list of: {', '.join(ORDER_KEYS)}")
+    ap.add_argument("--kernel", default="bgmv", help=f"LoRA kernels, comma list of: {', '.join(KERNELS)}")
+    ap.add_argument("--rate-scale", default="1", help="comma list of rate multipliers (2 = twice the trace's rate)")
+    ap.add_argument("--slice", default="", help="START:END seconds of the original trace (before rescaling)")
+    ap.add_argument("--duration", type=float, default=None, help="simulate the first S seconds (after rescaling)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--autoscale", action="store_true",
+                      help="Aladdin's scale-out signal opens workers, idle ones are released (down to --workers)")
+    mode.add_argument("--search-gpus", action="store_true",
+                      help="per run, the fewest fixed workers with SLO attainment (both) >= --target")
+    ap.add_argument("--workers", type=int, default=1, help="fixed workers (minimum with --autoscale)")
+    ap.add_argument("--max-workers", type=int, default=256)
+    ap.add_argument("--target", type=float, default=0.99, help="SLO attainment target of --search-gpus")
+    ap.add_argument("--idle-release-s", type=float, default=30.0)
+    ap.add_argument("--cold-start-s", type=float, default=0.0)
+    ap.add_argument("--ttft-slo-ms", type=float, default=1600.0, help="default: Aladdin Table 2, Llama2-70B")
+    ap.add_argument("--atgt-slo-ms", type=float, default=75.0, help="default: Aladdin Table 2, Llama2-70B")
+    ap.add_argument("--gamma", type=float, default=0.5)
+    ap.add_argument("--theta", type=float, default=0.9)
+    ap.add_argument("--slack", choices=("banked", "lifetime"), default="banked", help="Aladdin constraint (d)")
+    ap.add_argument("--predictor", choices=MODES, default="confusion")
+    ap.add_argument("--confusion", default=None, help="JSON confusion matrix (rows: true class)")
+    ap.add_argument("--class-bounds", default="percentile", help="'percentile' (µ-Serve) or e.g. 32,128,256,512")
+    ap.add_argument("--adapters", type=int, default=0, help="LoRA adapters (0 = none), one per Azure function")
+    ap.add_argument("--functions", default=str(traces / "azure_functions_2019_sample1000_invocations.csv"))
+    ap.add_argument("--ranks", default="8,16,32,64")
+    ap.add_argument("--max-adapters", type=int, default=0, help="adapter slots per worker (0 = no limit)")
+    ap.add_argument("--adapter-load-ms-per-rank", type=float, default=0.125)
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--kv-mode", choices=("grow", "reserve"), default="grow")
+    ap.add_argument("--kv-capacity", type=int, default=0, help="KV tokens per worker (0 = the profile's)")
+    ap.add_argument("--max-waiting", type=int, default=0, help="queue bound per worker (0 = none)")
+    ap.add_argument("--max-prefill-tokens", type=int, default=0,
+                    help="prompt tokens per prefill step (vLLM max_num_batched_tokens; 0 = none, as the sim engine)")
+    ap.add_argument("--aging-s", type=float, default=0.0, help="ssjf aging: seconds per length class (0 = default)")
+    ap.add_argument("--max-input-len", type=int, default=0, help="reject longer prompts (0 = no limit)")
+    ap.add_argument("--fit-online", action="store_true", help="policies use models fitted online from the steps")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="simulate-out", help="output folder")
+    ap.add_argument("--no-plots", action="store_true")
+    return ap
+
+
+def _search(trace, perf, cfg: SimConfig, target: float, max_workers: int, **kw):
+    """Fewest fixed workers with slo_both >= target: (result, metrics, workers) of that run."""
+    cache: dict[int, tuple] = {}
+
+    allowed = int((1.0 - target) * len(trace))  # more misses than this and the run cannot pass
+
+    def run(n: int):
+        if n not in cache:
+            res = simulate(trace, perf, replace(cfg, workers=n, max_workers=max(n, cfg.max_workers),
+                                                abort_misses=max(1, allowed)), **kw)
+            cache[n] = (res, report.metrics(res))
+        return cache[n]
+
+    lo, hi = 0, max(1, cfg.workers)
+    while run(hi)[1]["slo_both"] < target:
+        lo, hi = hi, hi * 2
+        if hi > max_workers:
+            hi = max_workers
+            if run(hi)[1]["slo_both"] < target:
+                return (*run(hi), hi)
+            break
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if run(mid)[1]["slo_both"] >= target:
+            hi = mid
+        else:
+            lo = mid
+    return (*run(hi), hi)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the grid of simulations; 0 on success, 2 on bad input."""
+    args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(args)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"polyserve simulate: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(args) -> int:
+    t_start = time.perf_counter()
+    perf, raw = load_perf(args.profile)
+    tp = int(raw.get("tensor_parallel", 1))
+    kv_cap = args.kv_capacity or int(raw.get("kv_capacity_tokens", 0))
+    traces = args.trace or [str(datasets_dir() / "traces" / "azure_llm_2023_conv.csv")]
+    policies, orders, kernels = _csv(args.policy), _csv(args.order), _csv(args.kernel)
+    for k in kernels:
+        if k not in KERNELS:
+            raise ValueError(f"kernel {k!r} is unknown; choose from {', '.join(KERNELS)}")
+    scales = _csv(args.rate_scale, float)
+    start, end = 0.0, None
+    if args.slice:
+        a, _, b = args.slice.partition(":")
+        start, end = float(a or 0), (float(b) if b else None)
+    confusion = load_confusion(args.confusion)
+    bounds = None if args.class_bounds == "percentile" else tuple(_csv(args.class_bounds, int))
+    base = SimConfig(workers=args.workers, autoscale=args.autoscale, max_workers=args.max_workers,
+                     idle_release_s=args.idle_release_s, cold_start_s=args.cold_start_s,
+                     ttft_slo_ms=args.ttft_slo_ms, atgt_slo_ms=args.atgt_slo_ms, gamma=args.gamma,
+                     theta=args.theta, slack=args.slack, max_input_len=args.max_input_len,
+                     fit_online=args.fit_online, seed=args.seed, aging_s=args.aging_s,
+                     worker=WorkerConfig(max_batch=args.max_batch, kv_capacity=kv_cap, kv_mode=args.kv_mode,
+                                         max_adapters=args.max_adapters, max_waiting=args.max_waiting,
+                                         max_prefill_tokens=args.max_prefill_tokens,
+                                         adapter_load_ms_per_rank=args.adapter_load_ms_per_rank, tp=tp))
+    rows, cdfs, runs_meta = [], {}, []
+    for tpath in traces:
+        full = load_azure_llm(tpath)
+        for scale in scales:
+            tr = window(full, start_s=start, end_s=end, rate_scale=scale, duration_s=args.duration)
+            pred = LengthPredictor(args.predictor, full.output_len, bounds=bounds, confusion=confusion, seed=args.seed)
+            kw = {"predictor": pred}
+            if args.adapters:
+                ads = make_adapters(args.functions, args.adapters, _csv(args.ranks, int), seed=args.seed)
+                kw.update(adapters=ads, adapter_idx=assign_adapters(len(tr), ads, seed=args.seed))
+            for pol in policies:
+                for order in orders:
+                    for kernel in kernels:
+                        cfg = replace(base, policy=pol, order=order, worker=replace(base.worker, kernel=kernel))
+                        label = pol + (f"/{order}" if len(orders) > 1 else "") + \
+                            (f"/{kernel}" if len(kernels) > 1 or args.adapters else "")
+                        if args.search_gpus:
+                            res, m, n = _search(tr, perf, cfg, args.target, args.max_workers, **kw)
+                            m["workers"] = n
+                        else:
+                            res = simulate(tr, perf, cfg, **kw)
+                            m = report.metrics(res)
+                        m.update(label=label, load=round(tr.rate, 3), rate_scale=scale, trace=full.name)
+                        rows.append(m)
+                        cdfs.setdefault((full.name, scale), {})[label] = report.latencies(res)
+                        print(report.table([m]).splitlines()[-1], f"  [{res.wall_s:.1f}s]", flush=True)
+                        runs_meta.append({"trace": tpath, "rate_scale": scale, "label": label, "config": res.config})
+    title = (f"profile {raw.get('name', Path(args.profile).stem)}, SLO TTFT {args.ttft_slo_ms:g} ms / "
+             f"ATGT {args.atgt_slo_ms:g} ms, predictor {args.predictor}"
+             + (f", search: fewest workers with >= {args.target:g} attainment" if args.search_gpus else ""))
+    text = "\n\n".join(report.table([r for r in rows if r["trace"] == name], f"{name} — {title}")
+                       for name in dict.fromkeys(r["trace"] for r in rows))
+    payload = {"command": "polyserve simulate " + " ".join(args.argv), "profile": args.profile,
+               "title": title, "rows": rows, "runs": runs_meta,
+               "wall_s": time.perf_counter() - t_start}
+    pj, pt = report.write(args.out, payload, text)
+    print("\n" + text)
+    if not args.no_plots:
+        for p in _plots(rows, cdfs, Path(args.out), args):
+            print(f"plot: {p}")
+    print(f"results: {pj} {pt}  ({time.perf_counter() - t_start:.1f}s)")
+    return 0
+
+
+def _plots(rows: list[dict], cdfs: dict, out: Path, args) -> list[Path]:
+    from polyserve.simulator import plots
+
+    made = []
+    slo = {"ttft": args.ttft_slo_ms, "atgt": args.atgt_slo_ms}
+    for (name, scale), runs in cdfs.items():
+        made.append(plots.latency_cdfs(runs, out / f"cdf_{name}_x{scale:g}.png",
+                                       f"{name} at {scale:g}x rate", slo))
+    for name in dict.fromkeys(r["trace"] for r in rows):
+        sel = [r for r in rows if r["trace"] == name]
+        base = name
+        if len({r["load"] for r in sel}) < 2:
+            continue
+        by = lambda key: {lab: [(r["load"], r[key] if key else r) for r in sel  # noqa: E731
+                                if r["label"] == lab and (key is None or r[key] is not None)]
+                          for lab in dict.fromkeys(r["label"] for r in sel)}
+        made.append(plots.versus_load(by("slo_both"), out / f"slo_vs_load_{base}.png", hline=args.target,
+                                      ylabel="SLO attainment (TTFT and ATGT)", title=f"SLO attainment vs load, {base}"))
+        made.append(plots.versus_load(by("gpus_mean"), out / f"gpus_vs_load_{base}.png",
+                                      ylabel="GPUs (mean over the run)", title=f"GPUs vs load, {base}"))
+        jct = {lab: [(x, r["e2e_ms"]["mean"] / 1000.0) for x, r in pts if r["e2e_ms"]["mean"] is not None]
+               for lab, pts in by(None).items()}
+        made.append(plots.versus_load(jct, out / f"jct_vs_load_{base}.png", ylabel="mean job completion time (s)",
+                                      title=f"Mean JCT (end-to-end latency) vs load, {base}"))
+    return made
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,323 @@
+"""One simulated worker: continuous batching with a KV budget, timed by the profile.
+
+The iteration follows the project's `sim` engine (`polyserve.worker.engines.sim`) so the
+two can be compared: each step admits waiting requests in queue order while batch
+slots and KV allow (head-of-line, `polyserve.worker.policy.admit_count`), runs one
+prefill of the admitted prompts (which yields their first token), then one decode step
+of the requests admitted before (one token each). Durations come from Aladdin's models
+(`polyserve.worker.policy.prefill_ms` / `decode_ms`) plus the LoRA share of the
+worker's kernel (CaraServe BGMV/MBGMV, `perf_models.WorkerPerf.lora_ms`), and a
+cold adapter's load time in the prefill.
+
+KV (`kv_mode`):
+* ``grow`` (vLLM's paged KV): a sequence holds kv(l_in + generated); admission needs
+  kv(prompt + 1) on top of this step's growth; when a decode step would overflow, the
+  latest admitted request is preempted (recompute: back to the queue, re-prefilled
+  with its prompt and the tokens it had generated; its first-token time stands).
+* ``reserve`` (the `sim` engine): admission reserves kv(l_in + reserved output) until
+  the request ends; nothing is preempted.
+
+Every running request advances one token per decode step, so the state of the batch is
+kept as sums (Σ context = S + b·D for the decode-step counter D) and a heap of finish
+steps: a step costs O(log n), not O(batch).
+"""
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from polyserve.dispatcher.perf_models import WorkerPerf
+from polyserve.worker import policy as wp
+
+
+@dataclass(eq=False, slots=True)
+class SimRequest:
+    """One request's life in the simulation (times in seconds)."""
+
+    idx: int
+    request_id: str
+    arrival: float
+    input_len: int
+    output_len: int  # true length
+    predicted_tokens: int = 0
+    length_class: int = -1
+    priority: int = 0
+    adapter: str | None = None
+    rank: int = 0
+    # filled by the worker
+    worker: str = ""
+    key: object = None
+    seqs: int = 1
+    kv_demand: int = 0
+    prefill_len: int = 0  # prompt (+ generated, after a preemption) to prefill
+    generated: int = 0  # tokens produced before the current residency
+    g0: int = 0
+    d0: int = 0
+    admitted: float = -1.0
+    first_token: float = -1.0
+    finish: float = -1.0
+    preemptions: int = 0
+    rejected: str = ""
+
+    @property
+    def true_tokens(self) -> int:  # oracle SJF's key
+        return self.output_len
+
+
+@dataclass
+class WorkerConfig:
+    max_batch: int = 64
+    kv_capacity: int = 0
+    kv_mode: str = "grow"  # "grow" | "reserve"
+    kernel: str = "bgmv"
+    max_adapters: int = 0  # 0 = no limit
+    adapter_load_ms_per_rank: float = 0.125  # cold adapter load (≈ rank-64 Llama2-7B adapter, 100 MiB, PCIe)
+    max_waiting: int = 0  # 0 = unbounded
+    max_prefill_tokens: int = 0  # prompt tokens per prefill (vLLM max_num_batched_tokens); 0 = no limit
+    tp: int = 1  # GPUs of one worker
+
+
+@dataclass
+class _Step:
+    t0: float
+    prefill_ms: float
+    new: list
+    decoded: bool
+
+
+class SimWorker:
+    """A continuous-batching engine instance in simulated time."""
+
+    def __init__(self, worker_id: str, perf: WorkerPerf, cfg: WorkerConfig, order_key, started_at: float = 0.0):
+        self.id = worker_id
+        self.perf = perf
+        self.cfg = cfg
+        self.order_key = order_key
+        self.started_at = started_at
+        self.stopped_at: float | None = None
+        self.ready_at = started_at
+        self.waiting: list[tuple[object, int, SimRequest]] = []
+        self.running: dict[int, SimRequest] = {}  # decode set, in admission order
+        self._fin: list[tuple[int, int, SimRequest]] = []
+        self.D = 0  # decode steps done
+        self.S = 0  # Σ(l_in + g0 − d0) over the decode set: Σ context = S + b·D
+        self.kv_reserved = 0  # reserve mode
+        self.rank_count: dict[int, int] = {}
+        self.sum_rank = 0
+        self.adapters: OrderedDict[str, int] = OrderedDict()  # resident adapter -> rank (LRU order)
+        self.adapter_refs: dict[str, int] = {}
+        self.step: _Step | None = None
+        self.busy_ms = 0.0
+        self.steps = 0
+        self.preemptions = 0
+        self.kv_overflows = 0
+        self.idle_since = started_at
+        self._seq = 0
+
+    # ------------------------------------------------------------------ views
+    @property
+    def b(self) -> int:
+        return len(self.running)
+
+    def n_waiting(self) -> int:
+        return len(self.waiting)
+
+    def in_flight(self) -> int:
+        return len(self.running) + len(self.waiting) + (len(self.step.new) if self.step else 0)
+
+    def kv_used(self) -> int:
+        if self.cfg.kv_mode == "reserve":
+            return self.kv_reserved
+        h, j = self.perf.base.h, self.perf.base.j
+        ctx = self.S + self.b * self.D
+        held = sum(self.perf.kv(r.prefill_len + 1) for r in self.step.new) if self.step else 0.0
+        return int(h * ctx + j * self.b + held)
+
+    def max_rank(self) -> int:
+        return max((r for r, c in self.rank_count.items() if c > 0), default=0)
+
+    def generated_of(self, r: SimRequest) -> int:
+        return r.g0 + self.D - r.d0
+
+    def idle(self) -> bool:
+        return self.step is None and not self.running and not self.waiting
+
+    # ------------------------------------------------------------------ queue
+    def enqueue(self, r: SimRequest, now: float) -> bool:
+        """Queue a request; False (and r.rejected set) when the queue is full or it cannot fit."""
+        if self.cfg.max_waiting and len(self.waiting) >= self.cfg.max_waiting:
+            r.rejected = "queue full"
+            return False
+        if self.cfg.kv_capacity and self.perf.kv(r.input_len + 1) > self.cfg.kv_capacity:
+            r.rejected = "prompt exceeds KV capacity"
+            return False
+        r.worker = self.id
+        r.prefill_len = r.input_len + r.generated
+        if r.key is None:
+            r.key = self.order_key(r)
+        self._seq += 1
+        heapq.heappush(self.waiting, (r.key, self._seq, r))
+        return True
+
+    def remove_waiting(self, request_id: str) -> SimRequest | None:
+        """Take a not-yet-started request out of the queue (Aladdin re-balancing)."""
+        for k, (_, _, r) in enumerate(self.waiting):
+            if r.request_id == request_id:
+                self.waiting.pop(k)
+                heapq.heapify(self.waiting)
+                return r
+        return None
+
+    # ------------------------------------------------------------------ steps
+    def start_step(self, now: float) -> float | None:
+        """Begin the next iteration at `now`; its end time, or None when there is nothing to do."""
+        cfg, perf = self.cfg, self.perf
+        preempted = self._preempt_for_growth() if cfg.kv_mode == "grow" and self.running else False
+        new: list[SimRequest] = []
+        if self.waiting and not preempted:
+            new = self._admit()
+        if not new and not self.running:
+            self.idle_since = now
+            return None
+        pre = 0.0
+        if new:
+            pre = perf.prefill_ms(sum(r.prefill_len for r in new)) + self._load_adapters(new)
+            for r in new:
+                if r.admitted < 0:
+                    r.admitted = now
+        dec = 0.0
+        b = self.b
+        if b:
+            l_avg = (self.S + b * self.D) / b
+            dec = perf.decode_ms(l_avg, b) + perf.lora_ms(cfg.kernel, b, self.max_rank(), self.sum_rank)
+        self.step = _Step(now, pre, new, b > 0)
+        self.busy_ms += pre + dec
+        self.steps += 1
+        return now + (pre + dec) / 1000.0
+
+    def end_step(self, now: float) -> list[SimRequest]:
+        """Finish the iteration begun by `start_step`; the requests that completed."""
+        st, self.step = self.step, None
+        done: list[SimRequest] = []
+        if st.decoded:
+            self.D += 1
+            while self._fin and self._fin[0][0] <= self.D:
+                _, _, r = heapq.heappop(self._fin)
+                r.finish = now
+                self._leave(r)
+                done.append(r)
+        t_first = st.t0 + st.prefill_ms / 1000.0
+        for r in st.new:
+            if r.first_token < 0:
+                r.first_token = t_first
+            r.g0 = r.generated + 1
+            if r.g0 >= r.output_len:
+                r.finish = t_first
+                self._release(r)
+                done.append(r)
+                continue
+            r.d0 = self.D
+            self.running[r.idx] = r
+            self.S += r.input_len + r.g0 - r.d0
+            self.rank_count[r.rank] = self.rank_count.get(r.rank, 0) + 1
+            self.sum_rank += r.rank
+            self._seq += 1
+            heapq.heappush(self._fin, (self.D + r.output_len - r.g0, self._seq, r))
+        return done
+
+    # ------------------------------------------------------------------ internals
+    def _admit(self) -> list[SimRequest]:
+        cfg = self.cfg
+        new: list[SimRequest] = []
+        seqs, prompt = self.b, 0
+        cap = cfg.kv_capacity or 1 << 62
+        if cfg.kv_mode == "reserve":
+            kv = self.kv_reserved
+        else:  # this step's growth of the running sequences is spoken for
+            kv = self.kv_used() + int(self.perf.base.h * self.b + 0.999)
+        while self.waiting:
+            r = self.waiting[0][2]
+            r.kv_demand = self._demand(r)
+            if wp.admit_count([r], seqs, kv, cfg.max_batch, cap) == 0 or not self._adapter_slot(r):
+                break
+            if cfg.max_prefill_tokens and new and prompt + r.prefill_len > cfg.max_prefill_tokens:
+                break
+            prompt += r.prefill_len
+            heapq.heappop(self.waiting)
+            new.append(r)
+            seqs += 1
+            kv += r.kv_demand
+            if cfg.kv_mode == "reserve":
+                self.kv_reserved += r.kv_demand
+            if r.adapter is not None:
+                self.adapter_refs[r.adapter] = self.adapter_refs.get(r.adapter, 0) + 1
+        return new
+
+    def _demand(self, r: SimRequest) -> int:
+        if self.cfg.kv_mode == "reserve":
+            out = min(r.predicted_tokens, r.output_len) if r.predicted_tokens > 0 else r.output_len
+            return wp.kv_demand(self.perf.base, r.input_len, out)
+        return int(self.perf.kv(r.prefill_len + 1) + 0.999)
+
+    def _adapter_slot(self, r: SimRequest) -> bool:
+        if r.adapter is None or r.adapter in self.adapters or not self.cfg.max_adapters:
+            return True
+        if len(self.adapters) < self.cfg.max_adapters:
+            return True
+        return any(self.adapter_refs.get(a, 0) == 0 for a in self.adapters)
+
+    def _load_adapters(self, new: list[SimRequest]) -> float:
+        """Make the adapters of `new` resident (LRU eviction of unused ones); load time in ms."""
+        ms = 0.0
+        for r in new:
+            if r.adapter is None:
+                continue
+            if r.adapter in self.adapters:
+                self.adapters.move_to_end(r.adapter)
+                continue
+            if self.cfg.max_adapters and len(self.adapters) >= self.cfg.max_adapters:
+                victim = next((a for a in self.adapters if self.adapter_refs.get(a, 0) == 0), None)
+                if victim is not None:
+                    del self.adapters[victim]
+            self.adapters[r.adapter] = r.rank
+            ms += self.cfg.adapter_load_ms_per_rank * r.rank
+        return ms
+
+    def _preempt_for_growth(self) -> bool:
+        """vLLM recompute preemption: while this decode step would overflow the KV budget,
+        send the latest admitted request back to the queue."""
+        cap = self.cfg.kv_capacity
+        if not cap:
+            return False
+        h = self.perf.base.h
+        hit = False
+        while self.running and self.kv_used() + h * self.b > cap:
+            if self.b == 1:  # alone and still out of room: let it overflow rather than livelock
+                self.kv_overflows += 1
+                return hit
+            r = next(reversed(self.running.values()))
+            r.generated = self.generated_of(r)
+            self._leave(r)
+            self._fin = [(d, s, x) for d, s, x in self._fin if x is not r]
+            heapq.heapify(self._fin)
+            r.preemptions += 1
+            self.preemptions += 1
+            r.prefill_len = r.input_len + r.generated
+            self._seq += 1
+            heapq.heappush(self.waiting, (r.key, self._seq, r))
+            hit = True
+        return hit
+
+    def _leave(self, r: SimRequest) -> None:
+        self.running.pop(r.idx, None)
+        self.S -= r.input_len + r.g0 - r.d0
+        self.rank_count[r.rank] -= 1
+        self.sum_rank -= r.rank
+        self._release(r)
+
+    def _release(self, r: SimRequest) -> None:
+        if self.cfg.kv_mode == "reserve":
+            self.kv_reserved -= r.kv_demand
+        if r.adapter is not None:
+            self.adapter_refs[r.adapter] = self.adapter_refs.get(r.adapter, 1) - 1

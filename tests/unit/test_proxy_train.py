@@ -1,0 +1,58 @@
+"""A tiny end-to-end training run: probe, two phases, artifact written, loaded and used (CPU, seconds)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from polyserve.predictor.proxy import artifact, data, encoder, train  # noqa: E402
+from polyserve.predictor.proxy.infer import ProxyPredictor  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+
+def tiny_dataset() -> data.Dataset:
+    """Two models; 'essay' prompts get long answers, 'yes or no' prompts short ones."""
+    rows = []
+    for i in range(40):
+        long = i % 2 == 0
+        prompt = f"write a detailed essay about topic {i}" if long else f"answer yes or no: is {i} even"
+        for model, scale in (("alpha", 1), ("beta", 3)):
+            out = (300 + 7 * i if long else 3 + i % 5) * scale
+            rows.append(data.Row(prompt=prompt, model=model, output_tokens=out, input_tokens=8, source="t",
+                                 split="val" if i % 5 == 0 else "train"))
+    return data.Dataset(rows, data_hash="tiny", tokenizer=encoder.DEFAULT_ENCODER)
+
+
+def test_train_writes_a_small_artifact_that_loads_and_predicts(tmp_path):
+    cfg = train.TrainConfig(max_length=32, lora_rank=2, batch_size=8, phase1_epochs=1, phase2_epochs=3,
+                            probe_epochs=2, threads=1, progress=False)
+    meta = train.train(tiny_dataset(), cfg, tmp_path / "a")
+    assert meta.pooling in ("cls", "mean") and set(meta.extra["pooling_probe"]) == {"cls", "mean"}
+    assert meta.models == ["alpha", "beta"] and meta.data_hash == "tiny"
+    assert meta.extra["phase1"]["steps"] == 4 and meta.extra["phase2"]["best_epoch"] >= 0
+    assert artifact.size_bytes(tmp_path / "a") < 1_000_000
+    # class bounds are per model: beta's answers are three times longer
+    assert meta.classes["beta"].bounds[1] > 2 * meta.classes["alpha"].bounds[1]
+
+    pred = ProxyPredictor.load(tmp_path / "a")
+    answers, keys = pred.predict(["write a detailed essay about rivers", "answer yes or no: is 3 even"],
+                                 ["alpha", "somebody-else"])
+    assert [a.known_model for a in answers] == [True, False]
+    for a, mc in zip(answers, (meta.classes["alpha"], meta.default_classes)):
+        assert 0 <= a.length_class < 5 and a.tokens == mc.tokens(a.length_class)
+    assert keys.shape == (2, pred.dim) and abs(float((keys[0] ** 2).sum()) - 1) < 1e-4
+
+    bad = artifact.read_meta(tmp_path / "a")
+    bad.tokenizer_fingerprint = "0" * 16
+    (tmp_path / "b").mkdir()
+    artifact.save(tmp_path / "b", bad, {}, None)
+    with pytest.raises(artifact.ArtifactError, match="tokenizer"):
+        ProxyPredictor.load(tmp_path / "b")
+    with pytest.raises(artifact.ArtifactError, match="no predictor artifact"):
+        ProxyPredictor.load(tmp_path / "absent")
