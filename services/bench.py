@@ -109,7 +109,10 @@ def overhead(args: argparse.Namespace) -> int:
                              "--tokens", str(args.tokens)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     spec = launcher.ClusterSpec(run_dir=run_dir, engine="sim", model="bench-sim", port=infra.free_port(),
                                 nats_port=0, redis_port=0, prefix="polyserve", min_replicas=1, max_replicas=1,
-                                extra_env={"POLYSERVE_WORKER_TIME_SCALE": "0", "POLYSERVE_LOG_LEVEL": "WARNING"})
+                                extra_env={"POLYSERVE_WORKER_TIME_SCALE": "0", "POLYSERVE_LOG_LEVEL": "WARNING",
+                                           # the control plane alone: the historical-mean predictor, unless
+                                           # --with-model also measures the BERT proxy model on this CPU
+                                           "POLYSERVE_PREDICTOR_PROXY_ARTIFACT": "shipped" if args.with_model else ""})
     print("starting polyserve (sim engine, zero compute time) and a bare FastAPI endpoint ...", flush=True)
     try:
         state = launcher.up(spec, progress=lambda m: None)
@@ -129,8 +132,9 @@ def overhead(args: argparse.Namespace) -> int:
         launcher.down(run_dir, progress=lambda m: None)
         bare.terminate()
         bare.wait(10)
+    predictor = "BERT proxy model" if args.with_model else "historical mean"
     print(f"\ncontrol-plane overhead ({args.requests} requests per cell, {args.tokens} output tokens, "
-          "sim worker with zero compute time)")
+          f"sim worker with zero compute time, predictor: {predictor})")
     print(f"{'case':<12}{'bare rps':>10}{'ps rps':>10}{'rps ratio':>10}{'bare p50':>10}{'ps p50':>10}"
           f"{'added p50':>11}{'bare p99':>10}{'ps p99':>10}")
     for case, r in results.items():
@@ -152,4 +156,6 @@ def add_parser(sub) -> None:
     o.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     o.add_argument("--tokens", type=int, default=16)
     o.add_argument("--json", help="also write the figures to this file")
+    o.add_argument("--with-model", action="store_true",
+                   help="predict with the BERT proxy model (default: the historical mean, i.e. the control plane alone)")
     o.set_defaults(fn=overhead)

@@ -6,8 +6,9 @@ into TokenChunks on NATS, and `load()` into heartbeats.
 from __future__ import annotations
 
 import abc
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from polyserve.proto import AdapterInfo, RequestStats, SamplingParams
@@ -114,6 +115,36 @@ class Engine(abc.ABC):
     async def unload_adapter(self, name: str, force: bool = False) -> None:
         """Unload an adapter; 409 while requests use it unless `force` cancels them."""
         raise EngineError(f"the {self.name} engine does not serve LoRA adapters", 501)
+
+
+async def relay(queue: "asyncio.Queue", request_id: str, is_done: Callable[[], bool],
+                cancel: Callable[[str], object]) -> AsyncIterator[Delta | Finished]:
+    """Yield an engine request's events from its queue until Finished (an Exception in
+    the queue is raised); a consumer that goes away cancels the request at once."""
+    try:
+        while True:
+            event = await queue.get()
+            if isinstance(event, Exception):
+                raise event
+            yield event
+            if isinstance(event, Finished):
+                return
+    finally:
+        if not is_done():
+            cancel(request_id)
+
+
+def check_request(req: EngineRequest, *, max_batch: int, adapters, known, unit: str = "rows") -> None:
+    """Admission checks every engine makes, as EngineErrors saying what to fix."""
+    p = req.params
+    if p.n < 1 or p.max_tokens < 1:
+        raise EngineError(f"n ({p.n}) and max_tokens ({p.max_tokens}) must be >= 1", 400)
+    if p.n > max_batch:
+        raise EngineError(f"n={p.n} exceeds this worker's max batch of {max_batch} {unit}", 400)
+    if req.adapter and req.adapter not in adapters:
+        raise EngineError(adapters.unknown_message(req.adapter), 404)
+    if req.request_id in known:
+        raise EngineError(f"request {req.request_id!r} is already running on this worker", 409)
 
 
 def make_stats(input_tokens: int, output_tokens: int, arrival: float, start: float,

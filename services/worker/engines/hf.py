@@ -18,6 +18,7 @@ those reservations, so capacity - used is exactly what the next admission may ta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -33,7 +34,7 @@ from polyserve.proto import AdapterInfo
 
 from polyserve.worker import policy as worker_policy
 from polyserve.worker.engine import (Delta, Engine, EngineError, EngineLoad, EngineOverloaded, EngineRequest,
-                                     Finished, make_stats)
+                                     Finished, check_request, make_stats, relay)
 from polyserve.worker.engines.hf_batch import Batch, Row
 from polyserve.worker.lora import AdapterError, AdapterRegistry, check_name, read_adapter
 
@@ -135,30 +136,15 @@ class HfEngine(Engine):
     # ----------------------------------------------------------------- requests
     async def generate(self, req: EngineRequest) -> AsyncIterator[Delta | Finished]:
         act = self._admit(req)  # raises before any token
-        try:
-            while True:
-                event = await act.queue.get()
-                if isinstance(event, Exception):
-                    raise event
+        async with contextlib.aclosing(relay(act.queue, req.request_id, lambda: act.done, self.cancel)) as events:
+            async for event in events:
                 yield event
-                if isinstance(event, Finished):
-                    return
-        finally:
-            if not act.done:  # the consumer went away: free the slot now
-                self.cancel(req.request_id)
 
     def _admit(self, req: EngineRequest) -> _Active:
         if self._bundle is None or self._stopping:
             raise EngineError("the hf engine is not running", 503)
         p = req.params
-        if p.n < 1 or p.max_tokens < 1:
-            raise EngineError(f"n ({p.n}) and max_tokens ({p.max_tokens}) must be >= 1", 400)
-        if p.n > self.max_batch:
-            raise EngineError(f"n={p.n} exceeds this worker's max batch of {self.max_batch} rows", 400)
-        if req.adapter and req.adapter not in self.adapters:
-            raise EngineError(self.adapters.unknown_message(req.adapter), 404)
-        if req.request_id in self._known:
-            raise EngineError(f"request {req.request_id!r} is already running on this worker", 409)
+        check_request(req, max_batch=self.max_batch, adapters=self.adapters, known=self._known)
         ids = self._bundle.encode(req.prompt)
         if not ids:
             raise EngineError("the prompt encodes to no tokens", 400)
