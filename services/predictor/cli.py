@@ -95,11 +95,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         paths += [str(d) for d in subdirs] or [path]
     for path in paths:
         t = time.monotonic()
-        p, meta = evaluate.artifact_predictions(path, rows, args.encoder_dir)
+        p, meta = evaluate.artifact_predictions(path, rows, args.encoder_dir, int8=args.int8)
         if meta.data_hash != ds.data_hash:
             _say(f"warning: {path} was trained on data {meta.data_hash[:12]}, evaluating on {ds.data_hash[:12]}")
         _say(f"{path}: {meta.objective} ({meta.pooling} pooling) on {len(rows)} rows in {time.monotonic() - t:.0f}s")
-        if meta.objective in {q.method for q in preds}:
+        if args.int8:
+            p.method += "+int8"
+        if p.method in {q.method for q in preds}:
             p.method = f"{p.method}@{Path(path).name}"
         preds.append(p)
     preds += [evaluate.history_baseline(train_rows, rows, classes, default),
@@ -118,7 +120,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from polyserve.predictor.proxy import bench
 
     res = bench.run(args.artifact, args.encoder_dir, threads=args.threads, iterations=args.iterations,
-                    seconds=args.seconds)
+                    seconds=args.seconds, max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
+                    bucket_step=args.bucket_step, int8=args.int8)
     print(bench.render(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8")
@@ -166,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--artifact", action="append",
                    help="artifact directory, or a directory of them (repeatable; default: the shipped one)")
     e.add_argument("--split", default="test", choices=["train", "val", "test"])
+    e.add_argument("--int8", action="store_true", help="evaluate with the encoder quantized to int8 (as served)")
     e.add_argument("--seed", type=int, default=0, help="seed of the random baseline")
     e.add_argument("--json", help="also write the figures to this file")
     e.set_defaults(fn=cmd_eval)
@@ -176,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--threads", type=int, default=0)
     bn.add_argument("--iterations", type=int, default=50, help="batch-1 predictions per prompt length")
     bn.add_argument("--seconds", type=float, default=5.0, help="duration of each throughput run")
+    bn.add_argument("--max-batch", type=int, default=16)
+    bn.add_argument("--batch-wait-ms", type=float, default=2.0)
+    bn.add_argument("--bucket-step", type=int, default=64)
+    bn.add_argument("--int8", action="store_true", help="encoder quantized to int8")
     bn.add_argument("--json", help="also write the figures to this file")
     bn.set_defaults(fn=cmd_bench)
     return p

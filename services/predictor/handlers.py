@@ -203,7 +203,11 @@ class PredictHandlers:
         classes = self.runner.meta.classes_for(req.model)
         source, tokens, length_class = SOURCE_MODEL, r.tokens, r.length_class
         if self.cache is not None and r.key is not None:
-            hit = self.cache.lookup(req.request_id, req.model, r.key)
+            try:
+                hit = self.cache.lookup(req.request_id, req.model, r.key)
+            except Exception:  # a cache fault must not fail the prediction
+                logger.exception("predict %s: semantic cache lookup failed", req.request_id)
+                hit = None
             if hit is not None:
                 source, tokens = SOURCE_CACHE, max(1, hit.length)
                 length_class = int(classes.classes([hit.length])[0])

@@ -34,7 +34,7 @@ def plane(make_settings, state, span_exporter):
         gateway = GatewayService(make_settings(GatewaySettings, "gateway", **gw_kw), span_exporter=span_exporter)
         services = []
         if with_predictor:
-            services.append(PredictorService(make_settings(PredictorSettings, "predictor"),
+            services.append(PredictorService(make_settings(PredictorSettings, "predictor", proxy_artifact=""),
                                              span_exporter=span_exporter))
         services.append(DispatcherService(make_settings(DispatcherSettings, "dispatcher"),
                                           span_exporter=span_exporter))

@@ -27,10 +27,10 @@ class FakePredictor:
         self.threads: set[str] = set()
         self.dim = 4
 
-    def tok(self, texts, **_):
-        return {"input_ids": [t.split() for t in texts]}
+    def token_ids(self, texts):
+        return [t.split() for t in texts]
 
-    def predict(self, prompts, models):
+    def predict(self, prompts, models, ids=None):
         self.threads.add(threading.current_thread().name)
         self.batches.append(list(prompts))
         time.sleep(self.delay_s)

@@ -48,6 +48,18 @@ def test_train_writes_a_small_artifact_that_loads_and_predicts(tmp_path):
         assert 0 <= a.length_class < 5 and a.tokens == mc.tokens(a.length_class)
     assert keys.shape == (2, pred.dim) and abs(float((keys[0] ** 2).sum()) - 1) < 1e-4
 
+    # serving folds the adapter into the weights without peft: the same weights as peft's merge
+    from polyserve.predictor.proxy import model as M
+
+    _, _, lora = artifact.load(tmp_path / "a")
+    enc_dir = str(encoder.resolve_encoder_dir())
+    ours = M.load_merged_encoder(enc_dir, meta.lora_rank, lora).state_dict()
+    peft_merged = M.load_encoder(enc_dir, meta.lora_rank, lora, meta.lora_targets).merge_and_unload().state_dict()
+    assert set(ours) == set(peft_merged)
+    assert max(float((ours[k] - peft_merged[k]).abs().max()) for k in ours) < 1e-6
+    base = M.load_merged_encoder(enc_dir, 1, {}).state_dict()  # no adapter: the published weights
+    assert any(float((ours[k] - v).abs().max()) > 0 for k, v in base.items())
+
     bad = artifact.read_meta(tmp_path / "a")
     bad.tokenizer_fingerprint = "0" * 16
     (tmp_path / "b").mkdir()

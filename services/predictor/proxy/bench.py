@@ -93,7 +93,8 @@ def cache_lookup(dim: int, sizes=(1_000, 10_000, 20_000, 50_000), queries: int =
 
 
 def run(artifact_dir: str | None, encoder_dir: str | None = None, *, threads: int = 0, iterations: int = 50,
-        seconds: float = 5.0) -> dict:
+        seconds: float = 5.0, max_batch: int = 16, batch_wait_ms: float = 2.0, bucket_step: int = 64,
+        int8: bool = False) -> dict:
     """All figures as one dict (see the module docstring)."""
     import torch
     from transformers.utils import logging as hf_logging
@@ -106,9 +107,10 @@ def run(artifact_dir: str | None, encoder_dir: str | None = None, *, threads: in
     if threads:
         torch.set_num_threads(threads)
     path = artifact_dir or str(artifact.default_dir())
-    pred = ProxyPredictor.load(path, encoder_dir)
+    pred = ProxyPredictor.load(path, encoder_dir, bucket_step=bucket_step, int8=int8)
     model = pred.meta.models[0] if pred.meta.models else "unknown"
     res: dict = {"artifact": path, "torch_threads": torch.get_num_threads(), "max_length": pred.meta.max_length,
+                 "int8": int8, "max_batch": max_batch, "batch_wait_ms": batch_wait_ms, "bucket_step": bucket_step,
                  "cache_keys": pred.cache_keys, "batch1": [latency(pred, n, iterations, model) for n in (32, 128, 512)]}
     pred.meta.max_length, saved = 512, pred.meta.max_length
     res["batch1_unclipped_512"] = latency(pred, 512, max(5, iterations // 5), model)
@@ -119,11 +121,12 @@ def run(artifact_dir: str | None, encoder_dir: str | None = None, *, threads: in
     prompts = [prompt_of(pred.tok, n, seed=i) for i, n in enumerate(lengths)]
 
     async def runner_figures(pad_to_max: bool) -> list[dict]:
-        runner = ModelRunner(path, encoder_dir, max_batch=16, batch_wait_ms=2.0, max_queue=1024)
+        runner = ModelRunner(path, encoder_dir, max_batch=max_batch, batch_wait_ms=batch_wait_ms, max_queue=1024,
+                             bucket_step=bucket_step)
         runner.predictor, runner.state = pred, "ready"
         if pad_to_max:
             orig = pred.predict
-            pred.predict = lambda ps, ms, **kw: orig(ps, ms, pad_to_max=True)  # type: ignore[method-assign]
+            pred.predict = lambda ps, ms, **kw: orig(ps, ms, pad_to_max=True, ids=kw.get("ids"))  # type: ignore
         runner._task = asyncio.create_task(runner._batcher())
         try:
             return [await throughput(runner, prompts, model, c, seconds) for c in (1, 16, 64)]
@@ -144,7 +147,8 @@ def render(res: dict) -> str:
     import os
 
     lines = [f"artifact {res['artifact']}: torch threads {res['torch_threads']}, max_length {res['max_length']}, "
-             f"cache keys {res['cache_keys']}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
+             f"cache keys {res['cache_keys']}{', int8' if res.get('int8') else ''}; micro-batches of <= {res['max_batch']}, wait {res['batch_wait_ms']} ms, "
+             f"buckets of {res['bucket_step']} tokens; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
              "batch 1 latency:"]
     for r in res["batch1"] + [dict(res["batch1_unclipped_512"], prompt_tokens="512 unclipped")]:
         lines.append(f"  {r['prompt_tokens']!s:>14} tokens  p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms")

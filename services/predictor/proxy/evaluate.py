@@ -84,11 +84,11 @@ def random_baseline(rows: list[data.Row], classes: dict[str, labels.ModelClasses
 
 
 def artifact_predictions(path: str | Path, rows: list[data.Row], encoder_dir: str | None = None,
-                         batch: int = 64) -> tuple[Predictions, "object"]:
+                         batch: int = 64, int8: bool = False) -> tuple[Predictions, "object"]:
     """Run an artifact over `rows` (each prompt encoded once)."""
     from polyserve.predictor.proxy.infer import ProxyPredictor
 
-    pred = ProxyPredictor.load(path, encoder_dir, cache_keys="none")
+    pred = ProxyPredictor.load(path, encoder_dir, cache_keys="none", int8=int8)
     prompts = sorted({r.prompt for r in rows}, key=len)
     pooled = {}
     for i in range(0, len(prompts), batch):

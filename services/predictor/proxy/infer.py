@@ -2,7 +2,7 @@
 
 Blocking and CPU-bound: the service calls it from a worker thread
 (`runtime.ModelRunner`). A batch is padded only to its length bucket
-(`model.bucket_length`: 64, 128, 192, ...), not to `max_length`.
+(`buckets.bucket_length`: 64, 128, 192, ...), not to `max_length`; a lone prompt is not padded.
 
 The same encoder pass also yields the semantic-cache key of each prompt: the
 L2-normalised mean of the last hidden states (sentence-transformers' pooling
@@ -57,8 +57,12 @@ class ProxyPredictor:
 
     @classmethod
     def load(cls, path: str | Path, encoder_dir: str | None = None, *, bucket_step: int = 64,
-             cache_keys: str = "tuned") -> "ProxyPredictor":
-        """Load an artifact; ArtifactError when it is missing or was trained with another tokenizer."""
+             cache_keys: str = "tuned", int8: bool = False) -> "ProxyPredictor":
+        """Load an artifact; ArtifactError when it is missing or was trained with another tokenizer.
+
+        `int8`: dynamic int8 quantization of the encoder's linear layers (weights
+        int8, activations quantized per batch): measured 1.6x faster at batch 1 on
+        this 2-core CPU, with the test-split figures in the README."""
         meta = artifact.read_meta(path)
         enc_dir = enc_mod.resolve_encoder_dir(encoder_dir)
         fp = enc_mod.tokenizer_fingerprint(enc_dir)
@@ -67,14 +71,21 @@ class ProxyPredictor:
                                          f"({meta.tokenizer_fingerprint}), the encoder at {enc_dir} has {fp}")
         meta, head_state, lora_state = artifact.load(path)
         tok = enc_mod.load_tokenizer(str(enc_dir))
-        encoder = M.load_encoder(str(enc_dir), meta.lora_rank, lora_state, meta.lora_targets)
+        if meta.lora_rank > 0 and cache_keys != "base":
+            # the adapter folded into the weights: a plain BERT forward, no per-layer LoRA matmuls
+            encoder = M.load_merged_encoder(str(enc_dir), meta.lora_rank, lora_state)
+        else:  # keep the adapter apart: cache keys come from the encoder with it disabled
+            encoder = M.load_encoder(str(enc_dir), meta.lora_rank, lora_state, meta.lora_targets)
         head = M.Head(M.HeadConfig(hidden_size=encoder.config.hidden_size, num_models=len(meta.models),
                                    objective=meta.objective, model_dim=meta.model_dim,
                                    head_hidden=meta.head_hidden))
         head.load_state_dict(head_state)
-        if meta.lora_rank > 0 and cache_keys != "base":
-            # fold the adapter into the weights: a plain BERT forward, no per-layer LoRA matmuls
-            encoder = encoder.merge_and_unload()
+        if int8:
+            import warnings
+
+            with warnings.catch_warnings():  # torch.ao.quantization is deprecated in favour of torchao
+                warnings.simplefilter("ignore")
+                encoder = torch.ao.quantization.quantize_dynamic(encoder, {torch.nn.Linear}, dtype=torch.qint8)
         space = "base" if not encoder_dir else \
             "base-" + hashlib.sha256(str(enc_dir.resolve()).encode()).hexdigest()[:8]
         if meta.lora_rank > 0 and cache_keys == "tuned":
@@ -82,10 +93,18 @@ class ProxyPredictor:
         return cls(meta, encoder, head, tok, bucket_step=bucket_step, cache_keys=cache_keys, key_space=space)
 
     # ---------------------------------------------------------------- inference
-    def _batch(self, prompts: list[str], pad_to_max: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = self.tok(prompts, truncation=True, max_length=self.meta.max_length)["input_ids"]
+    def token_ids(self, prompts: list[str]) -> list[list[int]]:
+        """Token ids of each prompt, truncated to the artifact's max_length."""
+        return self.tok(prompts, truncation=True, max_length=self.meta.max_length)["input_ids"]
+
+    def _batch(self, ids: list[list[int]], pad_to_max: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         longest = max(len(x) for x in ids)
-        n = self.meta.max_length if pad_to_max else bucket_length(longest, self.bucket_step, self.meta.max_length)
+        if pad_to_max:
+            n = self.meta.max_length
+        elif len(ids) == 1:
+            n = longest  # nothing to align with: no padding at all
+        else:
+            n = bucket_length(longest, self.bucket_step, self.meta.max_length)
         n = max(n, longest)
         input_ids = torch.full((len(ids), n), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(ids), n), dtype=torch.long)
@@ -95,10 +114,10 @@ class ProxyPredictor:
         return input_ids, mask
 
     @torch.inference_mode()
-    def encode(self, prompts: list[str], *, with_keys: bool = True,
-               pad_to_max: bool = False) -> tuple[torch.Tensor, np.ndarray | None]:
-        """(pooled vectors for the head, normalised cache keys or None)."""
-        input_ids, mask = self._batch(prompts, pad_to_max)
+    def encode(self, prompts: list[str], *, with_keys: bool = True, pad_to_max: bool = False,
+               ids: list[list[int]] | None = None) -> tuple[torch.Tensor, np.ndarray | None]:
+        """(pooled vectors for the head, normalised cache keys or None); `ids` if already tokenized."""
+        input_ids, mask = self._batch(ids if ids is not None else self.token_ids(prompts), pad_to_max)
         hidden = self.encoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
         pooled = M.pool(hidden, mask, self.meta.pooling)
         keys = None
@@ -122,13 +141,14 @@ class ProxyPredictor:
                 zip(cls, tokens, value, midx.tolist())]
 
     def predict(self, prompts: list[str], models: list[str], *, with_keys: bool = True,
-                pad_to_max: bool = False) -> tuple[list[ProxyAnswer], np.ndarray | None]:
+                pad_to_max: bool = False,
+                ids: list[list[int]] | None = None) -> tuple[list[ProxyAnswer], np.ndarray | None]:
         """Answers for (prompt, target model) pairs, and the prompts' cache keys."""
         if len(prompts) != len(models):
             raise ValueError("one target model per prompt")
         if not prompts:
             return [], None
-        pooled, keys = self.encode(prompts, with_keys=with_keys, pad_to_max=pad_to_max)
+        pooled, keys = self.encode(prompts, with_keys=with_keys, pad_to_max=pad_to_max, ids=ids)
         return self.answer(pooled, models), keys
 
     def cache_keys_of(self, prompts: list[str]) -> np.ndarray:

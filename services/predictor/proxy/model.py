@@ -93,16 +93,41 @@ def load_encoder(encoder_dir: str, lora_rank: int = 8, lora_state: dict | None =
 
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 
+    # peft (get_peft_model, merge_and_unload) calls a transformers API deprecated in v5; this
+    # narrow filter is global because catch_warnings() is not thread-safe (we load in a thread)
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     cfg = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.05,
                      target_modules=list(targets), bias="none")
-    with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5
-        warnings.simplefilter("ignore", FutureWarning)
-        enc = get_peft_model(enc, cfg)
+    enc = get_peft_model(enc, cfg)
     if lora_state is not None:
         result = set_peft_model_state_dict(enc, lora_state)
         unexpected = getattr(result, "unexpected_keys", [])
         if unexpected:
             raise ValueError(f"LoRA weights do not fit the encoder: unexpected {unexpected[:3]}")
+    return enc
+
+
+def load_merged_encoder(encoder_dir: str, lora_rank: int, lora_state: dict[str, torch.Tensor]):
+    """The encoder with a LoRA adapter folded into its weights: W += (alpha / r) * B @ A.
+
+    For inference: a plain BERT forward, and no peft at serving time. Gives the
+    same weights as peft's `merge_and_unload` (tested)."""
+    from transformers import AutoModel
+
+    enc = AutoModel.from_pretrained(encoder_dir)
+    modules = dict(enc.named_modules())
+    scale = (2 * lora_rank) / lora_rank  # lora_alpha = 2r, as in `load_encoder`
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in lora_state.items():
+        # peft keys: base_model.model.<module path>.lora_A.weight / .lora_B.weight
+        path, _, rest = key.removeprefix("base_model.model.").partition(".lora_")
+        pairs.setdefault(path, {})[rest.split(".")[0]] = tensor
+    with torch.no_grad():
+        for path, ab in pairs.items():
+            if path not in modules or set(ab) != {"A", "B"}:
+                raise ValueError(f"LoRA weights do not fit the encoder: {path}")
+            lin = modules[path]
+            lin.weight += scale * (ab["B"].float() @ ab["A"].float()).to(lin.weight.dtype)
     return enc
 
 

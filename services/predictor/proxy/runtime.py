@@ -5,10 +5,12 @@
   service answers from the historical mean.
 * **Inference** runs in one dedicated thread (torch uses its own intra-op
   threads inside it), so the event loop never blocks. Requests wait in a bounded
-  queue; the batcher takes up to ``max_batch`` requests or waits ``batch_wait_ms``
-  after the first one, splits them by length bucket (64, 128, 192, ... tokens,
-  Arlo's staircase) and runs one padded batch per bucket. A full queue or a
-  result later than ``timeout_s`` makes the caller fall back (`Unavailable`).
+  queue; the batcher takes what queued while the model was busy, up to
+  ``max_batch`` requests, waiting at most ``batch_wait_ms`` for more, splits them
+  by length bucket (64, 128, 192, ... tokens, Arlo's staircase) and runs one
+  batch per bucket padded to the bucket (a lone request is not padded). A full
+  queue or a result later than ``timeout_s`` makes the caller fall back
+  (`Unavailable`).
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ class ModelRunner:
 
     def __init__(self, artifact_dir: str, encoder_dir: str | None = None, *, max_batch: int = 16,
                  batch_wait_ms: float = 2.0, max_queue: int = 256, bucket_step: int = 64, threads: int = 0,
-                 cache_keys: str = "tuned"):
+                 cache_keys: str = "tuned", int8: bool = False):
         self.artifact_dir = artifact_dir
         self.encoder_dir = encoder_dir
         self.max_batch = max_batch
@@ -66,6 +68,7 @@ class ModelRunner:
         self.bucket_step = bucket_step
         self.threads = threads
         self.cache_keys = cache_keys
+        self.int8 = int8
         self.queue: asyncio.Queue[_Job] = asyncio.Queue(maxsize=max_queue)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="predictor-model")
         self.predictor = None
@@ -99,7 +102,7 @@ class ModelRunner:
             torch.set_num_threads(self.threads)
         t = time.monotonic()
         pred = ProxyPredictor.load(self.artifact_dir, self.encoder_dir, bucket_step=self.bucket_step,
-                                   cache_keys=self.cache_keys)
+                                   cache_keys=self.cache_keys, int8=self.int8)
         pred.predict(["warm up"], [pred.meta.models[0] if pred.meta.models else ""])  # first-call costs
         return pred, time.monotonic() - t
 
@@ -154,8 +157,10 @@ class ModelRunner:
         loop = asyncio.get_running_loop()
         while True:
             jobs = [await self.queue.get()]
+            while len(jobs) < self.max_batch and not self.queue.empty():  # what queued while the model ran
+                jobs.append(self.queue.get_nowait())
             deadline = loop.time() + self.batch_wait_s
-            while len(jobs) < self.max_batch:
+            while len(jobs) < self.max_batch and self.batch_wait_s > 0:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     break
@@ -181,15 +186,15 @@ class ModelRunner:
     def _run(self, items: list[tuple[str, str]]) -> list[ModelResult]:
         """In the model thread: one padded batch per length bucket."""
         pred = self.predictor
-        lengths = [len(x) for x in pred.tok([p for p, _ in items], truncation=True,
-                                            max_length=pred.meta.max_length)["input_ids"]]
+        ids = pred.token_ids([p for p, _ in items])
         groups: dict[int, list[int]] = {}
-        for i, n in enumerate(lengths):
-            groups.setdefault(bucket_length(n, self.bucket_step, pred.meta.max_length), []).append(i)
+        for i, x in enumerate(ids):
+            groups.setdefault(bucket_length(len(x), self.bucket_step, pred.meta.max_length), []).append(i)
         out: list[ModelResult | None] = [None] * len(items)
         for idx in groups.values():
             t = time.perf_counter()
-            answers, keys = pred.predict([items[i][0] for i in idx], [items[i][1] for i in idx])
+            answers, keys = pred.predict([items[i][0] for i in idx], [items[i][1] for i in idx],
+                                         ids=[ids[i] for i in idx])
             ms = (time.perf_counter() - t) * 1000
             for k, i in enumerate(idx):
                 a = answers[k]
