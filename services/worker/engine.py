@@ -147,6 +147,18 @@ def check_request(req: EngineRequest, *, max_batch: int, adapters, known, unit: 
         raise EngineError(f"request {req.request_id!r} is already running on this worker", 409)
 
 
+def free_adapter(name: str, adapters, requests, force: bool, cancel: Callable[[str], object]) -> None:
+    """Before unloading adapter `name`: 404 if unknown; 409 while unfinished `requests`
+    (objects with `.req` and `.done`) use it, unless `force` cancels them."""
+    if name not in adapters:
+        raise EngineError(adapters.unknown_message(name), 404)
+    users = [r for r in requests if r.req.adapter == name and not r.done]
+    if users and not force:
+        raise EngineError(f"adapter {name!r} is in use by {len(users)} request(s)", 409)
+    for r in users:
+        cancel(r.req.request_id)
+
+
 def make_stats(input_tokens: int, output_tokens: int, arrival: float, start: float,
                token_times: list[float]) -> RequestStats:
     """RequestStats from monotonic timestamps: arrival, start of prefill, each token's emission.

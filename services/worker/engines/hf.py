@@ -34,7 +34,7 @@ from polyserve.proto import AdapterInfo
 
 from polyserve.worker import policy as worker_policy
 from polyserve.worker.engine import (Delta, Engine, EngineError, EngineLoad, EngineOverloaded, EngineRequest,
-                                     Finished, check_request, make_stats, relay)
+                                     Finished, check_request, free_adapter, make_stats, relay)
 from polyserve.worker.engines.hf_batch import Batch, Row
 from polyserve.worker.lora import AdapterError, AdapterRegistry, check_name, read_adapter
 
@@ -219,13 +219,7 @@ class HfEngine(Engine):
 
     async def unload_adapter(self, name: str, force: bool = False) -> None:
         """Remove an adapter; refused (409) while requests use it, unless `force` cancels them."""
-        if name not in self.adapters:
-            raise EngineError(self.adapters.unknown_message(name), 404)
-        users = [a for a in self._known.values() if a.req.adapter == name and not a.done]
-        if users and not force:
-            raise EngineError(f"adapter {name!r} is in use by {len(users)} request(s)", 409)
-        for act in users:
-            self.cancel(act.req.request_id)
+        free_adapter(name, self.adapters, list(self._known.values()), force, self.cancel)
         async with self._lock:
             await asyncio.to_thread(self._detach, name)
             self.adapters.remove(name)

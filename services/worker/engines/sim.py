@@ -34,7 +34,7 @@ from polyserve.proto import AdapterInfo
 from polyserve.worker import policy
 from polyserve.worker.lora import AdapterError, AdapterRegistry, read_adapter
 from polyserve.worker.engine import (Delta, Engine, EngineError, EngineLoad, EngineOverloaded,
-                                     EngineRequest, Finished, make_stats)
+                                     EngineRequest, Finished, free_adapter, make_stats)
 
 logger = logging.getLogger(__name__)
 
@@ -212,15 +212,8 @@ class SimEngine(Engine):
 
     async def unload_adapter(self, name: str, force: bool = False) -> None:
         """Forget an adapter; 409 while requests use it unless `force` cancels them."""
-        users = [r for r in self._requests.values() if r.req.adapter == name and not r.done]
-        if users and not force:
-            raise EngineError(f"adapter {name!r} is in use by {len(users)} request(s)", 409)
-        for r in users:
-            self.cancel(r.req.request_id)
-        try:
-            self._adapters.remove(name)
-        except AdapterError as exc:
-            raise EngineError(str(exc), exc.status) from exc
+        free_adapter(name, self._adapters, list(self._requests.values()), force, self.cancel)
+        self._adapters.remove(name)
 
     def count_tokens(self, text: str) -> int:
         """ceil(1.3 × words): the sim's stand-in tokenizer."""
