@@ -118,6 +118,27 @@ class TokenChunk(Msg, kw_only=True):
     error: str | None = None
     stats: RequestStats | None = None  # on the done chunk
     simulated: bool = False
+    redirect: Placement | None = None  # the request was withdrawn before it started: send it there
+
+
+class Withdraw(Msg, kw_only=True):
+    """Dispatcher -> worker: give back a request that has not started (Aladdin Alg. 2 move).
+
+    A worker that still holds `request_id` queued removes it, publishes one TokenChunk
+    with `redirect` = `placement` (seq 0, not done) on the request's stream, and replies
+    withdrawn=True; the gateway then sends its GenerateRequest to the new worker. A
+    request already running (or unknown) is left alone: withdrawn=False with the reason."""
+
+    request_id: str
+    placement: Placement
+    reason: str = "rebalance"
+
+
+class WithdrawReply(Msg, kw_only=True):
+    request_id: str
+    worker_id: str
+    withdrawn: bool
+    reason: str = ""
 
 
 class CancelRequest(Msg, kw_only=True):
@@ -207,6 +228,10 @@ class Heartbeat(Event, tag="heartbeat", kw_only=True):
     ttl_s: float = 3.0
     generate_subject: str = ""
     cancel_subject: str = ""
+    max_batch: int = 0  # engine batch limit (0 = unknown)
+    kernel: str = ""  # LoRA kernel cost model: "bgmv" | "mbgmv" ("" = unknown)
+    profile: str = ""  # engine profile (worker/profiles/<name>.json or a path) the dispatcher starts its fits from
+    max_adapters: int = 0  # adapter slots on the device (0 = no limit)
 
 
 class WorkerUp(Event, tag="worker_up", kw_only=True):
@@ -258,9 +283,67 @@ class GpuTelemetry(Event, tag="gpu", kw_only=True):
     workers: list[str] = []
 
 
+class ClockDecision(Event, tag="clock", kw_only=True):
+    """MIAD (µ-Serve Alg. 3): what a gpu-agent set, or would set, on its GPU."""
+
+    gpu_id: str
+    simulated: bool
+    applied: bool  # False: computed and published only (no --allow-clock-control)
+    freq_mhz: int
+    previous_mhz: int
+    action: str  # "up" | "down" | "same"
+    reason: str
+    scale_out: bool = False  # at max clock and still missing the SLO: ask for another worker
+    missing: list[str] = []  # workers below their SLO slack
+    workers: dict[str, float] = {}  # worker -> latency the decision saw (ms)
+
+
+class ScaleSignal(Event, tag="scale_signal", kw_only=True):
+    """A request for one more worker from outside the planner: Aladdin Alg. 1 found no
+    feasible worker (dispatcher), or MIAD is at max clock and still misses (gpu-agent)."""
+
+    deployment: str
+    source: str  # "aladdin" | "caraserve" | "miad"
+    reason: str = ""
+    request_id: str = ""
+    gpu_id: str = ""
+
+
+class EnergyReport(Event, tag="energy", kw_only=True):
+    """Energy of one GPU over a window, split over the requests its workers completed."""
+
+    gpu_id: str
+    window_s: float
+    energy_j: float
+    source: str  # "nvml" (the GPU's energy counter) | "model" (simulated GPU power model: estimated)
+    simulated: bool
+    requests: int = 0
+    tokens: int = 0  # input + output tokens of those requests
+    output_tokens: int = 0
+    j_per_request: float | None = None
+    j_per_token: float | None = None  # per output token
+    per_worker_j: dict[str, float] = {}
+
+
+class RuntimePlan(Event, tag="runtime_plan", kw_only=True):
+    """Arlo §3.3/§4: the planner's re-solved runtime allocation for a deployment."""
+
+    deployment: str
+    gpus: int
+    counts: dict[str, int]  # runtime -> instances
+    previous: dict[str, int] = {}
+    changes: int = 0  # instances re-purposed by the replacement plan
+    rates: dict[str, float] = {}  # per-bin request rate the solve used (req/s)
+    objective: float | None = None
+    solve_ms: float = 0.0
+    applied: bool = False
+    reason: str = ""
+
+
 AnyEvent = (
     Admitted | Predicted | Dispatched | FirstToken | Completed | Failed | Heartbeat
     | WorkerUp | WorkerDown | ServiceState | ScaleDecision | GpuTelemetry
+    | ClockDecision | ScaleSignal | EnergyReport | RuntimePlan
 )
 
 
@@ -406,4 +489,5 @@ ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     ScaleDecision, GpuTelemetry, StartWorker, StopWorker, AgentReply, ScalerPolicy, Deployment,
     AgentInfo, AdapterSpec, AdapterCommand,
     EmbedRequest, EmbedReply, RuntimeProfile, EncoderProfile,
+    Withdraw, WithdrawReply, ClockDecision, ScaleSignal, EnergyReport, RuntimePlan,
 )

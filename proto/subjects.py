@@ -50,6 +50,26 @@ class Subjects:
     def gpu_telemetry(self, gpu_id: str) -> str:
         return f"{self.prefix}.v1.telemetry.gpu.{gpu_id}"
 
+    def gpu_clock(self, gpu_id: str) -> str:
+        """ClockDecision (MIAD) of one GPU."""
+        return f"{self.prefix}.v1.telemetry.clock.{gpu_id}"
+
+    def gpu_energy(self, gpu_id: str) -> str:
+        """EnergyReport of one GPU."""
+        return f"{self.prefix}.v1.telemetry.energy.{gpu_id}"
+
+    def scale_signal(self, deployment: str) -> str:
+        """ScaleSignal: dispatcher or gpu-agent asks the planner for one more worker."""
+        return f"{self.prefix}.v1.events.plan.signal.{deployment}"
+
+    def runtime_plan(self, deployment: str) -> str:
+        """RuntimePlan (Arlo re-plan) of one deployment."""
+        return f"{self.prefix}.v1.events.plan.runtimes.{deployment}"
+
+    def withdraw(self, worker_id: str) -> str:
+        """Withdraw -> WithdrawReply: take back a request that has not started."""
+        return f"{self.prefix}.v1.worker.{worker_id}.withdraw"
+
     def embed(self, worker_id: str) -> str:
         """An encoder worker's embeddings: EmbedRequest -> EmbedReply."""
         return f"{self.prefix}.v1.worker.{worker_id}.embed"
@@ -106,3 +126,14 @@ class Keys:
 
     def plan(self, deployment: str) -> str:
         return f"{self.prefix}:plan:{deployment}"
+
+    def predcache(self, space: str, model: str) -> str:
+        """Semantic cache entries of one target model in one embedding space."""
+        return f"{self.prefix}:predcache:{space}:m:{model}"
+
+    def predcache_index(self, space: str) -> str:
+        """Semantic cache eviction index of one embedding space."""
+        return f"{self.prefix}:predcache:{space}:index"
+
+    def runtime_plan(self, deployment: str) -> str:
+        return f"{self.prefix}:runtimeplan:{deployment}"

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from polyserve.gpu_agent import gpu_model, miad
 from polyserve.gpu_agent.clock_control import ClockActuator, choose_actuator
-from polyserve.proto import Completed
+from polyserve.proto import Completed, Subjects
 
 if TYPE_CHECKING:
     from polyserve.gpu_agent.service import GpuAgentService
@@ -156,5 +156,5 @@ class FrequencyController:
 
 
 def clock_subject(prefix: str, gpu_id: str) -> str:
-    """Where ClockDecisions go (to move into proto.Subjects as `gpu_clock`)."""
-    return f"{prefix}.v1.telemetry.clock.{gpu_id}"
+    """Where ClockDecisions go (`Subjects.gpu_clock`)."""
+    return Subjects(prefix).gpu_clock(gpu_id)

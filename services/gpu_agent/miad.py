@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import msgspec
+from polyserve import proto as _proto
 
 UP, DOWN, SAME = "up", "down", "same"
 
@@ -120,18 +120,5 @@ def miad_step(state: MiadState, partitions: Sequence[PartitionObs], cfg: MiadCon
     return MiadState(new, up_at_max), MiadDecision(new, freq, action, reason, scale_out, missing)
 
 
-class ClockDecision(msgspec.Struct, frozen=True, kw_only=True):
-    """What the agent set, or would set, on its GPU (published on
-    `<prefix>.v1.telemetry.clock.<gpu_id>`; gpu-agent-internal until proto has it)."""
-
-    ts: float
-    gpu_id: str
-    simulated: bool
-    applied: bool  # False: computed and published only (no --allow-clock-control)
-    freq_mhz: int
-    previous_mhz: int
-    action: str
-    reason: str
-    scale_out: bool = False
-    missing: list[str] = []
-    workers: dict[str, float] = {}  # worker -> latency the decision saw (ms)
+# The wire message lives in proto (tag "clock"); re-exported for callers of this module.
+ClockDecision = _proto.ClockDecision

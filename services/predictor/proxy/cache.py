@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from polyserve.proto import Keys
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_THRESHOLD = 0.8
@@ -197,11 +199,11 @@ class RedisCacheStore:
         self.max_entries = max_entries
 
     def hash_key(self, model: str) -> str:
-        return f"{self.prefix}:predcache:{self.space}:m:{model}"
+        return Keys(self.prefix).predcache(self.space, model)
 
     @property
     def index_key(self) -> str:
-        return f"{self.prefix}:predcache:{self.space}:index"
+        return Keys(self.prefix).predcache_index(self.space)
 
     async def save(self, entry: Entry) -> None:
         """Write one entry and trim the oldest beyond `max_entries`."""
