@@ -48,6 +48,7 @@ class DispatchRequest(Msg, kw_only=True):
     adapter: str | None = None
     priority: int = 0
     exclude: list[str] = []
+    adapter_rank: int = 0  # LoRA rank of `adapter` from the registry (0 = base model or unknown)
 
 
 class Placement(Msg, kw_only=True):

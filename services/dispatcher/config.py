@@ -21,6 +21,16 @@ class DispatcherSettings(CommonSettings, frozen=True, kw_only=True):
     """How often expired workers and placements are removed from memory."""
     seed: int = -1
     """Seed of the random policies (power_of_two, random); negative = from the OS."""
+    ttft_slo_ms: float = 0.0
+    """TTFT SLO the aladdin policy places against; 0 = Aladdin Table 2 (1600 ms, Llama2-70B)."""
+    atgt_slo_ms: float = 0.0
+    """Time-per-output-token SLO of aladdin and caraserve; 0 = Aladdin Table 2 (75 ms)."""
+    rebalance_s: float = 1.0
+    """Aladdin Alg. 2: how often not-yet-started requests are moved on prediction error; 0 = never."""
+    rebalance_max_moves: int = 8
+    """Most requests one re-balancing round moves."""
+    scale_signal_interval_s: float = 5.0
+    """At most one ScaleSignal per deployment in this time (aladdin/caraserve found no feasible worker)."""
 
     def validate(self) -> None:
         """Raise SettingsError on values the dispatcher cannot run with."""
@@ -31,6 +41,10 @@ class DispatcherSettings(CommonSettings, frozen=True, kw_only=True):
             raise SettingsError("redis_retry_s must be >= 0")
         if self.max_tracked < 1:
             raise SettingsError("max_tracked must be >= 1")
+        if min(self.ttft_slo_ms, self.atgt_slo_ms, self.rebalance_s, self.scale_signal_interval_s) < 0:
+            raise SettingsError("ttft_slo_ms, atgt_slo_ms, rebalance_s and scale_signal_interval_s must be >= 0")
+        if self.rebalance_max_moves < 1:
+            raise SettingsError("rebalance_max_moves must be >= 1")
         if self.max_outstanding < 0:
             raise SettingsError("max_outstanding must be >= 0 (0 = no cap)")
 

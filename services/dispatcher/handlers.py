@@ -11,18 +11,21 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from polyserve.dispatcher import policy
+from polyserve.dispatcher import policy, policy_aladdin
 from polyserve.dispatcher.config import DispatcherSettings
-from polyserve.proto import (Completed, Deployment, DispatchRequest, Failed, Heartbeat, Placement,
-                             Subjects, WorkerDown)
+from polyserve.dispatcher.live import MODEL_POLICIES, ModelBook
+from polyserve.proto import (Completed, Deployment, DispatchRequest, Failed, FirstToken, Heartbeat, Placement,
+                             ScaleSignal, Subjects, Withdraw, WithdrawReply, WorkerDown)
 from polyserve.shared.bus import BusError
 from polyserve.shared.state import State
 
 logger = logging.getLogger(__name__)
 Clock = Callable[[], float]
+Publish = Callable[[str, object], Awaitable[None]]
+Ask = Callable[[str, Withdraw], Awaitable[WithdrawReply]]
 
 TOMBSTONE_S = 60.0  # how long a WorkerDown keeps older, late heartbeats from reviving a worker
 
@@ -167,6 +170,11 @@ class DeploymentCache:
         self._down_until = 0.0
         self.redis_errors = 0
 
+    def cached(self, dep_id: str) -> Deployment | None:
+        """The cached copy, however old (no Redis call)."""
+        entry = self._cache.get(dep_id)
+        return entry[0] if entry is not None else None
+
     async def get(self, dep_id: str) -> Deployment | None:
         """The deployment, or None when Redis says it does not exist.
 
@@ -204,16 +212,20 @@ class DispatchHandlers:
     """`polyserve.v1.dispatch` and the worker/request event listeners."""
 
     def __init__(self, settings: DispatcherSettings, subjects: Subjects, deployments: DeploymentCache,
-                 registry: WorkerRegistry, outstanding: Outstanding, rng: random.Random):
+                 registry: WorkerRegistry, outstanding: Outstanding, rng: random.Random,
+                 publish: Publish | None = None, models: ModelBook | None = None):
         self.settings = settings
         self.subjects = subjects
         self.deployments = deployments
         self.registry = registry
         self.outstanding = outstanding
         self.rng = rng
+        self.publish = publish
+        self.models = models or ModelBook(settings.max_tracked, signal_interval_s=settings.scale_signal_interval_s)
         self.policy_state: dict[str, policy.PolicyState] = {}
         self.placed = 0
         self.rejected: dict[int, int] = {}  # by status code
+        self._model_deps: set[str] = set()  # deployments placed with a model policy (for re-balancing)
 
     # ---------------------------------------------------------------- dispatch
     async def dispatch(self, req: DispatchRequest) -> Placement:
@@ -237,13 +249,20 @@ class DispatchHandlers:
         except policy.UnknownPolicy as exc:
             raise BusError(500, f"deployment {dep.id!r} is misconfigured: {exc}; "
                                 "re-create it with POST /v1/deployments") from None
-        workers, beats = self._candidates(dep, req)
+        modelled = dep.policy in MODEL_POLICIES
+        workers, beats = self._candidates(dep, req, modelled)
         state = self.policy_state.get(dep.id, policy.PolicyState())
-        decision = choose(workers, _request_view(req), state, self.rng)
+        rview = _request_view(req, self.settings)
+        decision = choose(workers, rview, state, self.rng)
         self.policy_state[dep.id] = decision.state
         hb = beats[decision.worker_id]
         self.outstanding.place(req.request_id, hb.worker_id)
         self.placed += 1
+        if modelled:
+            self.models.placed(hb.worker_id, rview)
+            self._model_deps.add(dep.id)
+            if decision.scale_out:
+                await self._signal(dep, req.request_id, len(workers))
         logger.debug("dispatch %s -> %s (deployment %s, policy %s, %d candidates)",
                      req.request_id, hb.worker_id, dep.id, dep.policy, len(workers))
         return Placement(request_id=req.request_id, worker_id=hb.worker_id,
@@ -251,15 +270,34 @@ class DispatchHandlers:
                          cancel_subject=hb.cancel_subject or self.subjects.cancel(hb.worker_id),
                          policy=dep.policy, priority=req.priority)
 
-    def _candidates(self, dep: Deployment,
-                    req: DispatchRequest) -> tuple[list[policy.WorkerView], dict[str, Heartbeat]]:
+    async def _signal(self, dep: Deployment, request_id: str, workers: int) -> None:
+        """Ask the planner for one more worker (rate-limited per deployment)."""
+        if self.publish is None or not self.models.should_signal(dep.id):
+            return
+        why = (f"{dep.policy}: none of {workers} workers meets the SLO constraints for request {request_id}; "
+               "placed on the least loaded")
+        logger.info("scale signal for %s: %s", dep.id, why)
+        try:
+            await self.publish(self.subjects.scale_signal(dep.id), ScaleSignal(
+                deployment=dep.id, source=dep.policy, reason=why, request_id=request_id))
+        except Exception as exc:  # best effort: the placement stands
+            logger.warning("cannot publish the scale signal for %s: %s", dep.id, exc)
+
+    def _views(self, beats: list[Heartbeat], modelled: bool) -> list[policy.WorkerView]:
+        if not modelled:
+            return [_view(h, self.outstanding.count(h.worker_id)) for h in beats]
+        now = self.models.clock()
+        return [_view(h, self.outstanding.count(h.worker_id), self.models.extras(h, now)) for h in beats]
+
+    def _candidates(self, dep: Deployment, req: DispatchRequest,
+                    modelled: bool = False) -> tuple[list[policy.WorkerView], dict[str, Heartbeat]]:
         """Live workers of the deployment that may take `req` (views and heartbeats by id),
         or a BusError saying why there is none."""
         live = self.registry.live(dep.id)
         excluded = set(req.exclude)
         allowed = [h for h in live if h.worker_id not in excluded]
         fits = [h for h in allowed if h.max_input_len <= 0 or req.input_tokens <= h.max_input_len]
-        views = [_view(h, self.outstanding.count(h.worker_id)) for h in fits]
+        views = self._views(fits, modelled)
         cap = self.settings.max_outstanding
         free = [v for v in views if cap <= 0 or v.outstanding < cap]
         if free:
@@ -292,12 +330,58 @@ class DispatchHandlers:
         """Stop placing on a worker at once; its placements stop counting."""
         known = self.registry.down(ev)
         dropped = self.outstanding.forget_worker(ev.worker_id)
+        self.models.forget_worker(ev.worker_id)
         logger.info("worker %s down (%s)%s; %d outstanding placements dropped", ev.worker_id, ev.reason,
                     "" if known else " [was not live]", dropped)
 
     async def on_finished(self, ev: Completed | Failed) -> None:
-        """A request ended: it no longer counts against its worker."""
+        """A request ended: it no longer counts against its worker; its timings refit the
+        worker's models (aladdin/caraserve)."""
         self.outstanding.finish(ev.request_id)
+        self.models.finished(ev)
+
+    async def on_first_token(self, ev: FirstToken) -> None:
+        """A request started decoding (its worker's book entry becomes ongoing)."""
+        self.models.first_token(ev)
+
+    # ---------------------------------------------------------------- Alg. 2
+    async def rebalance(self, ask: Ask) -> int:
+        """One round of Aladdin Alg. 2 over each aladdin deployment: move not-yet-started
+        requests from under- to over-estimated workers. `ask(subject, Withdraw)` asks the
+        source worker to give the request back; a request that started meanwhile stays.
+        Returns the number of requests moved."""
+        moved = 0
+        for dep_id in list(self._model_deps):
+            dep = self.deployments.cached(dep_id)
+            if dep is None or dep.policy != "aladdin":
+                continue
+            beats = {h.worker_id: h for h in self.registry.live(dep_id)}
+            if len(beats) < 2:
+                continue
+            views = self._views(list(beats.values()), True)
+            if not any(not r.started for v in views for r in v.requests):
+                continue
+            cfg = policy_aladdin.config_for(_request_view(DispatchRequest(
+                request_id="", deployment=dep_id, model=dep.model, input_tokens=0), self.settings))
+            for mv in policy_aladdin.rebalance(views, cfg, max_moves=self.settings.rebalance_max_moves):
+                dst = beats[mv.dst]
+                target = Placement(request_id=mv.request_id, worker_id=dst.worker_id,
+                                   generate_subject=dst.generate_subject or self.subjects.generate(dst.worker_id),
+                                   cancel_subject=dst.cancel_subject or self.subjects.cancel(dst.worker_id),
+                                   policy=dep.policy)
+                try:
+                    reply = await ask(self.subjects.withdraw(mv.src), Withdraw(request_id=mv.request_id,
+                                                                                placement=target))
+                except Exception as exc:  # an old worker without withdraw, or gone: leave it
+                    logger.debug("withdraw %s from %s failed: %s", mv.request_id, mv.src, exc)
+                    continue
+                if reply.withdrawn:
+                    self.models.moved(mv.request_id, mv.dst)
+                    self.outstanding.place(mv.request_id, mv.dst)
+                    self.models.moves += 1
+                    moved += 1
+                    logger.info("moved %s from %s to %s (Aladdin Alg. 2)", mv.request_id, mv.src, mv.dst)
+        return moved
 
     def sweep(self) -> None:
         """Forget expired workers and placements (memory bound; dispatch also checks TTLs itself)."""
@@ -307,14 +391,16 @@ class DispatchHandlers:
             logger.warning("%d placements expired without a completed/failed event", n)
 
 
-def _view(hb: Heartbeat, outstanding: int) -> policy.WorkerView:
+def _view(hb: Heartbeat, outstanding: int, extras: dict | None = None) -> policy.WorkerView:
     return policy.WorkerView(worker_id=hb.worker_id, outstanding=outstanding, running=hb.running,
                              waiting=hb.waiting, kv_used=hb.kv_used, kv_capacity=hb.kv_capacity,
                              max_input_len=hb.max_input_len, gpu_id=hb.gpu_id,
-                             adapters=tuple(a.name for a in hb.adapters))
+                             adapters=tuple(a.name for a in hb.adapters), **(extras or {}))
 
 
-def _request_view(req: DispatchRequest) -> policy.RequestView:
+def _request_view(req: DispatchRequest, settings: DispatcherSettings | None = None) -> policy.RequestView:
     return policy.RequestView(request_id=req.request_id, input_tokens=req.input_tokens,
                               predicted_tokens=req.predicted_tokens, length_class=req.length_class,
-                              adapter=req.adapter, priority=req.priority)
+                              adapter=req.adapter, priority=req.priority, adapter_rank=req.adapter_rank,
+                              ttft_slo_ms=settings.ttft_slo_ms if settings else 0.0,
+                              atgt_slo_ms=settings.atgt_slo_ms if settings else 0.0)

@@ -100,6 +100,7 @@ class Decision:
 
     worker_id: str
     state: PolicyState
+    scale_out: bool = False  # no worker met the policy's constraints: one more worker is wanted
 
 
 Policy = Callable[[Sequence[WorkerView], RequestView, PolicyState, _random.Random], Decision]

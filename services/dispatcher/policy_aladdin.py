@@ -227,7 +227,8 @@ def aladdin_best_fit(workers: Sequence[WorkerView], request: RequestView, state:
     p = place(workers, request, cfg)
     if p.worker_id is not None:
         return Decision(p.worker_id, state)
-    return Decision(min(workers, key=lambda w: (capacity_norm(w, cfg), w.worker_id)).worker_id, state)
+    return Decision(min(workers, key=lambda w: (capacity_norm(w, cfg), w.worker_id)).worker_id, state,
+                    scale_out=True)
 
 
 # ------------------------------------------------------------------ Alg. 2: re-balancing
@@ -352,6 +353,20 @@ class RequestBook:
         e = _Entry(worker_id, as_new(req))
         self._by_id[req.request_id] = e
         self._by_worker.setdefault(worker_id, {})[req.request_id] = e
+
+    def move(self, request_id: str, worker_id: str) -> bool:
+        """A not-yet-started request now waits on `worker_id` (an Alg. 2 move)."""
+        e = self._by_id.get(request_id)
+        if e is None:
+            return False
+        self._by_worker.get(e.worker_id, {}).pop(request_id, None)
+        e.worker_id = worker_id
+        self._by_worker.setdefault(worker_id, {})[request_id] = e
+        return True
+
+    def tracked(self, worker_id: str) -> int:
+        """Requests the book holds for a worker."""
+        return len(self._by_worker.get(worker_id, ()))
 
     def first_token(self, request_id: str, now: float) -> None:
         e = self._by_id.get(request_id)

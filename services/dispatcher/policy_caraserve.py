@@ -117,7 +117,8 @@ def caraserve_rank_aware(workers: Sequence[WorkerView], request: RequestView, st
     if not workers:
         raise ValueError("a dispatch policy needs at least one candidate worker")
     cfg = DEFAULT if request.atgt_slo_ms <= 0 else CaraConfig(atgt_slo_ms=request.atgt_slo_ms)
-    return Decision(rank_aware(workers, request, cfg).worker_id, state)
+    best = rank_aware(workers, request, cfg)
+    return Decision(best.worker_id, state, scale_out=best.violates)
 
 
 _policy.POLICIES.setdefault("caraserve", caraserve_rank_aware)

@@ -8,7 +8,7 @@ from typing import Any
 
 from polyserve.dispatcher.config import DispatcherSettings
 from polyserve.dispatcher.handlers import DeploymentCache, DispatchHandlers, Outstanding, WorkerRegistry
-from polyserve.proto import Completed, DispatchRequest, Failed, Heartbeat, WorkerDown
+from polyserve.proto import Completed, DispatchRequest, Failed, FirstToken, Heartbeat, WithdrawReply, WorkerDown
 from polyserve.shared.lifecycle import ServiceBase
 
 logger = logging.getLogger(__name__)
@@ -35,16 +35,19 @@ class DispatcherService(ServiceBase):
                                       retry_s=s.redis_retry_s)
         rng = random.Random(s.seed) if s.seed >= 0 else random.Random()
         self.handlers = h = DispatchHandlers(s, self.subjects, deployments, self.registry,
-                                             self.outstanding, rng)
+                                             self.outstanding, rng, publish=self.bus.publish)
         # Events first, so nothing between the Redis seed and serving is missed.
         # No queue group: every dispatcher needs every heartbeat and every outcome.
         await self.bus.listen(self.subjects.worker_event("heartbeat"), Heartbeat, h.on_heartbeat)
         await self.bus.listen(self.subjects.worker_event("down"), WorkerDown, h.on_worker_down)
         await self.bus.listen(self.subjects.event("completed"), Completed, h.on_finished)
         await self.bus.listen(self.subjects.event("failed"), Failed, h.on_finished)
+        await self.bus.listen(self.subjects.event("first_token"), FirstToken, h.on_first_token)
         await self._seed()
         await self.bus.serve(self.subjects.dispatch, DispatchRequest, h.dispatch, queue=QUEUE)
         self.background(self._sweep_loop(), "sweep")
+        if s.rebalance_s > 0:
+            self.background(self._rebalance_loop(), "rebalance")
 
     async def _seed(self) -> None:
         """Start from the workers registered in Redis; heartbeats take over from there."""
@@ -67,3 +70,14 @@ class DispatcherService(ServiceBase):
                 self.handlers.sweep()
             except Exception:
                 logger.exception("dispatcher: sweep failed")
+
+    async def _rebalance_loop(self) -> None:
+        async def ask(subject, msg):
+            return await self.bus.request(subject, msg, WithdrawReply, timeout=0.5, span_name="withdraw")
+
+        while not self.stop_event.is_set():
+            await asyncio.sleep(self.settings.rebalance_s)
+            try:
+                await self.handlers.rebalance(ask)
+            except Exception:
+                logger.exception("dispatcher: re-balancing failed")

@@ -123,6 +123,7 @@ def build_app(gw: "GatewayService") -> FastAPI:
                                     context=propagate.extract(dict(request.headers)))
         run = RequestRun(gw=gw, deployment=deployment, prompt=prompt, params=params, stream=body.stream,
                          adapter=adapter.name if adapter else None, adapter_path=adapter.path if adapter else "",
+                         adapter_rank=adapter.rank if adapter else 0,
                          priority=body.priority)
         span.set_attribute("polyserve.request_id", run.request_id)
         gw.inflight += 1

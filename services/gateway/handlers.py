@@ -65,6 +65,7 @@ class RequestRun:
     stream: bool
     adapter: str | None = None
     adapter_path: str = ""
+    adapter_rank: int = 0
     priority: int = 0
     request_id: str = field(default_factory=lambda: "cmpl-" + uuid.uuid4().hex[:24])
     t0: float = field(default_factory=time.monotonic)
@@ -74,6 +75,10 @@ class RequestRun:
     terminal: bool = False
     simulated: bool = False
     finish_reason: str = "stop"
+    redirects: int = 0  # times a worker gave the request back before it started (Aladdin Alg. 2)
+    _moved_ms: float = 0.0  # time spent queued on workers that gave it back
+    _sent_at: float = 0.0
+    _inbox: str = ""
     _exit: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
     _queue: asyncio.Queue | None = None
 
@@ -131,14 +136,15 @@ class RequestRun:
         await self._event("predicted", Predicted(**self._base(), length_class=p.length_class,
                                                  tokens_estimate=p.tokens_estimate, source=p.source,
                                                  latency_ms=(time.monotonic() - t) * 1e3))
-        _, self._queue = await self._exit.enter_async_context(gw.bus.inbox())
-        inbox = _
+        self._inbox, self._queue = await self._exit.enter_async_context(gw.bus.inbox())
+        inbox = self._inbox
         excluded: list[str] = []
         for attempt in range(s.dispatch_retries + 1):
             self.placement = await self._dispatch(excluded)
             try:
                 await gw.bus.request(self.placement.generate_subject, self._generate(inbox), GenerateAccepted,
                                      timeout=s.accept_timeout_s, span_name="generate")
+                self._sent_at = time.monotonic()
                 return
             except BusError as exc:
                 if exc.code in (503, 504) and attempt < s.dispatch_retries:
@@ -158,7 +164,7 @@ class RequestRun:
                                 model=self.deployment.model, input_tokens=self.input_tokens,
                                 predicted_tokens=p.tokens_estimate if p else 0,
                                 length_class=p.length_class if p else -1, adapter=self.adapter,
-                                priority=self.priority, exclude=excluded),
+                                priority=self.priority, exclude=excluded, adapter_rank=self.adapter_rank),
                 Placement, timeout=gw.settings.dispatch_timeout_s, span_name="dispatch")
         except BusError as exc:
             raise _status_of(exc, "dispatcher") from exc
@@ -203,6 +209,9 @@ class RequestRun:
         try:
             while True:
                 chunk = await self._next(first)
+                if chunk.redirect is not None:
+                    await self._redirect(chunk.redirect)
+                    continue
                 self.simulated = self.simulated or chunk.simulated
                 if chunk.finish_reason and not chunk.done:
                     self.finish_reason = chunk.finish_reason
@@ -228,6 +237,36 @@ class RequestRun:
         finally:
             self.gw.spawn(self.close())
 
+    async def _redirect(self, placement: Placement) -> None:
+        """The worker gave the request back before starting it (dispatcher re-balancing):
+        send it to the new placement; if that worker refuses, dispatch it afresh."""
+        gw, s = self.gw, self.gw.settings
+        old = self.placement.worker_id if self.placement else ""
+        now = time.monotonic()
+        self._moved_ms += (now - (self._sent_at or now)) * 1e3
+        self.redirects += 1
+        if self.redirects > s.dispatch_retries + 8:
+            raise GatewayError(502, f"request moved between workers {self.redirects} times; giving up")
+        target = placement
+        for attempt in range(s.dispatch_retries + 1):
+            try:
+                await gw.bus.request(target.generate_subject, self._generate(self._inbox), GenerateAccepted,
+                                     timeout=s.accept_timeout_s, span_name="generate (moved)")
+            except BusError as exc:
+                if attempt >= s.dispatch_retries:
+                    raise _status_of(exc, f"worker {target.worker_id}") from exc
+                logger.warning("worker %s did not take moved request %s (%s); re-dispatching",
+                               target.worker_id, self.request_id, exc.description)
+                target = await self._dispatch([old, target.worker_id])
+                continue
+            self.placement, self._sent_at = target, time.monotonic()
+            if target is placement:
+                await self._event("dispatched", Dispatched(**self._base(), worker_id=target.worker_id,
+                                                           policy=f"{target.policy}:moved", latency_ms=0.0))
+            logger.info("request %s moved from %s to %s before it started", self.request_id, old,
+                        target.worker_id)
+            return
+
     async def _completed(self, chunk: TokenChunk) -> None:
         if self.terminal:
             return
@@ -239,7 +278,8 @@ class RequestRun:
             **self._base(), worker_id=self.placement.worker_id,
             input_tokens=st.input_tokens if st else self.input_tokens,
             output_tokens=st.output_tokens if st else 0, e2e_ms=e2e,
-            ttft_ms=st.ttft_ms if st else 0.0, queue_ms=st.queue_ms if st else 0.0,
+            ttft_ms=(st.ttft_ms + self._moved_ms) if st else 0.0,
+            queue_ms=(st.queue_ms + self._moved_ms) if st else 0.0,
             tbt_mean_ms=st.tbt_mean_ms if st else 0.0, tbt_max_ms=st.tbt_max_ms if st else 0.0,
             atgt_ms=st.atgt_ms if st else 0.0,
             predicted_tokens=self.prediction.tokens_estimate if self.prediction else 0,

@@ -22,6 +22,13 @@ class EngineError(Exception):
         self.status = status
 
 
+class Withdrawn(EngineError):
+    """Ends the stream of a request the engine gave back before starting it (`Engine.withdraw`)."""
+
+    def __init__(self, request_id: str):
+        super().__init__(f"request {request_id!r} was withdrawn before it started", 409)
+
+
 class EngineOverloaded(EngineError):
     """The bounded waiting queue or KV budget is full: retry later (429)."""
 
@@ -91,6 +98,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def cancel(self, request_id: str) -> bool:
         """Stop a request now, freeing its batch slot and KV; True if it was known."""
+
+    def withdraw(self, request_id: str) -> bool:
+        """Give back a request that is still waiting (not prefilled): its stream ends with
+        `Withdrawn` and no output. False when it is running, unknown, or the engine cannot."""
+        return False
 
     @abc.abstractmethod
     def load(self) -> EngineLoad:

@@ -19,9 +19,11 @@ from collections.abc import AsyncIterator
 
 from opentelemetry import trace
 
-from polyserve.proto import AdapterCommand, CancelRequest, GenerateAccepted, GenerateRequest, RequestStats, TokenChunk
+from polyserve.proto import (AdapterCommand, CancelRequest, GenerateAccepted, GenerateRequest, Placement,
+                             RequestStats, TokenChunk, Withdraw, WithdrawReply)
 from polyserve.shared.bus import Bus, BusError
-from polyserve.worker.engine import Delta, Engine, EngineError, EngineOverloaded, EngineRequest, Finished
+from polyserve.worker.engine import (Delta, Engine, EngineError, EngineOverloaded, EngineRequest, Finished,
+                                     Withdrawn)
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,8 @@ class WorkerHandlers:
         self.completed = 0
         self.failed = 0
         self._adapter_locks: dict[str, asyncio.Lock] = {}
+        self._redirects: dict[str, Placement] = {}  # request_id -> where a withdrawn request goes
+        self.withdrawn = 0
 
     async def ensure_adapter(self, name: str, path: str) -> None:
         """Load adapter `name` from `path` unless loaded (one load at a time per name)."""
@@ -139,6 +143,18 @@ class WorkerHandlers:
         return GenerateAccepted(request_id=req.request_id, worker_id=self.worker_id,
                                 queue_position=0 if known else -1)
 
+    async def withdraw(self, req: Withdraw) -> WithdrawReply:
+        """Give back a request that has not started: its client is told (a TokenChunk with
+        `redirect`) to send it to `req.placement`. A started or unknown one stays."""
+        self._redirects[req.request_id] = req.placement
+        ok = self.engine.withdraw(req.request_id)
+        if not ok:
+            self._redirects.pop(req.request_id, None)
+        logger.info("withdraw %s to %s (%s): %s", req.request_id, req.placement.worker_id, req.reason,
+                    "given back" if ok else "already started or unknown")
+        return WithdrawReply(request_id=req.request_id, worker_id=self.worker_id, withdrawn=ok,
+                             reason="" if ok else "started, finished or unknown on this worker")
+
     async def _stream(self, req: GenerateRequest, stream: AsyncIterator, first: asyncio.Future) -> None:
         simulated = self.engine.simulated
         seq, tokens = 0, 0
@@ -163,6 +179,18 @@ class WorkerHandlers:
                                 reasons[ev.index] = ev.finish_reason
                         ev = await stream.__anext__()
                     stats = ev.stats
+            except Withdrawn:
+                target = self._redirects.pop(req.request_id, None)
+                if target is not None:
+                    self.withdrawn += 1
+                    span.set_attribute("polyserve.moved_to", target.worker_id)
+                    try:
+                        await self.bus.publish(req.stream_to, TokenChunk(request_id=req.request_id, seq=seq,
+                                                                         redirect=target, simulated=simulated))
+                    except Exception:
+                        logger.exception("cannot send the redirect of %s", req.request_id)
+                    return
+                error = "withdrawn without a destination"
             except asyncio.CancelledError:
                 error = SHUTDOWN if self.closing else "stream cancelled"
             except StopAsyncIteration:

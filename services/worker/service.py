@@ -6,7 +6,8 @@ import asyncio
 import logging
 from typing import Any
 
-from polyserve.proto import AdapterCommand, CancelRequest, GenerateRequest, Heartbeat, WorkerDown, WorkerUp
+from polyserve.proto import (AdapterCommand, CancelRequest, GenerateRequest, Heartbeat, Withdraw, WorkerDown,
+                             WorkerUp)
 from polyserve.shared.lifecycle import ServiceBase
 from polyserve.worker.config import WorkerSettings, with_worker_id
 from polyserve.worker.embed_handler import serve_embeddings
@@ -15,6 +16,16 @@ from polyserve.worker.engines import make_engine
 from polyserve.worker.handlers import WorkerHandlers
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_PROFILES = {"sim": "sim-llama2-70b-h100-tp4"}
+
+
+def profile_ref(settings: WorkerSettings, engine: str) -> str:
+    """The engine profile a dispatcher starts its performance fits from: the configured
+    one, else the engine's shipped default ("" = none; the dispatcher then fits from scratch)."""
+    if engine == "encoder":
+        return settings.encoder_profile
+    return settings.profile or DEFAULT_PROFILES.get(engine, "")
 
 
 class WorkerService(ServiceBase):
@@ -43,6 +54,7 @@ class WorkerService(ServiceBase):
         self.handlers = WorkerHandlers(self.engine, self.bus, self.tracer, self.worker_id)
         await self.bus.serve(self.subjects.generate(self.worker_id), GenerateRequest, self.handlers.generate)
         await self.bus.serve(self.subjects.cancel(self.worker_id), CancelRequest, self.handlers.cancel)
+        await self.bus.serve(self.subjects.withdraw(self.worker_id), Withdraw, self.handlers.withdraw)
         self.embed_handler = await serve_embeddings(self)  # encoder engines: <p>.v1.worker.<id>.embed
         await self.bus.listen(self.subjects.adapters(s.deployment), AdapterCommand, self.handlers.adapter_command)
         await self.bus.nc.flush()  # subscribed before anyone is told where to send
@@ -86,7 +98,9 @@ class WorkerService(ServiceBase):
             kv_capacity=load.kv_capacity, max_input_len=load.max_input_len, adapters=list(load.adapters),
             simulated=self.engine.simulated, ttl_s=s.heartbeat_ttl_s,
             generate_subject=self.subjects.generate(self.worker_id),
-            cancel_subject=self.subjects.cancel(self.worker_id))
+            cancel_subject=self.subjects.cancel(self.worker_id),
+            max_batch=s.max_batch, kernel=getattr(self.engine, "lora_kernel", ""),
+            profile=profile_ref(s, self.engine.name), max_adapters=getattr(self.engine, "max_adapters", 0) or 0)
 
     async def beat(self) -> None:
         """Publish one heartbeat and refresh the Redis registry; failures are logged, never raised."""

@@ -34,7 +34,7 @@ from polyserve.proto import AdapterInfo
 from polyserve.worker import policy
 from polyserve.worker.lora import AdapterError, AdapterRegistry, read_adapter
 from polyserve.worker.engine import (Delta, Engine, EngineError, EngineLoad, EngineOverloaded,
-                                     EngineRequest, Finished, free_adapter, make_stats)
+                                     EngineRequest, Finished, Withdrawn, free_adapter, make_stats)
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +195,16 @@ class SimEngine(Engine):
             if ch.finish_reason is None:
                 self._finish_choice(r, ch, "cancelled")
         self._finish(r)
+        return True
+
+    def withdraw(self, request_id: str) -> bool:
+        """Give back a waiting request (Aladdin Alg. 2 move); False once it has started."""
+        r = self._requests.get(request_id)
+        if r is None or r.done or r not in self._waiting:
+            return False
+        self._drop(r)
+        r.done = True
+        r.events.put_nowait(Withdrawn(request_id))
         return True
 
     def load(self) -> EngineLoad:

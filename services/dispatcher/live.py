@@ -1,0 +1,156 @@
+"""Live bookkeeping for the model-driven policies (Aladdin best-fit, CaraServe rank-aware).
+
+The pure policies reason over `WorkerView.requests` (what each worker holds, with lengths)
+and `WorkerView.perf` (its performance models). In the live dispatcher those come from:
+
+* `RequestBook` (policy_aladdin): every placement, then `first_token` / `completed` /
+  `failed` events; tokens generated so far are estimated from the time since the first
+  token and the worker's modelled decode step;
+* a `PerfFitter` per worker, started from the engine profile its heartbeat names
+  (`Heartbeat.profile`: a file in `polyserve/worker/profiles/` or a path) and refitted
+  online from every `completed` event (prefill from TTFT − queue; decode step from ATGT
+  with the batch and context the book saw on that worker). `errors()` reports each
+  fit's current out-of-sample error.
+
+It also decides when an Aladdin/CaraServe "no feasible worker" becomes a `ScaleSignal`
+(at most one per deployment per `signal_interval_s`) and carries out Alg. 2 moves.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from polyserve.dispatcher.perf_models import PerfFitter, WorkerPerf, load_perf
+from polyserve.dispatcher.policy import RequestView
+from polyserve.dispatcher.policy_aladdin import ATGT_SLO_MS, RequestBook
+from polyserve.proto import Completed, Failed, FirstToken, Heartbeat
+
+logger = logging.getLogger(__name__)
+
+PROFILES_DIR = Path(__file__).resolve().parents[1] / "worker" / "profiles"
+MODEL_POLICIES = frozenset({"aladdin", "caraserve"})
+"""Policies that need per-request bookkeeping and performance models."""
+
+
+def resolve_profile(ref: str, profiles_dir: Path = PROFILES_DIR) -> Path | None:
+    """A heartbeat's profile reference as a file: a shipped profile name or a path."""
+    if not ref:
+        return None
+    for cand in (profiles_dir / f"{ref}.json", profiles_dir / ref, Path(ref)):
+        if cand.is_file():
+            return cand
+    return None
+
+
+class ModelBook:
+    """Requests and fitted models of every worker this dispatcher places on."""
+
+    def __init__(self, max_tracked: int = 100_000, *, signal_interval_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic, profiles_dir: Path = PROFILES_DIR):
+        self.requests = RequestBook(max_tracked)
+        self.clock = clock
+        self.profiles_dir = profiles_dir
+        self.signal_interval_s = signal_interval_s
+        self._fits: dict[str, PerfFitter] = {}
+        self._perf: dict[str, WorkerPerf] = {}  # current() of each fit, until its next observation
+        self._profiles: dict[str, WorkerPerf | None] = {}
+        self._last_signal: dict[str, float] = {}
+        self.moves = 0
+        self.signals = 0
+
+    # ---------------------------------------------------------------- models
+    def _profile(self, ref: str) -> WorkerPerf | None:
+        if ref not in self._profiles:
+            path = resolve_profile(ref, self.profiles_dir)
+            perf = None
+            if path is not None:
+                try:
+                    perf = load_perf(path)[0]
+                except (OSError, ValueError, KeyError) as exc:
+                    logger.warning("dispatcher: cannot read profile %s (%s); fitting without it", path, exc)
+            elif ref:
+                logger.warning("dispatcher: profile %r named by a worker is not found", ref)
+            self._profiles[ref] = perf
+        return self._profiles[ref]
+
+    def perf(self, hb: Heartbeat) -> WorkerPerf | None:
+        """The worker's current models (None when its heartbeat names no usable profile)."""
+        wid = hb.worker_id
+        cur = self._perf.get(wid)
+        if cur is not None:
+            return cur
+        fit = self._fits.get(wid)
+        if fit is None:
+            start = self._profile(hb.profile)
+            if start is None:
+                return None
+            fit = self._fits[wid] = PerfFitter(start)
+        cur = self._perf[wid] = fit.current()
+        return cur
+
+    def errors(self) -> dict[str, dict]:
+        """Per worker, each model's out-of-sample error (see `PerfFitter.errors`)."""
+        return {wid: fit.errors() for wid, fit in self._fits.items()}
+
+    # ---------------------------------------------------------------- views
+    def extras(self, hb: Heartbeat, now: float | None = None) -> dict:
+        """The model fields of a `WorkerView` for this worker."""
+        now = self.clock() if now is None else now
+        perf = self.perf(hb)
+        l_e, b_e = self.requests.ledger.errors(hb.worker_id, now)
+        ranks = tuple(a.rank for a in hb.adapters)
+        return {"requests": self.requests.requests(hb.worker_id, now, perf), "perf": perf,
+                "len_error": l_e, "batch_error": b_e, "adapter_ranks": ranks, "max_batch": hb.max_batch,
+                "kernel": hb.kernel or "bgmv", "max_adapters": hb.max_adapters}
+
+    # ---------------------------------------------------------------- events
+    def placed(self, worker_id: str, req: RequestView) -> None:
+        self.requests.place(worker_id, req)
+
+    def moved(self, request_id: str, worker_id: str) -> bool:
+        return self.requests.move(request_id, worker_id)
+
+    def first_token(self, ev: FirstToken) -> None:
+        self.requests.first_token(ev.request_id, self.clock())
+
+    def finished(self, ev: Completed | Failed) -> None:
+        """Fit the worker's models from a completed request, then forget the request."""
+        now = self.clock()
+        wid = ev.worker_id
+        step = ATGT_SLO_MS
+        if isinstance(ev, Completed):
+            fit = self._fits.get(wid)
+            held = self.requests.requests(wid, now, self._perf.get(wid))
+            started = [r for r in held if r.started]
+            if fit is not None:
+                mates = [r for r in started if r.request_id != ev.request_id]
+                batch = len(mates) + 1
+                ctx = (sum(r.input_tokens + r.generated for r in mates)
+                       + ev.input_tokens + ev.output_tokens / 2.0) / batch
+                fit.observe_completed(input_tokens=ev.input_tokens, output_tokens=ev.output_tokens,
+                                      ttft_ms=ev.ttft_ms, queue_ms=ev.queue_ms, atgt_ms=ev.atgt_ms,
+                                      mean_batch=batch, mean_context=ctx)
+                self._perf.pop(wid, None)
+            if ev.atgt_ms > 0:
+                step = ev.atgt_ms
+            self.requests.finish(ev.request_id, ev.output_tokens, now, step)
+        else:
+            self.requests.finish(ev.request_id, None, now)
+
+    def forget_worker(self, worker_id: str) -> None:
+        self.requests.forget_worker(worker_id)
+        self._fits.pop(worker_id, None)
+        self._perf.pop(worker_id, None)
+
+    # ---------------------------------------------------------------- scale signal
+    def should_signal(self, deployment: str) -> bool:
+        """At most one scale-out signal per deployment per `signal_interval_s`."""
+        now = self.clock()
+        last = self._last_signal.get(deployment)
+        if last is not None and now - last < self.signal_interval_s:
+            return False
+        self._last_signal[deployment] = now
+        self.signals += 1
+        return True
