@@ -137,3 +137,7 @@ class Keys:
 
     def runtime_plan(self, deployment: str) -> str:
         return f"{self.prefix}:runtimeplan:{deployment}"
+
+    def perf_fit(self, worker_id: str) -> str:
+        """A dispatcher's online performance-model fit of one worker (coefficients, errors)."""
+        return f"{self.prefix}:perffit:{worker_id}"

@@ -29,10 +29,15 @@ def cluster_status(state: ClusterState) -> dict:
     for agent in agents:
         raw = r.get(keys.gpu(agent["gpu_id"]))
         agent["telemetry"] = json.loads(raw) if raw else None
+    fits = []
+    for w in workers:
+        raw = r.get(keys.perf_fit(w["worker_id"]))
+        if raw:
+            fits.append(json.loads(raw))
     procs = {name: {"pid": pid, "alive": infra.pid_alive(pid)} for name, pid in state.pids.items()}
     return {"gateway_url": state.gateway_url, "nats_url": state.nats_url, "redis_url": state.redis_url,
             "engine": state.engine, "model": state.model, "processes": procs, "services": services,
-            "workers": workers, "gpus": agents}
+            "workers": workers, "gpus": agents, "fits": fits}
 
 
 def render_status(st: dict) -> None:
@@ -53,6 +58,18 @@ def render_status(st: dict) -> None:
         t.add_row(w["worker_id"], w["deployment"], engine, w.get("gpu_id", ""), str(w["running"]),
                   str(w["waiting"]), f"{w['kv_used']}/{w['kv_capacity']}", adapters)
     console.print(t)
+    if st.get("fits"):
+        t = Table(title="dispatcher's online model fits (aladdin / caraserve deployments)")
+        for col in ("worker", "from profile", "prefill n / mean err", "decode n / mean err"):
+            t.add_column(col)
+
+        def _err(e: dict) -> str:
+            m = e.get("mean_rel_err")
+            return f"{e.get('n', 0)} / " + (f"{100 * m:.1f}%" if m is not None else "-")
+
+        for f in st["fits"]:
+            t.add_row(f["worker_id"], f["start"], _err(f["errors"]["prefill"]), _err(f["errors"]["decode"]))
+        console.print(t)
     t = Table(title="GPUs")
     for col in ("gpu", "name", "power W", "SM MHz", "util %", "mem MB", "workers"):
         t.add_column(col)

@@ -94,6 +94,18 @@ class ModelBook:
         """Per worker, each model's out-of-sample error (see `PerfFitter.errors`)."""
         return {wid: fit.errors() for wid, fit in self._fits.items()}
 
+    def report(self) -> dict[str, dict]:
+        """Per worker: the profile it started from, the current coefficients and the errors."""
+        out = {}
+        for wid, fit in self._fits.items():
+            cur = fit.current()
+            b = cur.base
+            out[wid] = {"worker_id": wid, "start": fit.start.label,
+                        "coef": {"k1": b.k1, "c1": b.c1, "k2": b.k2, "c2": b.c2, "c3": b.c3, "h": b.h, "j": b.j,
+                                 **{f"lora_{k}": list(v) for k, v in cur.lora.items()}},
+                        "errors": fit.errors()}
+        return out
+
     # ---------------------------------------------------------------- views
     def extras(self, hb: Heartbeat, now: float | None = None) -> dict:
         """The model fields of a `WorkerView` for this worker."""

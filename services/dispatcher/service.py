@@ -8,12 +8,14 @@ from typing import Any
 
 from polyserve.dispatcher.config import DispatcherSettings
 from polyserve.dispatcher.handlers import DeploymentCache, DispatchHandlers, Outstanding, WorkerRegistry
+from polyserve.proto import Keys
 from polyserve.proto import Completed, DispatchRequest, Failed, FirstToken, Heartbeat, WithdrawReply, WorkerDown
 from polyserve.shared.lifecycle import ServiceBase
 
 logger = logging.getLogger(__name__)
 
 QUEUE = "dispatcher"
+FITS_EVERY_S = 5.0
 
 
 class DispatcherService(ServiceBase):
@@ -46,6 +48,7 @@ class DispatcherService(ServiceBase):
         await self._seed()
         await self.bus.serve(self.subjects.dispatch, DispatchRequest, h.dispatch, queue=QUEUE)
         self.background(self._sweep_loop(), "sweep")
+        self.background(self._fits_loop(), "fits")
         if s.rebalance_s > 0:
             self.background(self._rebalance_loop(), "rebalance")
 
@@ -70,6 +73,18 @@ class DispatcherService(ServiceBase):
                 self.handlers.sweep()
             except Exception:
                 logger.exception("dispatcher: sweep failed")
+
+    async def _fits_loop(self) -> None:
+        """Every 5 s, each worker's fitted models and their error, for `polyserve status`."""
+        keys = Keys(self.settings.prefix)
+        while not self.stop_event.is_set():
+            await asyncio.sleep(FITS_EVERY_S)
+            for wid, rep in self.handlers.models.report().items():
+                try:
+                    await self.state.put_json(keys.perf_fit(wid), rep, ttl=6 * FITS_EVERY_S)
+                except Exception as exc:  # Redis down: the next round retries
+                    logger.debug("cannot store the fit of %s: %s", wid, exc)
+                    break
 
     async def _rebalance_loop(self) -> None:
         async def ask(subject, msg):

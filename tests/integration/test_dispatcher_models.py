@@ -63,6 +63,8 @@ async def test_aladdin_books_requests_fits_models_and_signals_scale_out(make_set
         err = models.errors()["w1"]
         assert err["prefill"]["n"] >= 1 and err["decode"]["n"] >= 1
         assert err["prefill"]["mean_rel_err"] is not None
+        rep = models.report()["w1"]  # what `polyserve status` shows (stored in Redis every 5 s)
+        assert rep["start"] == PROFILE and rep["coef"]["k1"] > 0 and rep["errors"] == err
         # r0 ended 10 tokens before its prediction: Alg. 2's over-estimate ledger has it
         assert models.requests.ledger.errors("w1", models.clock())[0] == -10.0
 
