@@ -16,7 +16,7 @@ import types
 import pytest
 
 from polyserve.proto import AdapterInfo, SamplingParams
-from polyserve.worker.engine import Delta, EngineError, EngineOverloaded, EngineRequest, Finished
+from polyserve.worker.engine import Delta, EngineError, EngineOverloaded, EngineRequest, Finished, Withdrawn
 from polyserve.worker.engines import make_engine
 from polyserve.worker.engines.vllm_engine import TARGET_VLLM_VERSION, VllmEngine
 from tests.fakes import fake_vllm
@@ -177,6 +177,28 @@ async def test_contract_consumer_going_away_aborts_in_vllm(build):
     await stream.aclose()
     await wait_for(lambda: "gone" in fake.engine.aborted, timeout=2, what="vLLM abort")
     assert engine.load().running == 0
+
+
+async def test_contract_withdraw_gives_back_only_a_request_without_output(build):
+    """Aladdin Alg. 2 moves: a request with no token yet is aborted in vLLM and its stream ends
+    with Withdrawn; one that has produced output stays."""
+    engine, fake = await build()
+    fake.engine.step_delay = 0.01
+    started = engine.generate(EngineRequest("s", "hello", SamplingParams(max_tokens=500)))
+    await started.__anext__()
+    assert engine.withdraw("s") is False
+    fake.engine.gate = asyncio.Event()  # later requests wait inside "vLLM"
+    queued = engine.generate(EngineRequest("q", "hello", SamplingParams(max_tokens=5)))
+    first = asyncio.ensure_future(queued.__anext__())
+    await asyncio.sleep(0.05)
+    assert engine.load().waiting == 1
+    assert engine.withdraw("q") is True
+    with pytest.raises(Withdrawn):
+        await first
+    await wait_for(lambda: "q" in fake.engine.aborted, timeout=2, what="vLLM abort of the withdrawn request")
+    assert engine.load().waiting == 0 and engine.withdraw("unknown") is False
+    engine.cancel("s")
+    await started.aclose()
 
 
 # --------------------------------------------------------------------- LoRA

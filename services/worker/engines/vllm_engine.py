@@ -59,7 +59,7 @@ import msgspec
 from polyserve.proto import AdapterInfo
 
 from polyserve.worker.engine import (Delta, Engine, EngineError, EngineLoad, EngineOverloaded, EngineRequest,
-                                     Finished, check_request, free_adapter, make_stats, relay)
+                                     Finished, Withdrawn, check_request, free_adapter, make_stats, relay)
 from polyserve.worker.engines import vllm_api
 from polyserve.worker.lora import AdapterError, AdapterRegistry, check_name, read_adapter
 
@@ -287,6 +287,20 @@ class VllmEngine(Engine):
         self._close_open(act, "cancelled")
         if act.task is not None and not act.task.done() and act.task is not asyncio.current_task():
             act.task.cancel()  # vLLM's generate() aborts on CancelledError too
+        self._abort(request_id)
+        return True
+
+    def withdraw(self, request_id: str) -> bool:
+        """Give back a request with no output yet (Aladdin Alg. 2 move): abort it in vLLM and
+        end its stream with `Withdrawn`. vLLM does not say whether a request is still queued
+        or in its first prefill; with no token emitted yet, aborting loses at most that
+        prefill, which the new worker redoes."""
+        act = self._known.get(request_id)
+        if act is None or act.done or act.first_output is not None:
+            return False
+        self._fail(act, Withdrawn(request_id))
+        if act.task is not None and not act.task.done():
+            act.task.cancel()
         self._abort(request_id)
         return True
 
