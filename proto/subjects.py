@@ -114,6 +114,10 @@ class Keys:
     def gpu(self, gpu_id: str) -> str:
         return f"{self.prefix}:gpu:{gpu_id}"
 
+    def gpu_energy(self, gpu_id: str, total: bool = False) -> str:
+        """Latest `EnergyReport` of a GPU (`total`: the running sum since its agent started)."""
+        return f"{self.prefix}:gpu:{gpu_id}:energy" + (":total" if total else "")
+
     def lenstats(self, model: str) -> str:
         return f"{self.prefix}:lenstats:{model}"
 

@@ -29,6 +29,8 @@ def cluster_status(state: ClusterState) -> dict:
     for agent in agents:
         raw = r.get(keys.gpu(agent["gpu_id"]))
         agent["telemetry"] = json.loads(raw) if raw else None
+        raw = r.get(keys.gpu_energy(agent["gpu_id"], total=True))  # gpu-agent EnergyMeter, since agent start
+        agent["energy"] = json.loads(raw) if raw else None
     fits = []
     for w in workers:
         raw = r.get(keys.perf_fit(w["worker_id"]))
@@ -42,6 +44,8 @@ def cluster_status(state: ClusterState) -> dict:
 
 def render_status(st: dict) -> None:
     console = Console()
+    if not console.is_terminal:  # piped or captured: do not wrap the tables at 80 columns
+        console = Console(width=200)
     console.print(f"gateway [bold]{st['gateway_url']}[/]  nats {st['nats_url']}  redis {st['redis_url']}")
     t = Table(title="services")
     for col in ("service", "instance", "state", "pid"):
@@ -71,12 +75,16 @@ def render_status(st: dict) -> None:
             t.add_row(f["worker_id"], f["start"], _err(f["errors"]["prefill"]), _err(f["errors"]["decode"]))
         console.print(t)
     t = Table(title="GPUs")
-    for col in ("gpu", "name", "power W", "SM MHz", "util %", "mem MB", "workers"):
+    for col in ("gpu", "name", "power W", "SM MHz", "util %", "mem MB", "J/req", "J/out tok", "workers"):
         t.add_column(col)
     for g in st["gpus"]:
         tel = g.get("telemetry") or {}
         label = tel.get("name", "?") + (" (simulated)" if g.get("simulated") else "")
+        en = g.get("energy") or {}
+        est = " (model)" if en.get("source") == "model" else ""
+        jr = f"{en['j_per_request']:.1f}{est}" if en.get("j_per_request") is not None else "-"
+        jt = f"{en['j_per_token']:.2f}{est}" if en.get("j_per_token") is not None else "-"
         t.add_row(g["gpu_id"], label, f"{tel.get('power_w', 0):.0f}", str(tel.get("sm_clock_mhz", "")),
                   f"{tel.get('util_gpu_pct', 0):.0f}", f"{tel.get('mem_used_mb', 0):.0f}/{tel.get('mem_total_mb', 0):.0f}",
-                  ", ".join(g.get("workers", {})))
+                  jr, jt, ", ".join(g.get("workers", {})))
     console.print(t)

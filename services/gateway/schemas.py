@@ -51,7 +51,7 @@ class ChatBody(_Sampling):
 class ScalerBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["pertoken", "request"] = "pertoken"
+    type: Literal["pertoken", "request", "aladdin", "caraserve", "muserve", "signal"] = "pertoken"
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(4, ge=1)
     window_s: float = Field(30.0, gt=0)

@@ -8,6 +8,11 @@ e2e/output_tokens for `pertoken`, e2e for `request`); its target is `miad_slo_ms
 or else that scaler's threshold. Its weight is the frequency elasticity of an LLM
 request with the same prefill (ttft − queue) and decode (e2e − ttft) times at the
 current clock (`gpu_model.llm_request`).
+
+Scale-out: when a decision says `scale_out` (at max clock, still missing), the agent
+publishes a `ScaleSignal(source="miad")` for each deployment of the workers it names
+as missing (all hosted deployments if it names none), at most once per deployment
+per `telemetry_interval_s`; the planner decides (cooldown, max_replicas).
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from polyserve.gpu_agent import gpu_model, miad
 from polyserve.gpu_agent.clock_control import ClockActuator, choose_actuator
-from polyserve.proto import Completed, Subjects
+from polyserve.proto import Completed, ScaleSignal, Subjects
 
 if TYPE_CHECKING:
     from polyserve.gpu_agent.service import GpuAgentService
@@ -52,6 +57,7 @@ class FrequencyController:
         self.actuator: ClockActuator | None = None
         self.last: miad.ClockDecision | None = None
         self._published_at = 0.0
+        self._signalled: dict[str, float] = {}  # deployment -> when a ScaleSignal was last sent
 
     async def start(self) -> None:
         s, agent = self.agent.settings, self.agent
@@ -139,8 +145,27 @@ class FrequencyController:
         if changed or now - self._published_at >= agent.settings.telemetry_interval_s:
             await agent.bus.publish(clock_subject(agent.settings.prefix, agent.gpu_id), msg)
             self._published_at = now
+        if d.scale_out:
+            await self.signal_scale_out(msg, now)
         self.last = msg
         return msg
+
+    async def signal_scale_out(self, msg: miad.ClockDecision, now: float) -> list[ScaleSignal]:
+        """Ask the planner for one more worker of each deployment missing its SLO here."""
+        agent = self.agent
+        hosted = {w.worker_id: w.deployment for w in agent.workers.values() if not w.stopping}
+        deps = sorted({hosted[w] for w in msg.missing if w in hosted} or set(hosted.values()))
+        sent = []
+        for dep in deps:
+            if now - self._signalled.get(dep, float("-inf")) < agent.settings.telemetry_interval_s:
+                continue
+            sig = ScaleSignal(ts=now, deployment=dep, source="miad", gpu_id=agent.gpu_id,
+                              reason=f"MIAD on {agent.gpu_id} at {msg.freq_mhz} MHz (max) still misses the SLO "
+                                     f"of {', '.join(w for w in msg.missing if hosted.get(w) == dep) or 'its workers'}")
+            await agent.bus.publish(agent.subjects.scale_signal(dep), sig)
+            self._signalled[dep] = now
+            sent.append(sig)
+        return sent
 
     async def loop(self) -> None:
         while True:

@@ -117,6 +117,11 @@ class NvmlGpu:
                 mem_total_mb=mem.total / 2**20 if mem is not None else 0.0,
             )
 
+    @property
+    def energy_counter(self) -> bool:
+        """True while energy readings come from the GPU's own counter (not integrated power)."""
+        return self._energy_supported
+
     def set_load(self, active_requests: int, workers: int) -> None:
         """Real hardware reports its own load; nothing to do."""
 

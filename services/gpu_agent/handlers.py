@@ -9,7 +9,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from polyserve.gpu_agent import policy
-from polyserve.proto import AgentReply, Heartbeat, StartWorker, StopWorker
+from polyserve.proto import AgentReply, Completed, Heartbeat, StartWorker, StopWorker
 from polyserve.shared.bus import BusError
 
 if TYPE_CHECKING:
@@ -73,3 +73,8 @@ class AgentHandlers:
         """Keep the load of this agent's own workers (least-busy stops, simulated utilisation)."""
         if hb.worker_id in self.agent.workers:
             self.agent.load[hb.worker_id] = max(0, hb.running) + max(0, hb.waiting)
+
+    async def on_completed(self, ev: Completed) -> None:
+        """A request one of this agent's workers completed: it shares the window's energy."""
+        if ev.worker_id in self.agent.workers:
+            self.agent.energy.add(ev)

@@ -1,6 +1,7 @@
 """The gpu-agent: one per GPU. Telemetry, presence in Redis, and the worker processes.
 
-Loops: telemetry (GpuTelemetry + AgentInfo every `telemetry_interval_s`), the
+Loops: telemetry (GpuTelemetry + AgentInfo every `telemetry_interval_s`, and
+the window's EnergyReport, `energy.py`), the
 watcher (every `watch_interval_s`: reaps workers, SIGKILLs those past their
 stop deadline, reports the ones that died on their own) and, with
 `miad_enabled`, the MIAD frequency controller (`frequency.py`), which applies
@@ -25,10 +26,12 @@ from opentelemetry.sdk.trace.export import SpanExporter
 
 from polyserve.gpu_agent import policy
 from polyserve.gpu_agent.config import GpuAgentSettings
+from polyserve.gpu_agent.energy import EnergyMeter, energy_source
 from polyserve.gpu_agent.frequency import FrequencyController
 from polyserve.gpu_agent.gpu import Gpu, GpuReading, detect_gpu
 from polyserve.gpu_agent.handlers import AgentHandlers
-from polyserve.proto import AgentInfo, GpuTelemetry, Heartbeat, StartWorker, StopWorker, WorkerDown
+from polyserve.proto import (AgentInfo, Completed, EnergyReport, GpuTelemetry, Heartbeat, StartWorker, StopWorker,
+                             WorkerDown)
 from polyserve.shared.lifecycle import ServiceBase
 
 logger = logging.getLogger(__name__)
@@ -69,6 +72,7 @@ class GpuAgentService(ServiceBase):
         self.log_dir = Path(settings.worker_log_dir) if settings.worker_log_dir else None
         self.handlers = AgentHandlers(self)
         self.frequency = FrequencyController(self)
+        self.energy = EnergyMeter(settings.gpu_id)
 
     # ------------------------------------------------------------------ lifecycle
     async def on_start(self) -> None:
@@ -76,6 +80,7 @@ class GpuAgentService(ServiceBase):
         if self.gpu is None:
             self.gpu = await asyncio.to_thread(detect_gpu, s.gpu_index, s.force_simulated)
         self.gpu_id = policy.resolve_gpu_id(s.gpu_id, s.gpu_index, self.gpu.simulated)
+        self.energy.gpu_id = self.gpu_id
         if self.log_dir is None:
             self.log_dir = Path(tempfile.mkdtemp(prefix=f"polyserve-{self.gpu_id}-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -86,6 +91,7 @@ class GpuAgentService(ServiceBase):
         await self.bus.serve(self.subjects.agent(self.gpu_id, "start"), StartWorker, self.handlers.start)
         await self.bus.serve(self.subjects.agent(self.gpu_id, "stop"), StopWorker, self.handlers.stop)
         await self.bus.listen(self.subjects.worker_event("heartbeat"), Heartbeat, self.handlers.on_heartbeat)
+        await self.bus.listen(self.subjects.event("completed"), Completed, self.handlers.on_completed)
         await self.publish_info()
         self.background(self._telemetry_loop(), "telemetry")
         self.background(self._watch_loop(), "watch")
@@ -187,7 +193,8 @@ class GpuAgentService(ServiceBase):
                 continue
             _kill_group(w.proc.pid)  # orphans of the worker; the zombie keeps the group id ours
             rc = w.proc.wait()
-            del self.workers[w.worker_id]
+            if self.workers.pop(w.worker_id, None) is None:
+                continue  # a concurrent reap (watcher and drain) already reported it
             self.load.pop(w.worker_id, None)
             if w.stopping:
                 how = "killed by gpu-agent after its drain timeout" if w.killed else "stopped by gpu-agent"
@@ -253,7 +260,26 @@ class GpuAgentService(ServiceBase):
             await self.state.put_json(self.keys.gpu(self.gpu_id), msg, ttl=self.settings.agent_ttl_s)
         except Exception as exc:  # noqa: BLE001
             logger.warning("cannot store telemetry of %s: %s", self.gpu_id, exc)
+        await self.account_energy(r)
         return msg
+
+    def energy_key(self, total: bool = False) -> str:
+        """Redis key of the latest EnergyReport (`total`: the running total since start)."""
+        return self.keys.gpu_energy(self.gpu_id, total)
+
+    async def account_energy(self, reading: GpuReading) -> EnergyReport | None:
+        """Close the energy window at `reading`; publish and store its report."""
+        rep = self.energy.observe(reading, time.time(), energy_source(self.gpu, reading))
+        if rep is None:
+            return None
+        await self.bus.publish(self.subjects.gpu_energy(self.gpu_id), rep)
+        try:
+            ttl = max(self.settings.agent_ttl_s, 3 * self.settings.telemetry_interval_s)
+            await self.state.put_json(self.energy_key(), rep, ttl=ttl)
+            await self.state.put_json(self.energy_key(total=True), self.energy.total, ttl=ttl)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("cannot store the energy report of %s: %s", self.gpu_id, exc)
+        return rep
 
 
 def _exited(proc: subprocess.Popen) -> bool:

@@ -140,6 +140,7 @@ class Allocation:
     status: str
     solve_s: float
     convexified: tuple[str, ...] = ()
+    optimum: float | None = None  # with `prefer`: the optimal objective the tie-break stayed within
 
 
 def floors(demand: Sequence[float], profiles: Sequence[RuntimeProfile]) -> list[int]:
@@ -173,8 +174,16 @@ def evaluate(counts: Sequence[int], demand: Sequence[float], profiles: Sequence[
 
 
 def solve(G: int, demand: Sequence[float], profiles: Sequence[RuntimeProfile], *, greedy: bool = True,
-          time_limit_s: float = 10.0, mip_rel_gap: float = 1e-9) -> Allocation:
-    """Solve Eqs. 1–7 exactly (module docstring). `demand[i]` = Q_i, requests per SLO period."""
+          time_limit_s: float = 10.0, mip_rel_gap: float = 1e-9, prefer: Sequence[int] | None = None,
+          tolerance: float = 0.0) -> Allocation:
+    """Solve Eqs. 1–7 exactly (module docstring). `demand[i]` = Q_i, requests per SLO period.
+
+    `prefer` (the current instances per runtime) adds a second, lexicographic stage:
+    among the allocations whose objective is within `tolerance` (a fraction) of the
+    optimum, the one that takes the fewest instances away from their current runtime,
+    Σ max(0, prefer_i − N_i), i.e. the fewest re-loads (§4). Many allocations tie when
+    instances are under-loaded, so without it the solver's pick may move instances for
+    nothing."""
     I = len(profiles)
     if I == 0 or len(demand) != I:
         raise ValueError("need one demand figure per runtime and at least one runtime")
@@ -235,16 +244,43 @@ def solve(G: int, demand: Sequence[float], profiles: Sequence[RuntimeProfile], *
     res = milp(cost, constraints=LinearConstraint(np.array(rows), rlo, rhi), integrality=integrality,
                bounds=Bounds(lo, hi), options={"time_limit": time_limit_s, "mip_rel_gap": mip_rel_gap,
                                                "disp": False})
-    elapsed = time.perf_counter() - t0
     if res.x is None:
         raise RuntimeError(f"Arlo allocation found no solution: {res.message}")
-    counts = tuple(int(round(v)) for v in res.x[nN:nN + I])
+    x, optimum = res.x, None
+    if prefer is not None:
+        if len(prefer) != I or any(c < 0 for c in prefer):
+            raise ValueError("prefer needs one non-negative instance count per runtime")
+        optimum = float(res.fun)
+        A = np.hstack([np.array(rows), np.zeros((len(rows), I))])  # + d_i >= prefer_i - N_i, d_i >= 0
+        extra, elo, ehi = [], [], []
+        bound = np.zeros(nv + I)
+        bound[nt:nt + I] = 1.0
+        extra.append(bound)  # Σ t_i <= optimum (1 + tolerance)
+        elo.append(-np.inf)
+        ehi.append(optimum * (1 + max(0.0, tolerance)) + 1e-7 * max(1.0, abs(optimum)))
+        for i in range(I):
+            r = np.zeros(nv + I)
+            r[nN + i] = r[nv + i] = 1.0
+            extra.append(r)
+            elo.append(float(prefer[i]))
+            ehi.append(np.inf)
+        cost2 = np.zeros(nv + I)
+        cost2[nv:] = 1.0
+        res2 = milp(cost2, constraints=LinearConstraint(np.vstack([A, np.array(extra)]), rlo + elo, rhi + ehi),
+                    integrality=np.concatenate([integrality, np.zeros(I)]),
+                    bounds=Bounds(np.concatenate([lo, np.zeros(I)]), np.concatenate([hi, np.full(I, float(G))])),
+                    options={"time_limit": time_limit_s, "mip_rel_gap": mip_rel_gap, "disp": False})
+        if res2.x is not None:  # else keep the optimum (the stage-1 point is always feasible here)
+            x = res2.x[:nv]
+    elapsed = time.perf_counter() - t0
+    counts = tuple(int(round(v)) for v in x[nN:nN + I])
     obj, served, demoted = evaluate(counts, q, profiles, models)
     status = "optimal" if res.status == 0 else f"stopped: {res.message}"
     return Allocation(counts=counts, objective=obj, served=tuple(served), demoted=tuple(demoted),
                       mean_latency_ms=obj / total_q if total_q > 0 else 0.0, capacity_ok=capacity_ok,
                       status=status, solve_s=elapsed,
-                      convexified=tuple(p.name for p, m in zip(profiles, models) if m.convexified))
+                      convexified=tuple(p.name for p, m in zip(profiles, models) if m.convexified),
+                      optimum=optimum)
 
 
 def brute_force(G: int, demand: Sequence[float], profiles: Sequence[RuntimeProfile]) -> tuple[float, tuple[int, ...]]:

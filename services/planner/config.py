@@ -32,6 +32,30 @@ class PlannerSettings(CommonSettings, frozen=True, kw_only=True):
         (`{deployment}` is replaced by the deployment id).
     k8s_in_cluster: use the pod's service account; False = k8s_kubeconfig
         ("" = the default kubeconfig).
+
+    Scale signals (`ScaleSignal` on `<prefix>.v1.events.plan.signal.<deployment>`):
+    honoured only by deployments whose scaler type is signal-driven
+    (`aladdin`, `caraserve`, `muserve` or `signal`, see `policy.SIGNAL_SCALERS`).
+    signal_cooldown_s: after the planner acted on a signal of a deployment, further
+        signals of it are dropped for this long (a burst starts one worker); signals
+        are also dropped while a worker started earlier has not heartbeated yet
+        (within worker_start_grace_s).
+
+    Arlo runtime re-planning (§3.3/§4; `arlo_live.py`) of deployments whose engine is
+    `encoder`:
+    arlo_enabled: run the re-plan loop.
+    arlo_period_s: its period (Arlo: 120 s); the request lengths of the last period
+        make the per-bin demand.
+    arlo_apply: carry the plan out through the gpu-agents (stop the instances of
+        runtimes that lose, start the new runtime on the same GPU). When a moving
+        instance is not managed by a live gpu-agent the plan is published with
+        applied=false and the reason. False = publish only.
+    arlo_profile: EncoderProfile JSON (`polyserve profile --encoder`) with the
+        runtimes; "" = the one a worker of the deployment reports in its heartbeat
+        when the planner can read it, else the shipped CPU MiniLM profile.
+    arlo_min_gain: keep the current allocation when its objective is within this
+        fraction of the optimum (re-loading instances is not free).
+    arlo_batch: instances re-loaded per batch (Arlo §4); batches run in order.
     """
 
     poll_interval_s: float = 5.0
@@ -47,6 +71,13 @@ class PlannerSettings(CommonSettings, frozen=True, kw_only=True):
     k8s_name_template: str = "polyserve-worker-{deployment}"
     k8s_in_cluster: bool = True
     k8s_kubeconfig: str = ""
+    signal_cooldown_s: float = 10.0
+    arlo_enabled: bool = True
+    arlo_period_s: float = 120.0
+    arlo_apply: bool = True
+    arlo_profile: str = ""
+    arlo_min_gain: float = 0.05
+    arlo_batch: int = 2
 
     def validate(self) -> None:
         super().validate()
@@ -62,5 +93,9 @@ class PlannerSettings(CommonSettings, frozen=True, kw_only=True):
             raise SettingsError("max_samples must be >= 1")
         if self.actuator not in ("agents", "kubernetes"):
             raise SettingsError(f"actuator {self.actuator!r} must be 'agents' or 'kubernetes'")
+        if self.signal_cooldown_s < 0:
+            raise SettingsError("signal_cooldown_s must be >= 0")
+        if self.arlo_period_s <= 0 or self.arlo_min_gain < 0 or self.arlo_batch < 1:
+            raise SettingsError("need arlo_period_s > 0, arlo_min_gain >= 0 and arlo_batch >= 1")
         if "{deployment}" not in self.k8s_name_template:
             raise SettingsError("k8s_name_template must contain {deployment}")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 from polyserve.planner.policy import Sample, Window
-from polyserve.proto import Completed, Heartbeat, WorkerDown
+from polyserve.proto import Completed, Heartbeat, ScaleSignal, WorkerDown
 
 if TYPE_CHECKING:
     from polyserve.planner.service import PlannerService
@@ -31,8 +32,22 @@ class PlannerHandlers:
         window = p.windows.get(ev.deployment)
         if window is None:
             window = p.windows[ev.deployment] = Window(p.settings.max_samples)
-        window.add(Sample(ts=time.time(), e2e_ms=ev.e2e_ms, output_tokens=ev.output_tokens,
+        now = time.time()
+        window.add(Sample(ts=now, e2e_ms=ev.e2e_ms, output_tokens=ev.output_tokens,
                           ttft_ms=ev.ttft_ms))
+        if ev.deployment in p.other_deployments:
+            return  # only encoder deployments (and ones not classified yet) keep lengths
+        lengths = p.lengths.get(ev.deployment)
+        if lengths is None:
+            lengths = p.lengths[ev.deployment] = deque(maxlen=10 * p.settings.max_samples)
+        lengths.append((now, max(0, ev.input_tokens)))  # Arlo's per-bin demand
+
+    async def on_scale_signal(self, sig: ScaleSignal) -> None:
+        """A request for one more worker (dispatcher or MIAD); the planner decides."""
+        try:
+            await self.planner.handle_signal(sig)
+        except Exception:  # noqa: BLE001 - Redis/NATS briefly down: the next signal retries
+            logger.exception("scale signal for %s from %s failed", sig.deployment, sig.source)
 
     async def on_heartbeat(self, hb: Heartbeat) -> None:
         self.planner.heartbeats[hb.worker_id] = time.time()

@@ -24,6 +24,14 @@ Around that rule, three guards keep it from oscillating (each can be turned off)
   sent their first heartbeat yet (their capacity is not in the metric);
 * `max_step`: at most this many workers added or removed per decision.
 
+Signal-driven scalers (`aladdin`, `caraserve`, `muserve`, `signal`): the
+deployment grows by ONE worker per accepted `ScaleSignal` (the dispatcher's
+Aladdin/CaraServe policy found no feasible worker, or a gpu-agent's MIAD is at
+its maximum clock and still misses the SLO), see `signal_decision`; between
+signals the periodic reconcile only keeps the count within
+[min_replicas, max_replicas] (`hold_decision`): these papers define no
+latency-driven scale-in. `pertoken`/`request` deployments ignore signals.
+
 Nothing here does I/O: the service passes in what it observed.
 """
 from __future__ import annotations
@@ -35,7 +43,20 @@ from dataclasses import dataclass
 
 from polyserve.proto import ScalerPolicy
 
-SCALER_TYPES = ("pertoken", "request")
+SCALER_TYPES = ("pertoken", "request")  # the HPA metrics (thesis §5)
+# signal-driven scaler type -> the ScaleSignal sources it honours
+SIGNAL_SCALERS: dict[str, tuple[str, ...]] = {
+    "aladdin": ("aladdin",),
+    "caraserve": ("caraserve",),
+    "muserve": ("miad",),
+    "signal": ("aladdin", "caraserve", "miad"),
+}
+ALL_SCALER_TYPES = SCALER_TYPES + tuple(SIGNAL_SCALERS)
+
+
+def signal_sources(scaler_type: str) -> tuple[str, ...]:
+    """The ScaleSignal sources a scaler type honours (none for the HPA types)."""
+    return SIGNAL_SCALERS.get(scaler_type, ())
 
 
 @dataclass(frozen=True)
@@ -158,6 +179,42 @@ def decide(current: int, samples: Iterable[Sample], scaler: ScalerPolicy, *, now
         desired = current + max_step if desired > current else current - max_step
         reason += f"; step limited to {max_step}"
     return Decision(desired=desired, metric_ms=metric, samples=n, reason=reason, recommended=raw)
+
+
+def hold_decision(current: int, scaler: ScalerPolicy) -> Decision:
+    """The periodic decision of a signal-driven scaler: `current` within [min, max]
+    (min_replicas when nothing runs); growth comes from `signal_decision` only."""
+    lo, hi = scaler.min_replicas, scaler.max_replicas
+    desired = hpa_desired(current, None, scaler.threshold_ms, lo, hi)
+    sources = ", ".join(signal_sources(scaler.type)) or "none"
+    if current <= 0:
+        reason = f"no running worker; starting min_replicas={lo}" if desired > 0 else "no worker wanted"
+    elif desired != current:
+        reason = f"{current} worker(s) outside [{lo}, {hi}]: -> {desired}"
+    else:
+        reason = f"{scaler.type} scaler: holding {current}; grows on scale signals from {sources}"
+    return Decision(desired=desired, metric_ms=None, samples=0, reason=reason, recommended=desired)
+
+
+def signal_decision(current: int, scaler: ScalerPolicy, source: str, *, now: float, last_signal: float | None,
+                    cooldown_s: float, pending: int = 0, reason: str = "") -> Decision | None:
+    """One ScaleSignal of a signal-driven deployment: one more worker, or None when the
+    signal is dropped without a decision (not honoured by this scaler type, within
+    `cooldown_s` of the last signal acted on, or workers still starting). A signal at
+    max_replicas gives a decision that holds (so it is visible) and starts the cooldown."""
+    if source not in signal_sources(scaler.type):
+        return None
+    if last_signal is not None and now - last_signal < cooldown_s:
+        return None
+    if pending > 0:
+        return None
+    why = f"scale signal from {source}" + (f" ({reason})" if reason else "")
+    hi = max(scaler.min_replicas, scaler.max_replicas)
+    if current >= hi:
+        return Decision(desired=current, metric_ms=None, samples=0, reason=f"{why}; at max_replicas={hi}",
+                        recommended=current)
+    return Decision(desired=current + 1, metric_ms=None, samples=0, reason=f"{why}: add one worker",
+                    recommended=current + 1)
 
 
 # --------------------------------------------------------------------------- actuation

@@ -9,6 +9,17 @@ StartWorker on the agents with the fewest workers, StopWorker on the agents
 hosting the most workers of the deployment. With `actuator=kubernetes` the count
 and the action are the replicas of the deployment's Kubernetes Deployment instead
 (`k8s.KubernetesActuator`; pods created but not yet running count as pending).
+
+Scale signals: `ScaleSignal`s (dispatcher: Aladdin/CaraServe found no feasible
+worker; gpu-agent: MIAD at max clock still missing) grow a deployment whose scaler
+type is signal-driven by one worker each (`policy.signal_decision`: cooldown,
+starting workers pending, max_replicas), published as a `ScaleDecision` like any
+other. Other scaler types ignore them.
+
+Arlo: every `arlo_period_s` the runtimes of `encoder` deployments are re-planned
+(`arlo_live.compute_plan`), the `RuntimePlan` published and stored, and, with
+`arlo_apply`, carried out through the gpu-agents (stop the instance that changes
+runtime, start the new runtime on the same GPU with its `encoder_*` settings).
 """
 from __future__ import annotations
 
@@ -17,13 +28,15 @@ import logging
 import time
 from collections import deque
 
+import msgspec
+
 from opentelemetry.sdk.trace.export import SpanExporter
 
-from polyserve.planner import policy
+from polyserve.planner import arlo_live, policy
 from polyserve.planner.config import PlannerSettings
 from polyserve.planner.handlers import PlannerHandlers
-from polyserve.proto import (AgentInfo, AgentReply, Completed, Deployment, Heartbeat, ScaleDecision,
-                             StartWorker, StopWorker, WorkerDown)
+from polyserve.proto import (AgentInfo, AgentReply, Completed, Deployment, Heartbeat, RuntimePlan, ScaleDecision,
+                             ScaleSignal, StartWorker, StopWorker, WorkerDown)
 from polyserve.shared.bus import BusError
 from polyserve.shared.lifecycle import ServiceBase
 
@@ -47,6 +60,12 @@ class PlannerService(ServiceBase):
         self.live_workers: list[Heartbeat] = []  # from Redis, each tick in Kubernetes mode
         self.first_seen: dict[str, float] = {}  # worker_id -> when an AgentInfo first listed it
         self.decisions: dict[str, ScaleDecision] = {}
+        self.lengths: dict[str, deque[tuple[float, int]]] = {}  # deployment -> (ts, input tokens), for Arlo
+        self.last_signal: dict[str, float] = {}  # deployment -> when a scale signal was last acted on
+        self.signals: dict[str, list[int]] = {}  # deployment -> [received, acted on]
+        self.runtime_plans: dict[str, RuntimePlan] = {}
+        self.other_deployments: set[str] = set()  # not `encoder`: their request lengths are not kept
+        self._runtimes: dict[str, arlo_live.Runtimes | None] = {}  # profile path -> parsed (None: unusable)
         self.handlers = PlannerHandlers(self)
         self._lock = asyncio.Lock()
         self.k8s = None  # k8s.KubernetesActuator with actuator=kubernetes (set at start, or by tests)
@@ -69,7 +88,10 @@ class PlannerService(ServiceBase):
         await self.bus.listen(self.subjects.event("completed"), Completed, self.handlers.on_completed)
         await self.bus.listen(self.subjects.worker_event("heartbeat"), Heartbeat, self.handlers.on_heartbeat)
         await self.bus.listen(self.subjects.worker_event("down"), WorkerDown, self.handlers.on_worker_down)
+        await self.bus.listen(self.subjects.scale_signal("*"), ScaleSignal, self.handlers.on_scale_signal)
         self.background(self._poll_loop(), "poll")
+        if s.arlo_enabled:
+            self.background(self._arlo_loop(), "arlo")
 
     async def on_drain(self, timeout: float) -> None:
         """Let a reconcile in progress finish (its agent requests are bounded by timeouts)."""
@@ -103,7 +125,11 @@ class PlannerService(ServiceBase):
             now = time.time()
             self._track_workers(agents, now)
             known = {d.id for d in deployments}
-            for table in (self.windows, self.history, self.last_change, self.decisions):
+            self.other_deployments = {d.id for d in deployments if d.engine != arlo_live.ENCODER_ENGINE}
+            for dep_id in self.other_deployments & self.lengths.keys():
+                del self.lengths[dep_id]
+            for table in (self.windows, self.history, self.last_change, self.decisions, self.lengths,
+                          self.last_signal, self.signals, self.runtime_plans):
                 for dep_id in [d for d in table if d not in known]:
                     del table[dep_id]  # bounded memory: deleted deployments, events for unknown ones
             decisions = []
@@ -153,9 +179,12 @@ class PlannerService(ServiceBase):
         pending = self._pending([w for ws in hosting.values() for w in ws], now)
         if self.k8s is not None and now - self.last_change.get(dep.id, 0.0) < s.worker_start_grace_s:
             pending = max(0, replicas.desired - self._serving(dep.id))  # pods not serving yet
-        decision = policy.decide(current, samples, scaler, now=now, history=list(history),
-                                 stabilization_s=s.scale_down_stabilization_s, pending=pending,
-                                 max_step=s.max_step, tolerance=s.tolerance)
+        if scaler.type in policy.SIGNAL_SCALERS:
+            decision = policy.hold_decision(current, scaler)
+        else:
+            decision = policy.decide(current, samples, scaler, now=now, history=list(history),
+                                     stabilization_s=s.scale_down_stabilization_s, pending=pending,
+                                     max_step=s.max_step, tolerance=s.tolerance)
         history.append((now, decision.recommended))
         reason = decision.reason
         if decision.desired != current:
@@ -222,6 +251,176 @@ class PlannerService(ServiceBase):
             logger.warning("gpu-agent %s refused %s for %s: %s", gpu_id, action, req.deployment, exc)
             failures.append(f"{gpu_id} {action}: {exc.description}")
             return None
+
+    # ------------------------------------------------------------------ scale signals
+    async def handle_signal(self, sig: ScaleSignal) -> ScaleDecision | None:
+        """Act on one ScaleSignal (see `policy.signal_decision`); the published decision,
+        or None when the signal was dropped."""
+        async with self._lock:
+            dep = await self.state.get_deployment(sig.deployment)
+            if dep is None:
+                logger.debug("scale signal for unknown deployment %s ignored", sig.deployment)
+                return None
+            counts = self.signals.setdefault(dep.id, [0, 0])
+            counts[0] += 1
+            if sig.source not in policy.signal_sources(dep.scaler.type):
+                logger.debug("deployment %s (scaler %s) ignores scale signals from %s",
+                             dep.id, dep.scaler.type, sig.source)
+                return None
+            now = time.time()
+            agents = await self.state.live_agents()
+            self._track_workers(agents, now)
+            hosting = {a.gpu_id: [w for w, d in a.workers.items() if d == dep.id] for a in agents}
+            current = sum(len(ws) for ws in hosting.values())
+            pending = self._pending([w for ws in hosting.values() for w in ws], now)
+            if self.k8s is not None:
+                self.live_workers = await self.state.live_workers()
+                replicas = await asyncio.to_thread(self.k8s.replicas, dep.id)
+                hosting, current = {}, replicas.desired
+                pending = max(0, current - self._serving(dep.id)) if (
+                    now - self.last_change.get(dep.id, 0.0) < self.settings.worker_start_grace_s) else 0
+            decision = policy.signal_decision(current, dep.scaler, sig.source, now=now,
+                                              last_signal=self.last_signal.get(dep.id),
+                                              cooldown_s=self.settings.signal_cooldown_s, pending=pending,
+                                              reason=sig.reason or (f"gpu {sig.gpu_id}" if sig.gpu_id else ""))
+            if decision is None:
+                logger.debug("scale signal for %s from %s dropped (cooldown or %d starting)",
+                             dep.id, sig.source, pending)
+                return None
+            self.last_signal[dep.id] = now
+            counts[1] += 1
+            reason = decision.reason
+            if decision.desired != current:
+                if self.k8s is not None:
+                    reason += await self._actuate_k8s(dep, decision.desired)
+                elif not agents:
+                    reason = f"{NO_AGENT}; {reason}"
+                else:
+                    reason += await self._actuate(dep, agents, hosting, current, decision.desired)
+            msg = ScaleDecision(deployment=dep.id, scaler=dep.scaler.type, current=current,
+                                desired=decision.desired, threshold_ms=dep.scaler.threshold_ms, reason=reason)
+            self.decisions[dep.id] = msg
+            await self.bus.publish(self.subjects.scale(dep.id), msg)
+            await self.state.put_plan(msg)
+            logger.info("scale signal %s: %d -> %d (%s)", dep.id, current, decision.desired, reason)
+            return msg
+
+    # ------------------------------------------------------------------ Arlo runtime re-plan
+    async def _arlo_loop(self) -> None:
+        while True:  # the first re-plan runs one period after start: it needs a period of traffic
+            await asyncio.sleep(self.settings.arlo_period_s)
+            try:
+                await self.replan()
+            except Exception as exc:  # noqa: BLE001 - Redis/NATS briefly down: the next period retries
+                logger.warning("runtime re-plan failed: %s: %s", type(exc).__name__, exc)
+
+    def runtimes_for(self, workers: list[Heartbeat]) -> arlo_live.Runtimes | None:
+        """The runtimes to plan with: `arlo_profile`, else a profile a worker reports that this
+        host can read, else the shipped one."""
+        candidates = [self.settings.arlo_profile] if self.settings.arlo_profile else []
+        candidates += sorted({hb.profile for hb in workers if hb.profile.endswith(".json")})
+        candidates.append(str(arlo_live.SHIPPED_PROFILE))
+        for path in candidates:
+            if path not in self._runtimes:
+                try:
+                    self._runtimes[path] = arlo_live.load_runtimes(path)
+                except ValueError as exc:
+                    logger.warning("%s", exc)
+                    self._runtimes[path] = None
+            if self._runtimes[path] is not None:
+                return self._runtimes[path]
+            if path == self.settings.arlo_profile:
+                return None  # the operator's profile is unusable: say so rather than plan with another
+        return None
+
+    async def replan(self) -> list[RuntimePlan]:
+        """One Arlo period over every `encoder` deployment; returns the published plans."""
+        async with self._lock:
+            plans = []
+            deployments = [d for d in await self.state.list_deployments() if d.engine == arlo_live.ENCODER_ENGINE]
+            if not deployments:
+                return plans
+            heartbeats = await self.state.live_workers()
+            agents = await self.state.live_agents()
+            for dep in deployments:
+                try:
+                    plan = await self._replan_one(dep, heartbeats, agents)
+                except Exception:  # noqa: BLE001 - one deployment must not stop the others
+                    logger.exception("runtime re-plan of %s failed", dep.id)
+                    continue
+                if plan is not None:
+                    plans.append(plan)
+            return plans
+
+    async def _replan_one(self, dep: Deployment, heartbeats: list[Heartbeat],
+                          agents: list[AgentInfo]) -> RuntimePlan | None:
+        s, now = self.settings, time.time()
+        workers = [hb for hb in heartbeats if hb.deployment == dep.id and hb.engine == arlo_live.ENCODER_ENGINE]
+        if not workers:
+            return None
+        rt = self.runtimes_for(workers)
+        if rt is None:
+            logger.warning("no usable encoder profile for %s (arlo_profile=%r); not re-planning",
+                           dep.id, s.arlo_profile)
+            return None
+        current = {hb.worker_id: arlo_live.instance_runtime(hb.max_input_len, rt.max_lens) for hb in workers}
+        load = {hb.worker_id: float(hb.running + hb.waiting) for hb in workers}
+        seen = self.lengths.get(dep.id)
+        while seen and seen[0][0] < now - s.arlo_period_s:
+            seen.popleft()
+        lengths = [n for _, n in seen or ()]
+        plan, steps = await asyncio.to_thread(arlo_live.compute_plan, dep.id, current, rt, lengths, s.arlo_period_s,
+                                              load, s.arlo_min_gain, s.arlo_batch)
+        if steps.changes:
+            if not s.arlo_apply:
+                plan = msgspec.structs.replace(plan, reason=plan.reason + "; publish only (arlo_apply is off)")
+            else:
+                by_id = {hb.worker_id: hb for hb in workers}
+                applied, note = await self._apply_runtimes(dep, rt, steps, by_id, agents)
+                plan = msgspec.structs.replace(plan, applied=applied, reason=plan.reason + note)
+        self.runtime_plans[dep.id] = plan
+        await self.bus.publish(self.subjects.runtime_plan(dep.id), plan)
+        await self.state.put_json(self.keys.runtime_plan(dep.id), plan)
+        nonzero = lambda c: {k: v for k, v in c.items() if v}  # noqa: E731
+        logger.info("runtime plan %s: %s -> %s (%d changes, applied=%s): %s", dep.id, nonzero(plan.previous),
+                    nonzero(plan.counts), plan.changes, plan.applied, plan.reason)
+        return plan
+
+    async def _apply_runtimes(self, dep: Deployment, rt: arlo_live.Runtimes, steps, by_id: dict[str, Heartbeat],
+                              agents: list[AgentInfo]) -> tuple[bool, str]:
+        """Carry out a replacement plan batch by batch; (all done, note for the reason)."""
+        host = {w: a.gpu_id for a in agents for w in a.workers}
+        unmanaged = sorted(st.instance for st in steps.steps if st.instance is not None and st.instance not in host)
+        if unmanaged:
+            return False, f"; not applied: worker(s) {', '.join(unmanaged)} are not managed by a live gpu-agent"
+        if any(st.instance is None for st in steps.steps) and not agents:
+            return False, f"; not applied: {NO_AGENT}"
+        failures: list[str] = []
+        moved = 0
+        for batch in steps.batches:
+            for st in batch:
+                gpu = host.get(st.instance) if st.instance is not None else None
+                if st.instance is not None:
+                    reply = await self._ask(gpu, "stop", StopWorker(deployment=dep.id, worker_id=st.instance), failures)
+                    if reply is None or st.instance not in reply.stopped:
+                        continue
+                if st.dst is None:
+                    moved += 1
+                    continue
+                if gpu is None:
+                    gpu = policy.plan_starts({a.gpu_id: len(a.workers) for a in agents}, 1).popitem()[0]
+                old = by_id.get(st.instance) if st.instance is not None else None
+                spec = rt.specs[st.dst]
+                env = arlo_live.runtime_env(spec, old.profile if old is not None and old.profile else "")
+                reply = await self._ask(gpu, "start", StartWorker(deployment=dep.id, model=dep.model, engine=dep.engine,
+                                                                  extra_env=env), failures)
+                if reply is not None and reply.started:
+                    moved += 1
+                    self.first_seen.setdefault(reply.started[0], time.time())
+        if moved:
+            self.last_change[dep.id] = time.time()
+        note = f"; applied {moved}/{steps.changes} re-load(s) in {len(steps.batches)} batch(es)"
+        return moved == steps.changes and not failures, note + (f"; failed: {'; '.join(failures)}" if failures else "")
 
     async def _stop_orphans(self, known: set[str], agents: list[AgentInfo]) -> None:
         """Stop workers whose deployment was deleted."""

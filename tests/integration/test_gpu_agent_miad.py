@@ -91,3 +91,30 @@ async def test_applies_to_the_simulated_gpu_with_clock_control(make_settings, tm
         assert [o.scale_out for o in outs] == [False, False, True, True]
         await wait_for(lambda: any(m.scale_out for m in got), what="scale-out signal published")
     assert agent.gpu.clock_limit_mhz == max_mhz  # drained: limit back to the maximum
+
+
+async def test_scale_out_decision_sends_one_scale_signal_per_deployment(make_settings, tmp_path, bus, subjects,
+                                                                        state):
+    from polyserve.proto import ScaleSignal
+
+    agent = make_agent(make_settings, tmp_path, miad_scale_out_after=1, telemetry_interval_s=30.0, agent_ttl_s=60.0)
+    async with running(agent):
+        wid, _ = await setup(agent, bus, subjects, state)
+        signals: list[ScaleSignal] = []
+
+        async def on_signal(msg):
+            signals.append(msg)
+
+        await bus.listen(subjects.scale_signal("*"), ScaleSignal, on_signal)
+        await bus.nc.flush()
+        await complete(bus, subjects, wid, per_token_ms=5.0)  # within the SLO: no signal
+        await wait_for(lambda: len(agent.frequency.samples.get(wid, ())) == 4, what="completed events")
+        assert not (await agent.frequency.tick()).scale_out
+        await complete(bus, subjects, wid, per_token_ms=60.0, n=20)  # at max clock and missing
+        await wait_for(lambda: len(agent.frequency.samples[wid]) == 24, what="completed events")
+        outs = [await agent.frequency.tick() for _ in range(3)]  # up to max (the first tick lowered it), then at max
+        assert [o.scale_out for o in outs] == [False, True, True]
+        await wait_for(lambda: signals, what="ScaleSignal")
+        await bus.nc.flush()
+        [sig] = signals  # one per deployment per telemetry interval, however many decisions
+        assert (sig.deployment, sig.source, sig.gpu_id) == ("d1", "miad", agent.gpu_id) and wid in sig.reason

@@ -1,5 +1,6 @@
 """The planner against real nats-server and redis-server, with a stand-in gpu-agent
 served from the test's own bus connection that records what the planner asks."""
+import asyncio
 import time
 
 import pytest
@@ -7,7 +8,7 @@ import pytest
 from polyserve.planner.config import PlannerSettings
 from polyserve.planner.service import NO_AGENT, PlannerService
 from polyserve.proto import (AgentInfo, AgentReply, Completed, Deployment, Heartbeat, ScaleDecision,
-                             ScalerPolicy, StartWorker, StopWorker)
+                             ScalerPolicy, ScaleSignal, StartWorker, StopWorker)
 from tests.helpers import running, wait_for
 
 pytestmark = pytest.mark.integration
@@ -151,3 +152,71 @@ async def test_start_at_once_gate_on_starting_workers_and_orphans(make_settings,
         await wait_for(lambda: new in planner.heartbeats, what="heartbeat")
         [d] = await planner.tick()
         assert (d.current, d.desired) == (1, 3) and agent.starts[-1].count == 2
+
+
+# --------------------------------------------------------------------------- scale signals
+async def send_signals(bus, subjects, dep_id, source, n):
+    for i in range(n):
+        await bus.publish(subjects.scale_signal(dep_id), ScaleSignal(deployment=dep_id, source=source,
+                                                                     reason=f"burst {i}", gpu_id="g0"))
+    await bus.nc.flush()
+
+
+async def test_scale_signal_burst_starts_one_worker_then_waits_then_stops_at_max(make_settings, bus, subjects,
+                                                                                 state):
+    await state.put_deployment(Deployment(id="d1", model="m1", engine="sim", scaler=ScalerPolicy(
+        type="muserve", min_replicas=1, max_replicas=3, threshold_ms=THRESHOLD_MS)))
+    agent = await FakeAgent(bus, subjects, state, "g0", {"w-a": "d1"}).serve()
+    decisions: list[ScaleDecision] = []
+
+    async def on_decision(d):
+        decisions.append(d)
+
+    await bus.listen(subjects.scale("d1"), ScaleDecision, on_decision)
+    planner = PlannerService(planner_settings(make_settings, signal_cooldown_s=0.5, worker_start_grace_s=60.0))
+    async with running(planner):
+        await wait_for(lambda: decisions, what="the reconcile at start")
+        assert (decisions[0].current, decisions[0].desired, decisions[0].scaler) == (1, 1, "muserve")
+        await publish_completed(bus, subjects, "d1", per_token_ms=5 * THRESHOLD_MS)  # no HPA for signal types
+        await wait_for(lambda: planner.sample_count("d1") == 5, what="completed events")
+        [d] = await planner.tick()
+        assert (d.current, d.desired) == (1, 1) and agent.starts == []
+        await bus.publish(subjects.worker_event("heartbeat"),
+                          Heartbeat(worker_id="w-a", deployment="d1", model="m1", engine="sim"))
+        await wait_for(lambda: "w-a" in planner.heartbeats, what="heartbeat")  # w-a serves: not pending
+
+        await send_signals(bus, subjects, "d1", "aladdin", 2)  # a source muserve does not honour
+        await send_signals(bus, subjects, "d1", "miad", 6)  # a burst
+        await wait_for(lambda: planner.signals.get("d1", [0])[0] == 8, what="signals received")
+        assert agent.starts == [StartWorker(deployment="d1", model="m1", engine="sim", count=1)]
+        assert planner.signals["d1"] == [8, 1]
+        await wait_for(lambda: decisions[-1].desired == 2, what="published decision")
+        d = decisions[-1]
+        assert (d.current, d.desired, d.scaler) == (1, 2, "muserve") and "scale signal from miad" in d.reason
+        assert (await state.get_json(state.keys.plan("d1"), ScaleDecision)).desired == 2
+
+        await asyncio.sleep(0.6)  # past the cooldown: the new worker has not heartbeated -> pending
+        [new] = [w for w in agent.workers if w != "w-a"]
+        assert await planner.handle_signal(ScaleSignal(deployment="d1", source="miad")) is None
+        await bus.publish(subjects.worker_event("heartbeat"),
+                          Heartbeat(worker_id=new, deployment="d1", model="m1", engine="sim"))
+        await wait_for(lambda: new in planner.heartbeats, what="heartbeat")
+        d = await planner.handle_signal(ScaleSignal(deployment="d1", source="miad"))
+        assert (d.current, d.desired) == (2, 3) and len(agent.starts) == 2
+        await asyncio.sleep(0.6)
+        for w in [w for w in agent.workers if w not in planner.heartbeats]:
+            planner.heartbeats[w] = time.time()  # serving (heartbeat bookkeeping as on_heartbeat does)
+        d = await planner.handle_signal(ScaleSignal(deployment="d1", source="miad"))
+        assert (d.current, d.desired) == (3, 3) and "at max_replicas=3" in d.reason and len(agent.starts) == 2
+
+
+async def test_hpa_deployments_ignore_scale_signals(make_settings, bus, subjects, state):
+    await state.put_deployment(deployment())  # pertoken
+    agent = await FakeAgent(bus, subjects, state, "g0", {"w-a": "d1"}).serve()
+    planner = PlannerService(planner_settings(make_settings, signal_cooldown_s=0.0))
+    async with running(planner):
+        await wait_for(lambda: "d1" in planner.decisions, what="the reconcile at start")
+        await send_signals(bus, subjects, "d1", "miad", 3)
+        await send_signals(bus, subjects, "d1", "aladdin", 3)
+        await wait_for(lambda: planner.signals.get("d1", [0])[0] == 6, what="signals received")
+        assert planner.signals["d1"] == [6, 0] and agent.starts == []

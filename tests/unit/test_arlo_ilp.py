@@ -175,3 +175,86 @@ def test_bench_reports_all_sizes():
     rows = arlo.bench(configs=((50, 8),), loads=(0.8,), repeats=1)
     assert rows[0]["gpus"] == 50 and rows[0]["runtimes"] == 8 and rows[0]["all_optimal"]
     assert math.isfinite(rows[0]["mean_s"])
+
+
+# --------------------------------------------------------------------------- live re-plan (arlo_live)
+def shipped_runtimes():
+    from polyserve.planner import arlo_live
+
+    return arlo_live.load_runtimes(arlo_live.SHIPPED_PROFILE)
+
+
+def test_live_plan_moves_instances_to_the_runtimes_the_lengths_need():
+    from polyserve.planner import arlo_live
+
+    rt = shipped_runtimes()
+    assert rt.max_lens == sorted(rt.max_lens) and rt.slo_ms > 0
+    last = len(rt.specs) - 1
+    current = {"w0": last, "w1": last, "w2": last}  # three l512 instances
+    lengths = [40] * 600 + [300] * 60  # 120 s of mostly short inputs
+    plan, steps = arlo_live.compute_plan("emb", current, rt, lengths, 120.0, {"w0": 3.0, "w1": 0.0, "w2": 1.0})
+    demand = arlo.demand_per_slo(lengths, 120.0, rt.slo_ms / 1e3, rt.max_lens)
+    alloc = arlo.solve(3, demand, rt.ilp)
+    assert plan.counts == {n: c for n, c in zip(rt.names, alloc.counts)} and sum(plan.counts.values()) == 3
+    assert plan.previous == {**{n: 0 for n in rt.names}, rt.names[-1]: 3}
+    assert plan.counts[rt.names[0]] >= 1 and plan.counts[rt.names[-1]] >= 1  # short bin served; Eq. 7
+    assert plan.changes == steps.changes == 3 - plan.counts[rt.names[-1]]
+    assert steps.steps[0].instance == "w1"  # the least loaded moves first
+    assert plan.rates[rt.names[0]] == pytest.approx(600 / 120) and plan.objective == pytest.approx(alloc.objective)
+    env = arlo_live.runtime_env(rt.specs[0], "/p.json")
+    assert env["POLYSERVE_WORKER_ENCODER_MAX_LENGTH"] == str(rt.max_lens[0])
+    assert env["POLYSERVE_WORKER_ENCODER_PROFILE"] == "/p.json"
+
+
+def test_live_plan_keeps_runtimes_without_traffic_or_without_enough_gain():
+    from polyserve.planner import arlo_live
+
+    rt = shipped_runtimes()
+    last = len(rt.specs) - 1
+    plan, steps = arlo_live.compute_plan("emb", {"w0": 0, "w1": last}, rt, [], 120.0)
+    assert steps.changes == plan.changes == 0 and plan.counts == plan.previous and "no request" in plan.reason
+    lengths = [40] * 600 + [500] * 10
+    optimal, _ = arlo_live.compute_plan("emb", {"w0": last, "w1": last}, rt, lengths, 120.0)
+    target = {}
+    for name, n in optimal.counts.items():  # the optimum itself, as instances
+        target.update({f"{name}-{k}": rt.names.index(name) for k in range(n)})
+    same, st = arlo_live.compute_plan("emb", target, rt, lengths, 120.0)
+    assert st.changes == 0 and same.counts == optimal.counts and "optimal" in same.reason
+    # a huge min_gain keeps any feasible allocation
+    kept, st = arlo_live.compute_plan("emb", {"w0": last, "w1": last}, rt, lengths, 120.0, min_gain=100.0)
+    assert st.changes == 0 and "within" in kept.reason
+
+
+def test_live_profile_errors_say_what_to_fix(tmp_path):
+    from polyserve.planner import arlo_live
+
+    with pytest.raises(ValueError, match="cannot read the encoder profile"):
+        arlo_live.load_runtimes(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model": 1}')
+    with pytest.raises(ValueError, match="not an EncoderProfile"):
+        arlo_live.load_runtimes(bad)
+    assert arlo_live.instance_runtime(80, [80, 152, 512]) == 0
+    assert arlo_live.instance_runtime(100, [80, 152, 512]) == 1
+    assert arlo_live.instance_runtime(9999, [80, 152, 512]) == 2
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_prefer_moves_the_fewest_instances_within_tolerance(seed):
+    G, demand, profiles = random_instance(seed)
+    rnd = random.Random(100 + seed)
+    prefer = [0] * len(profiles)
+    for _ in range(G):
+        prefer[rnd.randrange(len(profiles))] += 1
+    tol = rnd.choice([0.0, 0.05, 0.3])
+    best, _ = arlo.brute_force(G, demand, profiles)
+    got = arlo.solve(G, demand, profiles, prefer=prefer, tolerance=tol)
+    assert got.optimum == pytest.approx(best, rel=1e-6, abs=1e-6)
+    assert got.objective <= best * (1 + tol) + 1e-6
+    moves = lambda counts: sum(max(0, p - n) for p, n in zip(prefer, counts))  # noqa: E731
+    lb = arlo.floors(demand, profiles)
+    if sum(lb) > G:
+        lb = [0] * (len(profiles) - 1) + [1]
+    fewest = min(moves(c) for c in arlo._compositions(G, lb)
+                 if arlo.evaluate(c, demand, profiles)[0] <= best * (1 + tol) + 1e-9)
+    assert moves(got.counts) == fewest

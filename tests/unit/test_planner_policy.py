@@ -117,3 +117,39 @@ def test_plan_starts_and_stops_spread_over_agents():
     assert policy.plan_stops({"g0": 1, "g1": 3}, 1) == {"g1": 1}
     assert policy.plan_stops({"g0": 2, "g1": 2}, 3) == {"g0": 2, "g1": 1}
     assert policy.plan_stops({"g0": 1}, 5) == {"g0": 1}
+
+
+# --------------------------------------------------------------------------- scale signals
+def signal_scaler(kind="muserve", lo=1, hi=3):
+    return ScalerPolicy(type=kind, min_replicas=lo, max_replicas=hi)
+
+
+def test_signal_sources_are_opt_in_per_scaler_type():
+    assert policy.signal_sources("pertoken") == policy.signal_sources("request") == ()
+    assert policy.signal_sources("muserve") == ("miad",) and policy.signal_sources("aladdin") == ("aladdin",)
+    assert set(policy.signal_sources("signal")) == {"aladdin", "caraserve", "miad"}
+    for kind in ("pertoken", "request"):
+        assert policy.signal_decision(1, signal_scaler(kind), "miad", now=0.0, last_signal=None,
+                                      cooldown_s=0.0) is None
+    assert policy.signal_decision(1, signal_scaler("aladdin"), "miad", now=0.0, last_signal=None,
+                                  cooldown_s=0.0) is None  # a source the type does not honour
+
+
+def test_signal_adds_one_worker_with_cooldown_pending_and_max():
+    sc = signal_scaler()
+    d = policy.signal_decision(2, sc, "miad", now=100.0, last_signal=None, cooldown_s=10.0, reason="gpu g0")
+    assert d.desired == 3 and "miad (gpu g0): add one worker" in d.reason
+    assert policy.signal_decision(2, sc, "miad", now=105.0, last_signal=100.0, cooldown_s=10.0) is None
+    assert policy.signal_decision(2, sc, "miad", now=111.0, last_signal=100.0, cooldown_s=10.0).desired == 3
+    assert policy.signal_decision(2, sc, "miad", now=111.0, last_signal=100.0, cooldown_s=10.0, pending=1) is None
+    at_max = policy.signal_decision(3, sc, "miad", now=111.0, last_signal=None, cooldown_s=10.0)
+    assert at_max.desired == 3 and "at max_replicas=3" in at_max.reason
+    assert policy.signal_decision(0, sc, "miad", now=0.0, last_signal=None, cooldown_s=0.0).desired == 1
+
+
+def test_hold_decision_keeps_signal_scalers_within_bounds():
+    sc = signal_scaler(lo=1, hi=3)
+    assert policy.hold_decision(2, sc).desired == 2
+    assert policy.hold_decision(0, sc).desired == 1
+    assert policy.hold_decision(5, sc).desired == 3
+    assert "grows on scale signals from miad" in policy.hold_decision(2, sc).reason
