@@ -210,7 +210,7 @@ class Failed(RequestEvent, tag="failed", kw_only=True):
 class AdapterInfo(Msg, kw_only=True):
     name: str
     rank: int
-    tier: str = "gpu"  # "gpu" | "host" | "loading"
+    tier: str = "gpu"  # "gpu" | "loading" (copy to the device under way) | "host" | "disk"
 
 
 class Heartbeat(Event, tag="heartbeat", kw_only=True):

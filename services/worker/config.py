@@ -10,6 +10,7 @@ from polyserve.shared import settings as settings_mod
 from polyserve.shared.settings import CommonSettings, SettingsError
 
 ENGINES = ("sim", "hf", "vllm", "encoder")
+LORA_COLD_START = ("cpu_assisted", "on_demand")
 SCHEDULING = ("fcfs", "priority", "ssjf")
 
 
@@ -49,6 +50,18 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
     encoder_capacity: int = 0  # encoder engine: 0 = from the profile
     encoder_threads: int = 1  # encoder engine: torch threads
     encoder_profile: str = ""  # encoder engine: runtime profile JSON
+    # hf engine: LoRA adapter tiers (services/worker/lora_cache.py) and cold start (CaraServe §4)
+    lora_cold_start: str = "cpu_assisted"  # cpu_assisted | on_demand (wait for the device copy)
+    lora_device_slots: int = 8  # adapters installed on the device at once
+    lora_device_mb: float = 0.0  # device byte budget for adapters (0 = slots only)
+    lora_host_slots: int = 64  # host-memory copies (inclusive of those on the device)
+    lora_host_mb: float = 0.0  # host byte budget (0 = slots only)
+    lora_prefetch: bool = True  # copy adapters whose request rate rises to the device ahead of demand
+    lora_half_life_s: float = 60.0  # eviction score: request count decayed with this half-life
+    lora_short_window_s: float = 5.0  # prefetch: short-window rate ...
+    lora_long_window_s: float = 60.0  # ... > lora_rise_factor x the long-window rate
+    lora_rise_factor: float = 2.0
+    lora_prefetch_min_rate: float = 0.5  # requests/s in the short window before prefetch
 
     def validate(self) -> None:
         """Raise SettingsError naming the worker setting that cannot be used."""
@@ -67,6 +80,14 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
             raise SettingsError("kv_capacity_tokens must be >= 0 (0 = from the profile)")
         if self.time_scale < 0:
             raise SettingsError("time_scale must be >= 0 (0 = no simulated compute time)")
+        if self.lora_cold_start not in LORA_COLD_START:
+            raise SettingsError(f"lora_cold_start {self.lora_cold_start!r} is unknown; choose one of "
+                                f"{', '.join(LORA_COLD_START)}")
+        from polyserve.worker.lora_cache import CacheError, CachePolicy
+        try:
+            CachePolicy.from_settings(self)
+        except CacheError as exc:
+            raise SettingsError(f"LoRA cache (lora_* settings): {exc}") from None
 
 
 def with_worker_id(settings: WorkerSettings) -> WorkerSettings:

@@ -3,7 +3,9 @@ adapters (name -> rank, path), and a maker of random adapters for tests and demo
 
 An adapter directory is PEFT's format: `adapter_config.json` (rank `r`, `lora_alpha`,
 `target_modules`, `base_model_name_or_path`) and `adapter_model.safetensors`.
-Reading and the registry need no torch; `create_random_adapter` imports it lazily.
+Reading and the registry need no torch; `create_random_adapter` and the host copies
+(`load_host_lora`, `copy_to_device`, used by the hf engine's cache tiers and its
+CPU-assisted cold start, CaraServe §4) import it lazily.
 
 CLI (wired as `polyserve adapter create`):
     python -m polyserve.worker.lora create --base random --rank 8 --out /tmp/a8 [--seed 0]
@@ -109,6 +111,123 @@ class AdapterRegistry:
     def unknown_message(self, name: str) -> str:
         loaded = ", ".join(self.names()) or "none"
         return f"adapter {name!r} is not loaded on this worker (loaded adapters: {loaded})"
+
+
+# --------------------------------------------------------------------- host and device copies
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass
+class HostLora:
+    """An adapter's weights in host memory: what the CPU computes x·A·B·scaling with.
+
+    `state` keeps PEFT's keys (``base_model.model.<module>.lora_A.weight``) for the
+    device copy; `modules` maps each target module's path inside the transformers
+    model to its (A [r, in], B [out, r]) tensors (the same storage). Weights are
+    float32, as PEFT's default `autocast_adapter_dtype` keeps LoRA weights.
+    `cpu_ok` is False for variants the CPU path does not compute (DoRA, LoRA bias,
+    rank/alpha patterns, non-Linear targets): those wait for the device copy.
+    """
+
+    spec: AdapterSpec
+    config: object  # peft.LoraConfig
+    state: dict
+    modules: dict
+    scaling: float
+    nbytes: int
+    cpu_ok: bool = True
+
+
+def lora_config(spec: AdapterSpec):
+    """The adapter's peft.LoraConfig, read from its directory (inference mode)."""
+    from peft import LoraConfig
+    try:
+        config = LoraConfig.from_pretrained(str(spec.path))
+    except Exception as exc:  # bad or incompatible config
+        raise AdapterError(f"{spec.path}: cannot read its LoRA config: {exc}") from exc
+    config.inference_mode = True
+    return config
+
+
+def weight_bytes(spec: AdapterSpec) -> int:
+    """Bytes of the adapter's float32 host copy, from the safetensors header (file size for .bin)."""
+    st = spec.path / WEIGHTS_FILES[0]
+    if st.is_file():
+        from safetensors import safe_open
+        total = 0
+        with safe_open(str(st), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                total += 4 * math.prod(f.get_slice(key).get_shape())
+        return total
+    return (spec.path / WEIGHTS_FILES[1]).stat().st_size
+
+
+def load_host_lora(spec: AdapterSpec, pin: bool = False, config=None) -> HostLora:
+    """Read an adapter from disk into host memory (pinned when `pin`, for async copies to CUDA)."""
+    import torch
+    config = config or lora_config(spec)
+    st = spec.path / WEIGHTS_FILES[0]
+    if st.is_file():
+        from safetensors.torch import load_file
+        raw = load_file(str(st))
+    else:
+        raw = torch.load(str(spec.path / WEIGHTS_FILES[1]), map_location="cpu", weights_only=True)
+    state = {}
+    for key, t in raw.items():
+        t = t.detach().to(torch.float32).contiguous()
+        state[key] = t.pin_memory() if pin else t
+    pairs: dict[str, dict[str, object]] = {}
+    cpu_ok = not (getattr(config, "use_dora", False) or getattr(config, "rank_pattern", None)
+                  or getattr(config, "alpha_pattern", None) or getattr(config, "lora_bias", False))
+    for key, t in state.items():
+        body = key.removeprefix(PEFT_PREFIX)
+        for part in ("A", "B"):
+            suffix = f".lora_{part}.weight"
+            if body.endswith(suffix):
+                pairs.setdefault(body[:-len(suffix)], {})[part] = t
+                break
+        else:
+            cpu_ok = False  # embeddings, magnitudes, biases: not the x·A·B of a Linear
+    modules = {m: (p["A"], p["B"]) for m, p in pairs.items() if "A" in p and "B" in p}
+    if not modules:
+        raise AdapterError(f"{spec.path}: no lora_A/lora_B weight pairs in the adapter")
+    r = int(getattr(config, "r", spec.rank))
+    alpha = float(getattr(config, "lora_alpha", spec.alpha))
+    scaling = alpha / math.sqrt(r) if getattr(config, "use_rslora", False) else alpha / r
+    return HostLora(spec=spec, config=config, state=state, modules=modules, scaling=scaling,
+                    nbytes=sum(t.numel() * t.element_size() for t in state.values()), cpu_ok=cpu_ok)
+
+
+def check_fits(host: HostLora, model) -> None:
+    """Raise AdapterError unless every target module exists in `model` with matching shapes."""
+    root = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for path, (a, b) in host.modules.items():
+        try:
+            mod = root.get_submodule(path)
+        except AttributeError:
+            raise AdapterError(f"the model has no module {path!r} that the adapter targets") from None
+        mod = getattr(mod, "base_layer", mod)
+        fan_in, fan_out = getattr(mod, "in_features", None), getattr(mod, "out_features", None)
+        if (a.shape[1], b.shape[0]) != (fan_in, fan_out) or a.shape[0] != b.shape[1]:
+            raise AdapterError(f"module {path}: adapter A {tuple(a.shape)} / B {tuple(b.shape)} do not fit "
+                               f"in_features={fan_in}, out_features={fan_out}")
+
+
+def copy_to_device(state: dict, device) -> dict:
+    """The device copy of a host state dict. On CUDA: an async copy from pinned memory on a
+    side stream, waited for in this (background) thread only; elsewhere a clone."""
+    import torch
+    device = torch.device(device)
+    with torch.no_grad():
+        if device.type == "cuda":
+            stream = torch.cuda.Stream(device)
+            with torch.cuda.stream(stream):
+                out = {k: t.to(device, non_blocking=True) for k, t in state.items()}
+            stream.synchronize()
+            for t in out.values():  # later used (and freed) on the default stream
+                t.record_stream(torch.cuda.default_stream(device))
+            return out
+        return {k: t.to(device).clone() for k, t in state.items()}
 
 
 # --------------------------------------------------------------------- random adapters

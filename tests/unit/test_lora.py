@@ -108,8 +108,8 @@ async def _run(engine, rid, prompt, adapter=None, max_tokens=24) -> str:
 async def lora_engine(adapter_dirs):
     eng = _engine()
     await eng.start()
-    assert await eng.load_adapter("r4", str(adapter_dirs["r4"])) == AdapterInfo(name="r4", rank=4)
-    await eng.load_adapter("r16", str(adapter_dirs["r16"]))
+    assert await eng.load_adapter("r4", str(adapter_dirs["r4"]), wait=True) == AdapterInfo(name="r4", rank=4)
+    await eng.load_adapter("r16", str(adapter_dirs["r16"]), wait=True)
     yield eng
     await eng.stop()
 
@@ -136,8 +136,9 @@ async def test_adapter_loaded_at_runtime_serves_the_next_request_and_unloads(lor
         await eng.generate(EngineRequest("u", "hi", SamplingParams(), adapter="late")).__anext__()
     assert err.value.status == 404 and "late" in str(err.value) and "r16, r4" in str(err.value)
     base = await _run(eng, "b", "runtime load")
-    await eng.load_adapter("late", str(adapter_dirs["late"]))
-    assert AdapterInfo(name="late", rank=8) in eng.load().adapters
+    info = await eng.load_adapter("late", str(adapter_dirs["late"]))  # host copy now, device copy in background
+    assert info.name == "late" and info.rank == 8 and info.tier in ("host", "loading", "gpu")
+    assert "late" in {a.name for a in eng.load().adapters}
     tuned = await _run(eng, "l", "runtime load", adapter="late")
     assert tuned != base
     with pytest.raises(EngineError) as err:

@@ -23,6 +23,12 @@ How the batch works (all of it runs in a worker thread, never on the event loop)
 * Multi-LoRA: with a PEFT model every forward gets `adapter_names` (one per row,
   `"__base__"` for the base model) — PEFT's mixed-adapter batch inference, which
   applies each adapter's A/B to its own sub-batch inside every LoRA layer.
+* CPU-assisted LoRA (CaraServe §4): rows whose adapter is in `cpu_lora` (its
+  weights are still being copied to the device) run as base rows for PEFT, and a
+  forward hook on each targeted base Linear adds their delta x·A·B·scaling,
+  computed on the CPU from the host copy. The base model's x·W stays on the
+  device; once the engine installs the device copy it drops the adapter from
+  `cpu_lora` and the next step uses PEFT's weights.
 
 The cache layout is a padded tensor per layer, so a batch costs
 rows x longest-context of KV; the engine's KV budget counts reservations
@@ -125,6 +131,25 @@ def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -
     return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
+def _cpu_delta(entries):
+    """A forward hook: for each (rows, A, B, scaling), out[rows] += (x[rows] on the CPU)·Aᵀ·Bᵀ·scaling.
+
+    The same operations, in the same order, as PEFT's LoRA layer (F.linear with A,
+    then B, then the scaling), so on a CPU the result is the device path's."""
+    def hook(module, args, out):
+        x = args[0]
+        for idx, a, b, scaling in entries:
+            xs = x if idx is None else x.index_select(0, idx)
+            delta = F.linear(F.linear(xs.to("cpu", a.dtype), a), b) * scaling
+            delta = delta.to(out.device, out.dtype)
+            if idx is None:
+                out = out + delta
+            else:
+                out = out.index_add(0, idx, delta)
+        return out
+    return hook
+
+
 def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
     """Left-pad the sequence dimension (-2) of [B, H, L, D] (or -1 of a [B, L] mask)."""
     if n == 0:
@@ -152,15 +177,84 @@ class Batch:
         self.rows: list[Row] = []
         self.cache = None
         self.mask: torch.Tensor | None = None  # [B, L] 1 = real token, 0 = padding
+        self.cpu_lora: dict = {}  # adapter name -> lora.HostLora: computed on the CPU until on the device
+        self.cpu_steps = 0  # forwards that ran at least one row CPU-assisted
 
     @property
     def kv_columns(self) -> int:
         return 0 if self.mask is None else int(self.mask.shape[1])
 
+    def install_adapter(self, name: str, config, state: dict) -> None:
+        """Put adapter `name` (a peft LoraConfig and its PEFT state dict, already on the device) into
+        the model: PEFT's modules are created on the meta device, then the tensors are assigned."""
+        import copy
+        import warnings
+
+        from peft import PeftModel
+        from peft.auto import MODEL_TYPE_TO_PEFT_MODEL_MAPPING
+        from peft.utils import set_peft_model_state_dict
+        config = copy.deepcopy(config)
+        model = self.model
+        with warnings.catch_warnings():  # deprecation chatter between peft and transformers releases
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", UserWarning)
+            if isinstance(model, PeftModel):
+                model.add_adapter(name, config, low_cpu_mem_usage=True)
+            else:
+                cls = MODEL_TYPE_TO_PEFT_MODEL_MAPPING.get(config.task_type, PeftModel)
+                model = cls(model, config, adapter_name=name, low_cpu_mem_usage=True)
+            self.model, self.lora = model, True
+            try:  # the new adapter's weights are on the meta device until assigned here
+                result = set_peft_model_state_dict(model, state, adapter_name=name, low_cpu_mem_usage=True)
+                missing = [k for k in result.missing_keys if name in k and "lora_" in k]
+                if missing:
+                    raise ValueError(f"adapter {name!r} is missing weights for {missing[:3]}")
+            except Exception:
+                self.remove_adapter(name)  # never leave a half-installed adapter in the model
+                raise
+        model.eval()
+
+    def remove_adapter(self, name: str) -> None:
+        """Delete adapter `name` from the PEFT model; the last one gone restores the plain base model."""
+        import warnings
+        model = self.model
+        with warnings.catch_warnings():  # PEFT warns that another adapter becomes "active": we never use that
+            warnings.simplefilter("ignore", UserWarning)
+            model.delete_adapter(name)
+        if not list(model.peft_config):
+            self.model, self.lora = model.unload(), False
+
     def _forward(self, input_ids, adapters: list[str], **kw):
+        assisted: dict[str, list[int]] = {}
+        for i, a in enumerate(adapters):
+            if a in self.cpu_lora:
+                assisted.setdefault(a, []).append(i)
         if self.lora:
-            kw["adapter_names"] = adapters
-        return self.model(input_ids=input_ids, use_cache=True, **kw)
+            kw["adapter_names"] = [BASE if a in assisted else a for a in adapters]
+        if not assisted:
+            return self.model(input_ids=input_ids, use_cache=True, **kw)
+        handles = self._cpu_hooks(assisted, len(adapters))
+        try:
+            self.cpu_steps += 1
+            return self.model(input_ids=input_ids, use_cache=True, **kw)
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _cpu_hooks(self, assisted: dict[str, list[int]], n_rows: int) -> list:
+        """Forward hooks adding x·A·B·scaling (on the CPU) to the base Linear outputs of `assisted` rows."""
+        root = self.model.get_base_model() if self.lora else self.model
+        per_module: dict[str, list] = {}
+        for name, rows in assisted.items():
+            host = self.cpu_lora[name]
+            idx = None if len(rows) == n_rows else torch.tensor(rows, device=self.device)
+            for path, (a, b) in host.modules.items():
+                per_module.setdefault(path, []).append((idx, a, b, host.scaling))
+        handles = []
+        for path, entries in per_module.items():
+            mod = root.get_submodule(path)
+            handles.append(getattr(mod, "base_layer", mod).register_forward_hook(_cpu_delta(entries)))
+        return handles
 
     @torch.inference_mode()
     def prefill(self, rows: list[Row], prompt_ids: Sequence[int]) -> list[tuple[Row, Delta]]:
