@@ -177,7 +177,7 @@ def build_app(gw: "GatewayService") -> FastAPI:
                                                           model=run.deployment.id,
                                                           prompt_tokens=chunk.stats.input_tokens,
                                                           completion_tokens=chunk.stats.output_tokens))
-                        break
+                        continue  # chunks() ends after the done chunk
                     if not chunk.text and not chunk.finish_reason:
                         continue
                     yield _sse(policy.stream_chunk(chat=chat, request_id=run.request_id, model=run.deployment.id,

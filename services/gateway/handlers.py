@@ -222,10 +222,12 @@ class RequestRun:
                     await self._event("first_token", FirstToken(**self._base(), worker_id=self.placement.worker_id,
                                                                 ttft_ms=self._ms()))
                     self.gw.metrics.ttft(self.deployment.id, self._ms() / 1e3)
-                yield chunk
                 if chunk.done:
+                    # The terminal event first: a consumer may stop iterating at the done chunk.
                     await self._completed(chunk)
+                    yield chunk
                     return
+                yield chunk
         except GatewayError as exc:
             await self.fail(exc.status, exc.message)
             raise

@@ -82,6 +82,11 @@ async def test_completions_and_chat_stream_and_not(plane, bus, subjects):
     done = next(e for e in events if getattr(e, "request_id", None) == rid and kind(e) == "completed")
     assert done.output_tokens == 5 and done.e2e_ms > 0 and done.simulated
     assert any(kind(e) == "heartbeat" for e in events)
+    # streamed requests end with `completed` too (never a 499 `failed` at the done chunk)
+    sid = pieces[0].id
+    await wait_for(lambda: any(getattr(e, "request_id", None) == sid and kind(e) == "completed" for e in events),
+                   what="completed event of the streamed request")
+    assert not [e for e in events if kind(e) == "failed"]
 
 
 async def test_one_trace_spans_every_service(plane, span_exporter):
