@@ -1,4 +1,5 @@
-"""`polyserve bench overhead`: the control plane's own cost.
+"""`polyserve bench overhead`: the control plane's own cost (`bench replay` and
+`bench fidelity` live in `bench_replay.py` and `bench_fidelity.py`).
 
 Runs, side by side in one invocation, (a) a bare FastAPI endpoint returning the
 same body and (b) the full path gateway -> predictor -> dispatcher -> worker
@@ -159,3 +160,13 @@ def add_parser(sub) -> None:
     o.add_argument("--with-model", action="store_true",
                    help="predict with the BERT proxy model (default: the historical mean, i.e. the control plane alone)")
     o.set_defaults(fn=overhead)
+    r = bsub.add_parser("replay", help="open-loop replay of a request trace against a running gateway")
+    from polyserve import bench_replay
+
+    bench_replay.add_arguments(r)
+    r.set_defaults(fn=bench_replay.main)
+    f = bsub.add_parser("fidelity", help="the same trace slice through a live cluster and the simulator")
+    from polyserve import bench_fidelity
+
+    bench_fidelity.add_arguments(f)
+    f.set_defaults(fn=bench_fidelity.main)

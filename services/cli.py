@@ -107,6 +107,8 @@ DELEGATED = {
     "profile": ("polyserve.profiler.cli", "profile an engine and fit its performance models"),
     "simulate": ("polyserve.simulator.cli", "trace-driven cluster simulation"),
     "bench-embeddings": ("polyserve.bench_embeddings", "Arlo polymorphing experiment (ST vs DT vs MLQ)"),
+    "bench-lora": ("polyserve.bench_lora", "LoRA TTFT: cold on-demand vs CPU-assisted vs cached (CaraServe)"),
+    "bench-dispatch": ("polyserve.bench_dispatch", "dispatch decision latency per policy: O(n) scan vs index"),
 }
 
 
