@@ -186,25 +186,31 @@ class PlannerService(ServiceBase):
                                      stabilization_s=s.scale_down_stabilization_s, pending=pending,
                                      max_step=s.max_step, tolerance=s.tolerance)
         history.append((now, decision.recommended))
-        reason = decision.reason
-        if decision.desired != current:
-            if self.k8s is not None:
-                reason += await self._actuate_k8s(dep, decision.desired)
-            elif not agents:
-                reason = f"{NO_AGENT}; {reason}"
-                logger.warning("deployment %s wants %d workers, has %d: %s",
-                               dep.id, decision.desired, current, NO_AGENT)
-            else:
-                reason += await self._actuate(dep, agents, hosting, current, decision.desired)
+        reason = await self._carry_out(dep, agents, hosting, current, decision.desired, decision.reason)
         msg = ScaleDecision(deployment=dep.id, scaler=scaler.type, current=current,
                             desired=decision.desired, metric_ms=decision.metric_ms,
                             threshold_ms=scaler.threshold_ms, samples=decision.samples, reason=reason)
-        self.decisions[dep.id] = msg
-        await self.bus.publish(self.subjects.scale(dep.id), msg)
-        await self.state.put_plan(msg)
+        await self._announce(msg)
         if decision.desired != current:
             logger.info("scale %s: %d -> %d (%s)", dep.id, current, decision.desired, reason)
         return msg
+
+    async def _carry_out(self, dep: Deployment, agents: list[AgentInfo], hosting: dict[str, list[str]],
+                         current: int, desired: int, reason: str) -> str:
+        """Apply a new worker count (Kubernetes or the gpu-agents); the decision's reason, annotated."""
+        if desired == current:
+            return reason
+        if self.k8s is not None:
+            return reason + await self._actuate_k8s(dep, desired)
+        if not agents:
+            logger.warning("deployment %s wants %d workers, has %d: %s", dep.id, desired, current, NO_AGENT)
+            return f"{NO_AGENT}; {reason}"
+        return reason + await self._actuate(dep, agents, hosting, current, desired)
+
+    async def _announce(self, msg: ScaleDecision) -> None:
+        self.decisions[msg.deployment] = msg
+        await self.bus.publish(self.subjects.scale(msg.deployment), msg)
+        await self.state.put_plan(msg)
 
     async def _actuate(self, dep: Deployment, agents: list[AgentInfo], hosting: dict[str, list[str]],
                        current: int, desired: int) -> str:
@@ -289,19 +295,10 @@ class PlannerService(ServiceBase):
                 return None
             self.last_signal[dep.id] = now
             counts[1] += 1
-            reason = decision.reason
-            if decision.desired != current:
-                if self.k8s is not None:
-                    reason += await self._actuate_k8s(dep, decision.desired)
-                elif not agents:
-                    reason = f"{NO_AGENT}; {reason}"
-                else:
-                    reason += await self._actuate(dep, agents, hosting, current, decision.desired)
+            reason = await self._carry_out(dep, agents, hosting, current, decision.desired, decision.reason)
             msg = ScaleDecision(deployment=dep.id, scaler=dep.scaler.type, current=current,
                                 desired=decision.desired, threshold_ms=dep.scaler.threshold_ms, reason=reason)
-            self.decisions[dep.id] = msg
-            await self.bus.publish(self.subjects.scale(dep.id), msg)
-            await self.state.put_plan(msg)
+            await self._announce(msg)
             logger.info("scale signal %s: %d -> %d (%s)", dep.id, current, decision.desired, reason)
             return msg
 

@@ -58,16 +58,20 @@ async def test_replan_loop_reloads_instances_with_the_planned_runtimes(make_sett
                                                arlo_period_s=PERIOD_S, worker_start_grace_s=0.0))
         async with running(planner):
             wid = reply.started[0]
+            # Start right after a period boundary, so the whole burst lands in one period.
+            await wait_for(lambda: plans, timeout=3 * PERIOD_S + 10, what="the first (empty) RuntimePlan")
+            n0 = len(plans)
             for i, n in enumerate(LENGTHS):  # what the gateway publishes per embedded input
                 await bus.publish(subjects.event("completed"), Completed(
                     request_id=f"e{i}", deployment="emb", model=MODEL, worker_id=wid, input_tokens=n,
                     output_tokens=0, e2e_ms=50.0, ttft_ms=50.0, simulated=True))
             await bus.nc.flush()
-            await wait_for(lambda: plans, timeout=3 * PERIOD_S + 10, what="the first RuntimePlan")
-            plan = plans[0]
+            await wait_for(lambda: len(plans) > n0, timeout=3 * PERIOD_S + 10, what="the RuntimePlan of the burst")
+            plan = plans[n0]
             expected, _ = arlo_live.compute_plan("emb", {w: len(rt.specs) - 1 for w in reply.started}, rt, LENGTHS,
                                                  PERIOD_S)
-            assert plan.counts == expected.counts and plan.previous == expected.previous
+            assert plan.counts == expected.counts and plan.previous == expected.previous, (
+                plan.counts, expected.counts, plan.previous, expected.previous, plan.reason)
             assert plan.previous[longest.name] == 3 and plan.counts[rt.names[0]] >= 1  # short inputs got a runtime
             assert plan.changes == 3 - plan.counts[longest.name] > 0
             assert plan.applied is True and "applied" in plan.reason, plan.reason
@@ -80,9 +84,9 @@ async def test_replan_loop_reloads_instances_with_the_planned_runtimes(make_sett
 
             await wait_for(replaced, timeout=60, what=f"the workers re-loaded as {want}")
             # later periods see the new runtimes (and no traffic: nothing moves)
-            await wait_for(lambda: any(p.previous == plan.counts for p in plans[1:]), timeout=6 * PERIOD_S + 10,
+            await wait_for(lambda: any(p.previous == plan.counts for p in plans[n0 + 1:]), timeout=6 * PERIOD_S + 10,
                            what="a later plan over the new runtimes")
-            later = next(p for p in plans[1:] if p.previous == plan.counts)
+            later = next(p for p in plans[n0 + 1:] if p.previous == plan.counts)
             assert later.changes == 0 and later.counts == plan.counts and "no request" in later.reason
             stored = await state.get_json(state.keys.runtime_plan("emb"), RuntimePlan)
             assert stored.deployment == "emb" and stored in plans
