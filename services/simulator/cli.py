@@ -15,10 +15,17 @@ Examples::
     # CaraServe: LoRA adapters of ranks 8-64 with Azure Functions popularity
     python -m polyserve.simulator.cli --adapters 1000 --kernel bgmv,mbgmv \\
         --policy caraserve,least_loaded,first_fit,random --workers 4 --out sim-out/lora
+    # the planner's autoscalers (one run each), 60 s cold starts, up to 16 workers
+    python -m polyserve.simulator.cli --autoscaler pertoken,request,tracking,muserve \\
+        --cold-start-s 60 --max-workers 16 --rate-scale 0.5,1,1.5 --out sim-out/autoscale
+    # MIAD vs the maximum clock on 4 workers, at three loads and two SLO scales
+    python -m polyserve.simulator.cli --workers 4 --clock max,miad --rate-scale 0.5,1,1.5 \\
+        --slo-scale 1,2 --out sim-out/miad
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from dataclasses import replace
@@ -28,6 +35,7 @@ from polyserve.dispatcher.perf_models import KERNELS, load_perf
 from polyserve.simulator import report
 from polyserve.simulator.cluster import SIM_POLICIES, SimConfig, simulate
 from polyserve.simulator.engine import WorkerConfig
+from polyserve.simulator.power import gpu_from_profile, gpu_spec
 from polyserve.simulator.predictor import MODES, LengthPredictor, load_confusion
 from polyserve.simulator.trace import assign_adapters, datasets_dir, load_azure_llm, make_adapters, window
 from polyserve.worker.policy import ORDER_KEYS
@@ -57,6 +65,43 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Aladdin's scale-out signal opens workers, idle ones are released (down to --workers)")
     mode.add_argument("--search-gpus", action="store_true",
                       help="per run, the fewest fixed workers with SLO attainment (both) >= --target")
+    mode.add_argument("--autoscaler", default="",
+                      help="planner autoscalers, comma list of pertoken, request, tracking, muserve (one run each); "
+                           "--workers is the minimum and the start")
+    sc = ap.add_argument_group("autoscalers (--autoscaler; defaults: simulator.autoscale)")
+    sc.add_argument("--initial-workers", type=int, default=0,
+                    help="workers at the start (0 = --workers, which stays the minimum)")
+    sc.add_argument("--planner-period-s", type=float, default=15.0, help="seconds between decisions")
+    sc.add_argument("--scaler-window-s", type=float, default=30.0, help="completed requests of this window")
+    sc.add_argument("--stabilization-s", type=float, default=30.0, help="HPA scale-down stabilisation (planner)")
+    sc.add_argument("--max-step", type=int, default=0, help="HPA: most workers per decision (0 = no limit)")
+    sc.add_argument("--threshold-factor", type=float, default=0.6,
+                    help="HPA thresholds = this x the mean SLO budget in the scaler's metric (auto thresholds)")
+    sc.add_argument("--pertoken-threshold-ms", type=float, default=0.0, help="0 = auto")
+    sc.add_argument("--request-threshold-ms", type=float, default=0.0, help="0 = auto")
+    sc.add_argument("--tracking-slo-ms", type=float, default=0.0, help="0 = auto (mean per-token SLO budget)")
+    sc.add_argument("--tracking-metric", choices=("pertoken", "request"), default="pertoken")
+    sc.add_argument("--tracking-up-at", type=float, default=0.95, help="Arlo: add a worker at P98 >= this x SLO")
+    sc.add_argument("--tracking-down-below", type=float, default=0.5, help="Arlo: remove below this x SLO ...")
+    sc.add_argument("--tracking-hold-s", type=float, default=60.0, help="... held this long")
+    sc.add_argument("--muserve-idle-release-s", type=float, default=60.0,
+                    help="µ-Serve defines no scale-in: release one worker after all were idle this long (0 = never)")
+    sc.add_argument("--no-reset-window", action="store_true",
+                    help="keep samples from before a scaling action (the planner drops them)")
+    sc.add_argument("--rise-factor", type=float, default=1.25,
+                    help="load rise: first planner period with rate >= this x the first minute's")
+    ck = ap.add_argument_group("clocks and energy (simulated, gpu_agent.gpu_model)")
+    ck.add_argument("--clock", default="", help="comma list of max, miad (one run each); none = fixed max clock")
+    ck.add_argument("--gpu", default="", help="h100 | a100 | v100 (default: the profile's hardware)")
+    ck.add_argument("--clock-period-s", type=float, default=0.5, help="MIAD period (µ-Serve: 500 ms)")
+    ck.add_argument("--miad-step-mhz", type=int, default=100)
+    ck.add_argument("--miad-threshold", type=float, default=0.05)
+    ck.add_argument("--miad-window-s", type=float, default=2.0, help="latency window MIAD looks at")
+    ck.add_argument("--miad-quantile", type=float, default=99.0, help="TTFT quantile MIAD looks at")
+    ck.add_argument("--miad-min-mhz", default="0", help="comma list of MIAD clock floors (0 = the GPU's minimum)")
+    ck.add_argument("--scale-out-after", type=int, default=4,
+                    help="MIAD UP requests at max clock in a row before µ-Serve's scale-out signal")
+    ap.add_argument("--slo-scale", default="1", help="comma list: multiply both SLOs (one run each)")
     ap.add_argument("--workers", type=int, default=1, help="fixed workers (minimum with --autoscale)")
     ap.add_argument("--max-workers", type=int, default=256)
     ap.add_argument("--target", type=float, default=0.99, help="SLO attainment target of --search-gpus")
@@ -148,6 +193,12 @@ def _main(args) -> int:
         start, end = float(a or 0), (float(b) if b else None)
     confusion = load_confusion(args.confusion)
     bounds = None if args.class_bounds == "percentile" else tuple(_csv(args.class_bounds, int))
+    scalers = [a for a in _csv(args.autoscaler)] or [""]
+    clocks = _csv(args.clock) or [""]
+    floors = _csv(args.miad_min_mhz, int) or [0]
+    slo_scales = _csv(args.slo_scale, float)
+    if any(x <= 0 for x in slo_scales):
+        raise ValueError("--slo-scale values must be > 0")
     base = SimConfig(workers=args.workers, autoscale=args.autoscale, max_workers=args.max_workers,
                      idle_release_s=args.idle_release_s, cold_start_s=args.cold_start_s,
                      ttft_slo_ms=args.ttft_slo_ms, atgt_slo_ms=args.atgt_slo_ms, gamma=args.gamma,
@@ -156,8 +207,34 @@ def _main(args) -> int:
                      worker=WorkerConfig(max_batch=args.max_batch, kv_capacity=kv_cap, kv_mode=args.kv_mode,
                                          max_adapters=args.max_adapters, max_waiting=args.max_waiting,
                                          max_prefill_tokens=args.max_prefill_tokens,
-                                         adapter_load_ms_per_rank=args.adapter_load_ms_per_rank, tp=tp))
-    rows, cdfs, runs_meta = [], {}, []
+                                         adapter_load_ms_per_rank=args.adapter_load_ms_per_rank, tp=tp),
+                     planner_period_s=args.planner_period_s, initial_workers=args.initial_workers,
+                     scaler_window_s=args.scaler_window_s,
+                     stabilization_s=args.stabilization_s, scaler_max_step=args.max_step,
+                     threshold_factor=args.threshold_factor, pertoken_threshold_ms=args.pertoken_threshold_ms,
+                     request_threshold_ms=args.request_threshold_ms, tracking_slo_ms=args.tracking_slo_ms,
+                     tracking_metric=args.tracking_metric, tracking_up_at=args.tracking_up_at,
+                     tracking_down_below=args.tracking_down_below, tracking_hold_s=args.tracking_hold_s,
+                     muserve_idle_release_s=args.muserve_idle_release_s,
+                     reset_window_on_scale=not args.no_reset_window, rise_factor=args.rise_factor,
+                     gpu=args.gpu or gpu_from_profile(raw), clock_period_s=args.clock_period_s,
+                     miad_step_mhz=args.miad_step_mhz, miad_threshold=args.miad_threshold,
+                     miad_window_s=args.miad_window_s, miad_quantile=args.miad_quantile,
+                     scale_out_after=args.scale_out_after)
+    variants = []  # (label suffix, SimConfig changes) per slo scale x autoscaler x clock (x MIAD floor)
+    for slo in slo_scales:
+        for a in scalers:
+            for c in clocks:
+                for fl in (floors if c == "miad" else [0]):
+                    suffix = (f"/{a}" if a else "") + (f"/{c}" if c else "") + \
+                        (f">={fl}MHz" if c == "miad" and (fl or len(floors) > 1) else "") + \
+                        (f"/slo x{slo:g}" if len(slo_scales) > 1 else "")
+                    variants.append((suffix, slo, {"autoscaler": a, "clock": c, "miad_min_mhz": fl,
+                                                   "ttft_slo_ms": args.ttft_slo_ms * slo,
+                                                   "atgt_slo_ms": args.atgt_slo_ms * slo}))
+    for _, _, ch in variants:
+        replace(base, **ch).validate()
+    rows, cdfs, runs_meta, series = [], {}, [], {}
     for tpath in traces:
         full = load_azure_llm(tpath)
         for scale in scales:
@@ -167,21 +244,27 @@ def _main(args) -> int:
             if args.adapters:
                 ads = make_adapters(args.functions, args.adapters, _csv(args.ranks, int), seed=args.seed)
                 kw.update(adapters=ads, adapter_idx=assign_adapters(len(tr), ads, seed=args.seed))
-            for pol in policies:
-                for order in orders:
-                    for kernel in kernels:
-                        cfg = replace(base, policy=pol, order=order, worker=replace(base.worker, kernel=kernel))
+            for pol, order, kernel, (suffix, slo, ch) in itertools.product(policies, orders, kernels, variants):
+                        cfg = replace(base, policy=pol, order=order, worker=replace(base.worker, kernel=kernel), **ch)
                         label = pol + (f"/{order}" if len(orders) > 1 else "") + \
-                            (f"/{kernel}" if len(kernels) > 1 or args.adapters else "")
+                            (f"/{kernel}" if len(kernels) > 1 or args.adapters else "") + suffix
+                        group = pol + (f"/{order}" if len(orders) > 1 else "") + \
+                            (f"/{kernel}" if len(kernels) > 1 or args.adapters else "") + \
+                            (f"/{ch['autoscaler']}" if ch["autoscaler"] else "")
                         if args.search_gpus:
                             res, m, n = _search(tr, perf, cfg, args.target, args.max_workers, **kw)
                             m["workers"] = n
                         else:
                             res = simulate(tr, perf, cfg, **kw)
                             m = report.metrics(res)
-                        m.update(label=label, load=round(tr.rate, 3), rate_scale=scale, trace=full.name)
+                        m.update(label=label, load=round(tr.rate, 3), rate_scale=scale, trace=full.name, slo_scale=slo,
+                                 group=group)
                         rows.append(m)
                         cdfs.setdefault((full.name, scale), {})[label] = report.latencies(res)
+                        if cfg.autoscaler or cfg.clock:
+                            series.setdefault((full.name, scale, slo), {"arrivals": tr.arrival, "runs": {}})
+                            series[(full.name, scale, slo)]["runs"][label] = (res.timeline, res.extra, res.horizon_s,
+                                                                              cfg)
                         print(report.table([m]).splitlines()[-1], f"  [{res.wall_s:.1f}s]", flush=True)
                         runs_meta.append({"trace": tpath, "rate_scale": scale, "label": label, "config": res.config})
     title = (f"profile {raw.get('name', Path(args.profile).stem)}, SLO TTFT {args.ttft_slo_ms:g} ms / "
@@ -189,13 +272,25 @@ def _main(args) -> int:
              + (f", search: fewest workers with >= {args.target:g} attainment" if args.search_gpus else ""))
     text = "\n\n".join(report.table([r for r in rows if r["trace"] == name], f"{name} — {title}")
                        for name in dict.fromkeys(r["trace"] for r in rows))
+    if series:
+        text += "\n\n" + "\n\n".join(
+            report.extra_table([r for r in rows if r["trace"] == name],
+                               f"{name} — SLO violations, autoscaling, modelled energy ({base.gpu}, "
+                               f"TDP {gpu_spec(base.gpu).tdp_w:g} W x {tp} GPUs per worker)")
+            for name in dict.fromkeys(r["trace"] for r in rows))
+    if {"max", "miad"} <= {r.get("clock") for r in rows}:
+        text += "\n\n" + "\n\n".join(
+            report.miad_table([r for r in rows if r["trace"] == name], args.target,
+                              f"{name} — MIAD vs the maximum clock at equal SLO attainment (>= {args.target:g}), "
+                              f"modelled power")
+            for name in dict.fromkeys(r["trace"] for r in rows))
     payload = {"command": "polyserve simulate " + " ".join(args.argv), "profile": args.profile,
                "title": title, "rows": rows, "runs": runs_meta,
                "wall_s": time.perf_counter() - t_start}
     pj, pt = report.write(args.out, payload, text)
     print("\n" + text)
     if not args.no_plots:
-        for p in _plots(rows, cdfs, Path(args.out), args):
+        for p in _plots(rows, cdfs, Path(args.out), args) + _series_plots(series, Path(args.out)):
             print(f"plot: {p}")
     print(f"results: {pj} {pt}  ({time.perf_counter() - t_start:.1f}s)")
     return 0
@@ -225,6 +320,26 @@ def _plots(rows: list[dict], cdfs: dict, out: Path, args) -> list[Path]:
                for lab, pts in by(None).items()}
         made.append(plots.versus_load(jct, out / f"jct_vs_load_{base}.png", ylabel="mean job completion time (s)",
                                       title=f"Mean JCT (end-to-end latency) vs load, {base}"))
+    return made
+
+
+def _series_plots(series: dict, out: Path) -> list[Path]:
+    """Workers over time per autoscaler and clock/power over time (µ-Serve Fig. 13), per trace x load x SLO."""
+    from polyserve.simulator import plots
+
+    made = []
+    for (name, scale, slo), d in series.items():
+        tag = f"{name}_x{scale:g}" + (f"_slo{slo:g}" if slo != 1 else "")
+        horizon = max(h for _, _, h, _ in d["runs"].values())
+        scaled = {lab: tl for lab, (tl, _, _, cfg) in d["runs"].items() if cfg.autoscaler}
+        if scaled:
+            made.append(plots.workers_over_time(scaled, d["arrivals"], horizon, out / f"workers_{tag}.png",
+                                                f"Workers over time per autoscaler, {name} at {scale:g}x rate"))
+        clocked = {lab: x for lab, (_, x, _, cfg) in d["runs"].items() if cfg.clock}
+        if clocked:
+            made.append(plots.clock_over_time(clocked, d["arrivals"], horizon, out / f"clock_{tag}.png",
+                                              f"SM clock, arrival rate and power, {name} at {scale:g}x rate, "
+                                              f"SLO x{slo:g}"))
     return made
 
 

@@ -28,6 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from polyserve.dispatcher.perf_models import WorkerPerf
+from polyserve.gpu_agent import gpu_model
 from polyserve.worker import policy as wp
 
 
@@ -81,9 +82,12 @@ class WorkerConfig:
 @dataclass
 class _Step:
     t0: float
-    prefill_ms: float
+    prefill_ms: float  # at the worker's clock
     new: list
     decoded: bool
+    duration_ms: float = 0.0  # prefill + decode at the worker's clock
+    base_prefill_ms: float = 0.0  # the same work at the maximum clock
+    base_decode_ms: float = 0.0
 
 
 class SimWorker:
@@ -113,6 +117,8 @@ class SimWorker:
         self.preemptions = 0
         self.kv_overflows = 0
         self.idle_since = started_at
+        self.clock_x = 1.0  # SM clock / maximum clock; step times follow gpu_model's latency curve
+        self.draining = False  # being stopped by an autoscaler: no new requests, stops when idle
         self._seq = 0
 
     # ------------------------------------------------------------------ views
@@ -191,10 +197,14 @@ class SimWorker:
         if b:
             l_avg = (self.S + b * self.D) / b
             dec = perf.decode_ms(l_avg, b) + perf.lora_ms(cfg.kernel, b, self.max_rank(), self.sum_rank)
-        self.step = _Step(now, pre, new, b > 0)
-        self.busy_ms += pre + dec
+        pre_x, dec_x = pre, dec
+        if self.clock_x < 1.0:  # prefill is compute bound, decode memory bound (gpu_model.llm_request)
+            pre_x = gpu_model.llm_request(pre, 0.0).at(self.clock_x) if pre else 0.0
+            dec_x = gpu_model.llm_request(0.0, dec).at(self.clock_x) if dec else 0.0
+        self.step = _Step(now, pre_x, new, b > 0, pre_x + dec_x, pre, dec)
+        self.busy_ms += pre_x + dec_x
         self.steps += 1
-        return now + (pre + dec) / 1000.0
+        return now + (pre_x + dec_x) / 1000.0
 
     def end_step(self, now: float) -> list[SimRequest]:
         """Finish the iteration begun by `start_step`; the requests that completed."""

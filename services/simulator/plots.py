@@ -72,3 +72,74 @@ def versus_load(series: Mapping[str, Sequence[tuple[float, float]]], path: str |
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+def _arrival_rate(arrivals: np.ndarray, horizon: float, bin_s: float) -> tuple[np.ndarray, np.ndarray]:
+    edges = np.arange(0.0, max(horizon, bin_s) + bin_s, bin_s)
+    counts = np.histogram(arrivals, bins=edges)[0]
+    return edges[:-1], counts / bin_s
+
+
+def _rate_axis(ax, arrivals: np.ndarray, horizon: float, bin_s: float):
+    t, rate = _arrival_rate(arrivals, horizon, bin_s)
+    ax2 = ax.twinx()
+    ax2.step(t, rate, where="post", color="0.6", lw=1.0, label=f"arrival rate ({bin_s:g} s bins)")
+    ax2.set_ylabel("arrival rate (req/s)", color="0.4")
+    return ax2
+
+
+def workers_over_time(runs: Mapping[str, Sequence[tuple[float, int]]], arrivals: np.ndarray, horizon: float,
+                      path: str | Path, title: str, bin_s: float = 60.0) -> Path:
+    """Workers up over time, one step line per autoscaler, with the arrival rate."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    for label, tl in runs.items():
+        if tl:
+            t, n = zip(*tl)
+            ax.step(list(t) + [horizon], list(n) + [n[-1]], where="post", label=label, lw=1.4)
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("workers up")
+    ax.grid(alpha=0.3)
+    ax2 = _rate_axis(ax, arrivals, horizon, bin_s)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
+    _mark(fig, title)
+    fig.tight_layout(rect=(0, 0.03, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def clock_over_time(runs: Mapping[str, dict], arrivals: np.ndarray, horizon: float, path: str | Path, title: str,
+                    bin_s: float = 30.0, smooth_s: float = 30.0) -> Path:
+    """µ-Serve Fig. 13 style: mean SM clock of the workers (MHz, averaged over `smooth_s`)
+    and the arrival rate over time (top); the cluster's power (W, bottom)."""
+    plt = _plt()
+    fig, (ax, axp) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    for label, x in runs.items():
+        t, f = np.asarray(x.get("clock_t", [])), np.asarray(x.get("clock_mean_mhz", []))
+        if t.size:
+            edges = np.arange(0.0, horizon + smooth_s, smooth_s)
+            k = np.clip(np.digitize(t, edges) - 1, 0, edges.size - 2)
+            s = np.bincount(k, weights=f, minlength=edges.size - 1)
+            c = np.bincount(k, minlength=edges.size - 1)
+            ok = c > 0
+            ax.plot(edges[:-1][ok], s[ok] / c[ok], label=f"{label} clock", lw=1.3)
+        if x.get("power_t"):
+            axp.step(x["power_t"], x["power_w"], where="post", label=label, lw=1.1)
+    ax.set_ylabel(f"mean SM clock (MHz, {smooth_s:g} s avg)")
+    ax.grid(alpha=0.3)
+    ax2 = _rate_axis(ax, arrivals, horizon, bin_s)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="lower left")
+    axp.set_xlabel("time (s)")
+    axp.set_ylabel("cluster power (W, modelled)")
+    axp.grid(alpha=0.3)
+    axp.legend(fontsize=8)
+    _mark(fig, title)
+    fig.tight_layout(rect=(0, 0.03, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

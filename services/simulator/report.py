@@ -7,6 +7,13 @@ Metrics of one run (latencies in ms; requests that were rejected count as SLO mi
   end-to-end latency (= job completion time): mean, P50, P98, P99;
 * GPUs: peak GPUs up (workers × tensor-parallel degree), GPU-seconds, and their mean
   over the run (GPU-seconds ÷ horizon).
+* SLO violations: requests over the TTFT SLO, over the ATGT SLO, over either (count;
+  share = 1 − attainment).
+* Energy (`simulator.power`, modelled): total J, average cluster power (J ÷ horizon),
+  power per GPU (J ÷ GPU-seconds), J per completed request and per output token,
+  mean clock.
+* Autoscaler runs: time of the first scale-out from the run start and from the first
+  load rise, scale-outs/-ins, peak workers.
 """
 from __future__ import annotations
 
@@ -68,7 +75,7 @@ def metrics(res: RunResult, label: str = "") -> dict:
                 "queue_ms": _stats(np.array([])), "gpus_peak": res.gpus_peak, "gpu_seconds": None,
                 "gpus_mean": None, "horizon_s": res.horizon_s, "sim_wall_s": res.wall_s, "counters": res.counters,
                 "ttft_slo_ms": cfg["ttft_slo_ms"], "atgt_slo_ms": cfg["atgt_slo_ms"], "fit_errors": None}
-    return {
+    row = {
         "label": label or f"{cfg['policy']}/{cfg['order']}",
         "simulated": True,
         "policy": cfg["policy"], "order": cfg["order"], "kernel": cfg["worker"]["kernel"],
@@ -83,6 +90,32 @@ def metrics(res: RunResult, label: str = "") -> dict:
         "ttft_slo_ms": cfg["ttft_slo_ms"], "atgt_slo_ms": cfg["atgt_slo_ms"],
         "fit_errors": res.fit_errors,
     }
+    row.update(extra_metrics(res, lat, ok_t, ok_a))
+    return row
+
+
+def extra_metrics(res: RunResult, lat: Latencies, ok_t: np.ndarray, ok_a: np.ndarray) -> dict:
+    """Violations, energy (simulated) and the autoscaler's figures of one run."""
+    cfg, x = res.config, res.extra
+    n = len(res.requests)
+    done = [r for r in res.requests if not r.rejected and r.finish >= 0]
+    tokens = sum(r.output_len for r in done)
+    e = x.get("energy_j")
+    row = {"slo_scale": cfg.get("slo_scale", 1.0),
+           "viol_ttft": int(n - ok_t.sum()), "viol_atgt": int(n - ok_a.sum()),
+           "viol_any": int(n - (ok_t & ok_a).sum()),
+           "workers_peak": res.gpus_peak // max(1, cfg["worker"]["tp"]),
+           "clock": x.get("clock_mode"), "gpu": x.get("gpu"),
+           "energy_j": e, "avg_power_w": x.get("avg_power_w"), "power_per_gpu_w": x.get("power_per_gpu_w"),
+           "util": x.get("util"),
+           "j_per_request": e / len(done) if e is not None and done else None,
+           "j_per_token": e / tokens if e is not None and tokens else None,
+           "clock_avg_mhz": x.get("clock_avg_mhz"), "miad_decisions": x.get("miad_decisions"),
+           "miad_min_mhz": cfg.get("miad_min_mhz")}
+    if "autoscaler" in x:
+        row.update({k: x[k] for k in ("autoscaler", "scaler", "first_scale_out_s", "load_rise_s",
+                                      "scale_out_after_rise_s", "scale_outs", "scale_ins")})
+    return row
 
 
 def _f(x, fmt: str = "{:.0f}") -> str:
@@ -105,6 +138,74 @@ def table(rows: Sequence[dict], title: str = "") -> str:
     widths = [max(len(c), *(len(b[k]) for b in body)) if body else len(c) for k, c in enumerate(COLUMNS)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
     out = [f"{LABEL}: {title}" if title else LABEL, line(COLUMNS), line(["-" * w for w in widths])]
+    out += [line(b) for b in body]
+    return "\n".join(out)
+
+
+EXTRA_COLUMNS = ("run", "load", "viol TTFT n/%", "viol ATGT n/%", "viol any n/%", "GPU-s", "workers peak",
+                 "1st scale-out s (after rise)", "out/in", "clock MHz avg", "power W avg (per GPU)", "energy MJ",
+                 "J/req", "J/token")
+
+
+def extra_table(rows: Sequence[dict], title: str = "") -> str:
+    """Violations, autoscaling and energy per run (all simulated)."""
+    def viol(r: dict, k: str) -> str:
+        return f"{r[k]}/{100.0 * r[k] / r['requests']:.1f}%" if r.get(k) is not None and r["requests"] else "-"
+
+    def first(r: dict) -> str:
+        if "autoscaler" not in r:
+            return "-"
+        if r["first_scale_out_s"] is None:
+            return "none"
+        after = r.get("scale_out_after_rise_s")
+        return f"{r['first_scale_out_s']:.0f}" + (f" ({after:+.0f})" if after is not None else "")
+
+    body = [[r["label"], _f(r.get("load"), "{:g}"), viol(r, "viol_ttft"), viol(r, "viol_atgt"), viol(r, "viol_any"),
+             _f(r["gpu_seconds"]), str(r.get("workers_peak", "-")), first(r),
+             f"{r['scale_outs']}/{r['scale_ins']}" if "autoscaler" in r else "-",
+             _f(r.get("clock_avg_mhz")),
+             f"{_f(r.get('avg_power_w'))} ({_f(r.get('power_per_gpu_w'))})",
+             _f(r["energy_j"] / 1e6 if r.get("energy_j") is not None else None, "{:.2f}"),
+             _f(r.get("j_per_request")), _f(r.get("j_per_token"), "{:.1f}")] for r in rows]
+    widths = [max(len(c), *(len(b[k]) for b in body)) if body else len(c) for k, c in enumerate(EXTRA_COLUMNS)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    out = [f"{LABEL}: {title}" if title else LABEL, line(EXTRA_COLUMNS), line(["-" * w for w in widths])]
+    out += [line(b) for b in body]
+    return "\n".join(out)
+
+
+MIAD_COLUMNS = ("run", "load", "SLO x", "max: SLO both", "max: W avg", "MIAD (floor 0): SLO both / W",
+                "best MIAD >= target: floor MHz", "SLO both", "W avg", "power max/MIAD", "J/token max/MIAD")
+
+
+def miad_table(rows: Sequence[dict], target: float, title: str = "") -> str:
+    """MIAD against the maximum clock at equal SLO attainment: per run group (same load,
+    SLO scale, policy, autoscaler), the max-clock row, MIAD at the GPU's minimum floor,
+    and the lowest-power MIAD row (over the floors tried) whose attainment (both SLOs)
+    is >= `target` (only where the max-clock row reaches `target` too)."""
+    groups: dict[tuple, dict] = {}
+    for r in rows:
+        if r.get("clock") in ("max", "miad"):
+            g = groups.setdefault((r.get("trace"), r.get("load"), r.get("slo_scale"), r.get("group", "")), {})
+            g.setdefault(r["clock"], []).append(r)
+    body = []
+    for (_, load, slo, grp), g in groups.items():
+        if not g.get("max") or not g.get("miad"):
+            continue
+        mx = g["max"][0]
+        reach = (mx["slo_both"] or 0.0) >= target
+        ok = [r for r in g["miad"] if reach and r["slo_both"] is not None and r["slo_both"] >= target]
+        best = min(ok, key=lambda r: r["avg_power_w"]) if ok else None
+        floor0 = next((r for r in g["miad"] if not r.get("miad_min_mhz")), None)
+        body.append([grp, _f(load, "{:g}"), _f(slo, "{:g}"), _f(mx["slo_both"], "{:.3f}"), _f(mx["avg_power_w"]),
+                     f"{_f(floor0['slo_both'], '{:.3f}')} / {_f(floor0['avg_power_w'])}" if floor0 else "-",
+                     str(best.get("miad_min_mhz") or "GPU min") if best else "none",
+                     _f(best["slo_both"], "{:.3f}") if best else "-", _f(best["avg_power_w"]) if best else "-",
+                     _f(mx["avg_power_w"] / best["avg_power_w"], "{:.2f}x") if best else "-",
+                     _f(mx["j_per_token"] / best["j_per_token"], "{:.2f}x") if best and best["j_per_token"] else "-"])
+    widths = [max(len(c), *(len(b[k]) for b in body)) if body else len(c) for k, c in enumerate(MIAD_COLUMNS)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    out = [f"{LABEL}: {title}" if title else LABEL, line(MIAD_COLUMNS), line(["-" * w for w in widths])]
     out += [line(b) for b in body]
     return "\n".join(out)
 
