@@ -60,6 +60,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                                 max_length=args.max_length, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
                                 batch_size=args.batch_size, lr_encoder=args.lr_encoder,
                                 phase1_epochs=args.phase1_epochs, phase2_epochs=args.phase2_epochs,
+                                phase2_precision=args.phase2_precision,
                                 max_train_prompts=args.max_train_prompts, seed=args.seed, threads=args.threads,
                                 progress=not args.no_progress)
         target = out / obj if len(objectives) > 1 else out
@@ -95,12 +96,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
         paths += [str(d) for d in subdirs] or [path]
     for path in paths:
         t = time.monotonic()
-        p, meta = evaluate.artifact_predictions(path, rows, args.encoder_dir, int8=args.int8)
+        p, meta = evaluate.artifact_predictions(path, rows, args.encoder_dir, int8=args.int8,
+                                                precision=args.precision)
         if meta.data_hash != ds.data_hash:
             _say(f"warning: {path} was trained on data {meta.data_hash[:12]}, evaluating on {ds.data_hash[:12]}")
-        _say(f"{path}: {meta.objective} ({meta.pooling} pooling) on {len(rows)} rows in {time.monotonic() - t:.0f}s")
-        if args.int8:
-            p.method += "+int8"
+        served = meta.extra["served_precision"]
+        _say(f"{path}: {meta.objective} ({meta.pooling} pooling, encoder {served}, head fitted on "
+             f"{meta.precision}) on {len(rows)} rows in {time.monotonic() - t:.0f}s")
+        if served != "fp32":
+            p.method += f"+{served}"
         if p.method in {q.method for q in preds}:
             p.method = f"{p.method}@{Path(path).name}"
         preds.append(p)
@@ -119,9 +123,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from polyserve.predictor.proxy import bench
 
+    precisions = tuple(x.strip() for x in args.precision.split(",") if x.strip())
+    bad = [x for x in precisions if x not in ("auto", "fp32", "bf16", "int8")]
+    if bad or not precisions:
+        raise SystemExit(f"polyserve predictor bench: --precision {args.precision!r}: give auto, fp32, bf16 or int8, "
+                         "or several of them comma-separated")
     res = bench.run(args.artifact, args.encoder_dir, threads=args.threads, iterations=args.iterations,
                     seconds=args.seconds, max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
-                    bucket_step=args.bucket_step, int8=args.int8)
+                    bucket_step=args.bucket_step, int8=args.int8,
+                    precisions=precisions,
+                    concurrency=tuple(int(x) for x in args.concurrency.split(",")),
+                    pad_to_max=not args.no_pad_to_max)
     print(bench.render(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8")
@@ -158,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=int, default=32)
     t.add_argument("--phase1-epochs", type=float, default=2.0)
     t.add_argument("--phase2-epochs", type=int, default=30)
+    t.add_argument("--phase2-precision", default="fp32", choices=["fp32", "bf16", "int8"],
+                   help="fit the phase-2 head on the features of the encoder in this precision "
+                        "(quantisation-aware; the artifact is then served in it by default)")
     t.add_argument("--max-train-prompts", type=int, default=0, help="train on a random subset (0 = all)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
@@ -169,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--artifact", action="append",
                    help="artifact directory, or a directory of them (repeatable; default: the shipped one)")
     e.add_argument("--split", default="test", choices=["train", "val", "test"])
-    e.add_argument("--int8", action="store_true", help="evaluate with the encoder quantized to int8 (as served)")
+    e.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "int8"],
+                   help="encoder precision (auto: the artifact's, as served)")
+    e.add_argument("--int8", action="store_true", help="same as --precision int8")
     e.add_argument("--seed", type=int, default=0, help="seed of the random baseline")
     e.add_argument("--json", help="also write the figures to this file")
     e.set_defaults(fn=cmd_eval)
@@ -183,7 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--max-batch", type=int, default=16)
     bn.add_argument("--batch-wait-ms", type=float, default=2.0)
     bn.add_argument("--bucket-step", type=int, default=64)
-    bn.add_argument("--int8", action="store_true", help="encoder quantized to int8")
+    bn.add_argument("--precision", default="auto",
+                    help="encoder precision: auto, fp32, bf16, int8, or several comma-separated, measured side "
+                         "by side (e.g. fp32,bf16)")
+    bn.add_argument("--concurrency", default="1,16,64", help="concurrent clients of the throughput runs")
+    bn.add_argument("--no-pad-to-max", action="store_true", help="skip the pad-to-max_length comparison")
+    bn.add_argument("--int8", action="store_true", help="same as --precision int8")
     bn.add_argument("--json", help="also write the figures to this file")
     bn.set_defaults(fn=cmd_bench)
     return p

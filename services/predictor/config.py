@@ -37,11 +37,15 @@ class PredictorSettings(CommonSettings, frozen=True, kw_only=True):
     proxy_bucket_step: int = 64
     """Batches are padded to the next multiple of this many tokens (64, 128, 192, ...)."""
     proxy_threads: int = 0
-    """torch intra-op threads (0 = torch's default, all cores). Set 1 on a busy shared machine:
-    there two OpenMP threads made MiniLM 3-6x slower than one (measured)."""
+    """torch intra-op threads (0 = torch's default, all cores). The model thread sets
+    OMP_WAIT_POLICY=PASSIVE unless the environment has it: with spinning OpenMP threads, two
+    threads made MiniLM 5-20x slower than one on a busy shared machine (measured)."""
+    proxy_precision: str = "auto"
+    """Encoder precision: "fp32", "bf16" (oneDNN on AMX/AVX512-BF16), "int8" (dynamic quantization) or
+    "auto": int8 if the artifact's head was fitted on int8 features, else bf16 where the CPU runs it
+    natively, else fp32. Figures in proxy/README.md."""
     proxy_int8: bool = False
-    """Quantize the encoder's linear layers to int8: 1.6x faster at batch 1, test accuracy
-    0.455 -> 0.441 (measured, see proxy/README.md)."""
+    """Same as proxy_precision="int8" (kept for existing configurations)."""
     cache_enabled: bool = True
     """Semantic cache of true output lengths (needs the model's encoder and faiss)."""
     cache_threshold: float = 0.8
@@ -87,6 +91,8 @@ class PredictorSettings(CommonSettings, frozen=True, kw_only=True):
             raise SettingsError("max_models must be >= 1")
         if self.proxy_timeout_s <= 0 or self.proxy_batch_wait_ms < 0 or self.cache_sync_s <= 0:
             raise SettingsError("proxy_timeout_s and cache_sync_s must be > 0, proxy_batch_wait_ms >= 0")
+        if self.proxy_precision not in ("auto", "fp32", "bf16", "int8"):
+            raise SettingsError(f"proxy_precision {self.proxy_precision!r}: use auto, fp32, bf16 or int8")
         if self.proxy_max_batch < 1 or self.proxy_max_queue < 1 or self.proxy_bucket_step < 8 \
                 or self.proxy_threads < 0:
             raise SettingsError("proxy_max_batch and proxy_max_queue must be >= 1, proxy_bucket_step >= 8, "

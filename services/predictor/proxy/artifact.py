@@ -3,7 +3,9 @@
 * ``meta.json``: format version, objective, pooling, encoder name, tokenizer name
   and fingerprint, max_length, LoRA rank, target models (in embedding order)
   with their class bounds and class medians, pooled bounds for unknown models,
-  the log-length scale, the data hash, the training budget and validation scores;
+  the log-length scale, the data hash, the encoder precision phase 2 was fitted
+  on (``precision``: fp32, bf16 or int8; absent = fp32), the training budget and
+  validation scores;
 * ``head.safetensors``: the two-layer head and the target-model embedding;
 * ``lora.safetensors``: the encoder's LoRA adapter in float16 (absent when rank 0).
 
@@ -48,6 +50,7 @@ class Meta:
     head_hidden: int = 256
     model_dim: int = 32
     lora_targets: list[str] = field(default_factory=lambda: ["query", "value"])
+    precision: str = "fp32"  # encoder precision the head was fitted on in phase 2, and served with by default
     extra: dict[str, Any] = field(default_factory=dict)  # budget, timings, validation scores
 
     def classes_for(self, model: str) -> labels.ModelClasses:
@@ -67,7 +70,7 @@ class Meta:
                 "classes": {m: c.to_json() for m, c in self.classes.items()},
                 "default_classes": self.default_classes.to_json(), "log_mean": self.log_mean,
                 "log_std": self.log_std, "data_hash": self.data_hash, "head_hidden": self.head_hidden,
-                "model_dim": self.model_dim, "lora_targets": self.lora_targets,
+                "model_dim": self.model_dim, "lora_targets": self.lora_targets, "precision": self.precision,
                 "extra": self.extra}
 
     @classmethod
@@ -82,7 +85,8 @@ class Meta:
                    log_mean=float(d.get("log_mean", 0.0)), log_std=float(d.get("log_std", 1.0)),
                    data_hash=d.get("data_hash", ""), head_hidden=int(d.get("head_hidden", 256)),
                    model_dim=int(d.get("model_dim", 32)),
-                   lora_targets=list(d.get("lora_targets", ["query", "value"])), extra=dict(d.get("extra", {})))
+                   lora_targets=list(d.get("lora_targets", ["query", "value"])),
+                   precision=str(d.get("precision", "fp32")), extra=dict(d.get("extra", {})))
 
 
 def save(path: str | Path, meta: Meta, head_state: dict, lora_state: dict | None) -> Path:

@@ -1,12 +1,16 @@
 """`polyserve predictor bench`: latency and throughput of the proxy model on this machine.
 
-* p50/p99 latency at batch 1 for prompts of 32, 128 and 512 tokens (the served
+* p50/p99 latency at batch 1 for prompts of 32, 128, 256 and 512 tokens (the served
   model truncates prompts to its ``max_length``, 128 by default, so a 512-token
   prompt costs what a 128-token one does; ``unclipped`` shows the cost at 512);
 * predictions/s with 16 and 64 concurrent requests through the service's
   micro-batcher (`runtime.ModelRunner`), with batches padded to length buckets
   and, for comparison, to the model maximum;
 * the semantic cache's exact-search lookup time as it fills.
+
+With several encoder precisions (``--precision fp32,bf16,int8``) each gets its
+block of figures, the batch-1 calls of all of them interleaved so that the
+background load weighs on each alike, and a last line gives the speed-up ratios.
 
 Figures are measured, on whatever else this machine is running at the time.
 """
@@ -38,16 +42,25 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def latency(pred, n_tokens: int, iterations: int, model: str) -> dict:
-    p = prompt_of(pred.tok, n_tokens, seed=n_tokens)
-    for _ in range(3):
-        pred.predict([p], [model])
-    ts = []
+    return latencies({"": pred}, n_tokens, iterations, model)[""]
+
+
+def latencies(preds: dict, n_tokens: int, iterations: int, model: str) -> dict[str, dict]:
+    """Batch-1 latency of each predictor, measured interleaved (one call of each in turn), so that
+    what else runs on the machine weighs on all of them alike and their ratios hold."""
+    any_pred = next(iter(preds.values()))
+    p = prompt_of(any_pred.tok, n_tokens, seed=n_tokens)
+    for pred in preds.values():
+        for _ in range(3):
+            pred.predict([p], [model])
+    ts: dict[str, list[float]] = {k: [] for k in preds}
     for _ in range(iterations):
-        t = time.perf_counter()
-        pred.predict([p], [model])
-        ts.append((time.perf_counter() - t) * 1000)
-    return {"prompt_tokens": n_tokens, "p50_ms": round(_pct(ts, 50), 2), "p99_ms": round(_pct(ts, 99), 2),
-            "mean_ms": round(statistics.mean(ts), 2)}
+        for k, pred in preds.items():
+            t = time.perf_counter()
+            pred.predict([p], [model])
+            ts[k].append((time.perf_counter() - t) * 1000)
+    return {k: {"prompt_tokens": n_tokens, "p50_ms": round(_pct(v, 50), 2), "p99_ms": round(_pct(v, 99), 2),
+                "mean_ms": round(statistics.mean(v), 2)} for k, v in ts.items()}
 
 
 async def throughput(runner, prompts: list[str], model: str, concurrency: int, seconds: float) -> dict:
@@ -94,69 +107,123 @@ def cache_lookup(dim: int, sizes=(1_000, 10_000, 20_000, 50_000), queries: int =
 
 def run(artifact_dir: str | None, encoder_dir: str | None = None, *, threads: int = 0, iterations: int = 50,
         seconds: float = 5.0, max_batch: int = 16, batch_wait_ms: float = 2.0, bucket_step: int = 64,
-        int8: bool = False) -> dict:
-    """All figures as one dict (see the module docstring)."""
+        int8: bool = False, precisions: tuple[str, ...] = ("auto",), concurrency: tuple[int, ...] = (1, 16, 64),
+        pad_to_max: bool = True) -> dict:
+    """All figures as one dict (see the module docstring); with several `precisions` (a list is
+    given side by side: batch-1 latencies interleaved, throughput runs one after the other) the
+    result holds one dict per precision under ``runs``."""
+    from polyserve.predictor.proxy.runtime import passive_openmp
+
+    passive_openmp()  # as the service does
     import torch
     from transformers.utils import logging as hf_logging
 
     from polyserve.predictor.proxy import artifact
     from polyserve.predictor.proxy.infer import ProxyPredictor
-    from polyserve.predictor.proxy.runtime import ModelRunner
 
     hf_logging.disable_progress_bar()
     if threads:
         torch.set_num_threads(threads)
     path = artifact_dir or str(artifact.default_dir())
-    pred = ProxyPredictor.load(path, encoder_dir, bucket_step=bucket_step, int8=int8)
-    model = pred.meta.models[0] if pred.meta.models else "unknown"
-    res: dict = {"artifact": path, "torch_threads": torch.get_num_threads(), "max_length": pred.meta.max_length,
-                 "int8": int8, "max_batch": max_batch, "batch_wait_ms": batch_wait_ms, "bucket_step": bucket_step,
-                 "cache_keys": pred.cache_keys, "batch1": [latency(pred, n, iterations, model) for n in (32, 128, 512)]}
-    pred.meta.max_length, saved = 512, pred.meta.max_length
-    res["batch1_unclipped_512"] = latency(pred, 512, max(5, iterations // 5), model)
-    pred.meta.max_length = saved
+    if int8:
+        precisions = ("int8",)
+    preds = {}
+    for pr in precisions:
+        pred = ProxyPredictor.load(path, encoder_dir, bucket_step=bucket_step, precision=pr)
+        preds[pred.precision if pred.precision not in preds else f"{pred.precision}#{len(preds)}"] = pred
+    first = next(iter(preds.values()))
+    model = first.meta.models[0] if first.meta.models else "unknown"
+    import os
+
+    runs = {k: {"artifact": path, "torch_threads": torch.get_num_threads(), "max_length": p.meta.max_length,
+                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
+                "precision": p.precision, "int8": p.precision == "int8", "max_batch": max_batch,
+                "batch_wait_ms": batch_wait_ms, "bucket_step": bucket_step, "cache_keys": p.cache_keys,
+                "batch1": []} for k, p in preds.items()}
+    for n in (32, 128, 256, 512):
+        for k, r in latencies(preds, n, iterations, model).items():
+            runs[k]["batch1"].append(r)
+    saved = first.meta.max_length
+    for p in preds.values():
+        p.meta.max_length = 512
+    for k, r in latencies(preds, 512, max(5, iterations // 5), model).items():
+        runs[k]["batch1_unclipped_512"] = r
+    for p in preds.values():
+        p.meta.max_length = saved
 
     # a mix of prompt lengths like the training data (median ~30 tokens, some long)
     lengths = [12, 20, 28, 28, 35, 45, 60, 90, 128, 24, 16, 30]
-    prompts = [prompt_of(pred.tok, n, seed=i) for i, n in enumerate(lengths)]
-
-    async def runner_figures(pad_to_max: bool) -> list[dict]:
-        runner = ModelRunner(path, encoder_dir, max_batch=max_batch, batch_wait_ms=batch_wait_ms, max_queue=1024,
-                             bucket_step=bucket_step)
-        runner.predictor, runner.state = pred, "ready"
+    prompts = [prompt_of(first.tok, n, seed=i) for i, n in enumerate(lengths)]
+    for k, pred in preds.items():
+        runs[k]["micro_batching_bucketed"] = asyncio.run(_runner_figures(
+            pred, path, encoder_dir, prompts, model, concurrency, seconds, max_batch, batch_wait_ms, bucket_step,
+            False))
         if pad_to_max:
-            orig = pred.predict
-            pred.predict = lambda ps, ms, **kw: orig(ps, ms, pad_to_max=True, ids=kw.get("ids"))  # type: ignore
-        runner._task = asyncio.create_task(runner._batcher())
-        try:
-            return [await throughput(runner, prompts, model, c, seconds) for c in (1, 16, 64)]
-        finally:
-            if pad_to_max:
-                pred.predict = orig  # type: ignore[method-assign]
-            runner._task.cancel()
-            runner.pool.shutdown(wait=False)
+            runs[k]["micro_batching_pad_to_max"] = asyncio.run(_runner_figures(
+                pred, path, encoder_dir, prompts, model, concurrency, seconds, max_batch, batch_wait_ms,
+                bucket_step, True))
+    lookup = cache_lookup(first.dim)
+    for r in runs.values():
+        r["cache_lookup"] = lookup
+    if len(runs) == 1:
+        return next(iter(runs.values()))
+    return {"runs": runs}
 
-    res["micro_batching_bucketed"] = asyncio.run(runner_figures(False))
-    res["micro_batching_pad_to_max"] = asyncio.run(runner_figures(True))
-    res["cache_lookup"] = cache_lookup(pred.dim)
-    return res
+
+async def _runner_figures(pred, path, encoder_dir, prompts, model, concurrency, seconds, max_batch, batch_wait_ms,
+                          bucket_step, pad_to_max: bool) -> list[dict]:
+    from polyserve.predictor.proxy.runtime import ModelRunner
+
+    runner = ModelRunner(path, encoder_dir, max_batch=max_batch, batch_wait_ms=batch_wait_ms, max_queue=1024,
+                         bucket_step=bucket_step)
+    runner.predictor, runner.state = pred, "ready"
+    if pad_to_max:
+        orig = pred.predict
+        pred.predict = lambda ps, ms, **kw: orig(ps, ms, pad_to_max=True, ids=kw.get("ids"))  # type: ignore
+    runner._task = asyncio.create_task(runner._batcher())
+    try:
+        return [await throughput(runner, prompts, model, c, seconds) for c in concurrency]
+    finally:
+        if pad_to_max:
+            del pred.predict  # back to the method
+        runner._task.cancel()
+        runner.pool.shutdown(wait=False)
 
 
 def render(res: dict) -> str:
     """The figures as text (measured on this machine; load average shown)."""
+    if "runs" in res:
+        blocks = [render(r) for r in res["runs"].values()]
+        names = list(res["runs"])
+        base = res["runs"][names[0]]
+        ratio = [f"side by side (batch-1 p50 of {names[0]} / each):"]
+        for k in names[1:]:
+            cells = [f"{b['prompt_tokens']} tok {b['p50_ms'] / max(1e-9, r['p50_ms']):.2f}x"
+                     for b, r in zip(base["batch1"], res["runs"][k]["batch1"])]
+            ratio.append(f"  {k}: " + ", ".join(cells))
+        return "\n\n".join(blocks + ["\n".join(ratio)])
     import os
 
-    lines = [f"artifact {res['artifact']}: torch threads {res['torch_threads']}, max_length {res['max_length']}, "
-             f"cache keys {res['cache_keys']}{', int8' if res.get('int8') else ''}; micro-batches of <= {res['max_batch']}, wait {res['batch_wait_ms']} ms, "
-             f"buckets of {res['bucket_step']} tokens; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
+    lines = [(f"artifact {res['artifact']}: torch threads {res['torch_threads']} "
+              f"(OpenMP wait {res.get('omp_wait_policy', 'default')}), max_length {res['max_length']}, "
+              f"encoder {res.get('precision', 'int8' if res.get('int8') else 'fp32')}, "
+              f"cache keys {res['cache_keys']}; micro-batches of <= {res['max_batch']}, "
+              f"wait {res['batch_wait_ms']} ms, buckets of {res['bucket_step']} tokens; "
+              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"),
              "batch 1 latency:"]
     for r in res["batch1"] + [dict(res["batch1_unclipped_512"], prompt_tokens="512 unclipped")]:
         lines.append(f"  {r['prompt_tokens']!s:>14} tokens  p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms")
     for key, name in (("micro_batching_bucketed", "bucketed padding"), ("micro_batching_pad_to_max", "pad to max")):
+        if key not in res:
+            continue
         lines.append(f"micro-batching, {name}:")
         for r in res[key]:
             lines.append(f"  {r['concurrency']:3d} concurrent  {r['predictions_per_s']:7.1f} predictions/s  "
                          f"p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms")
+    if "micro_batching_pad_to_max" in res:
+        gains = [f"{b['concurrency']} concurrent {b['predictions_per_s'] / max(1e-9, m['predictions_per_s']):.2f}x"
+                 for b, m in zip(res["micro_batching_bucketed"], res["micro_batching_pad_to_max"])]
+        lines.append("padding gain (bucketed / pad to max, predictions/s): " + ", ".join(gains))
     lines.append("semantic cache exact search (1 query):")
     for r in res["cache_lookup"]:
         lines.append(f"  {r['entries']:7d} entries  p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms")

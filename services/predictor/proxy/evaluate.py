@@ -84,11 +84,13 @@ def random_baseline(rows: list[data.Row], classes: dict[str, labels.ModelClasses
 
 
 def artifact_predictions(path: str | Path, rows: list[data.Row], encoder_dir: str | None = None,
-                         batch: int = 64, int8: bool = False) -> tuple[Predictions, "object"]:
-    """Run an artifact over `rows` (each prompt encoded once)."""
+                         batch: int = 64, int8: bool = False,
+                         precision: str | None = None) -> tuple[Predictions, "object"]:
+    """Run an artifact over `rows` (each prompt encoded once), its encoder in `precision`
+    (None: as it is served by default, `infer.resolve_precision`)."""
     from polyserve.predictor.proxy.infer import ProxyPredictor
 
-    pred = ProxyPredictor.load(path, encoder_dir, cache_keys="none", int8=int8)
+    pred = ProxyPredictor.load(path, encoder_dir, cache_keys="none", int8=int8, precision=precision)
     prompts = sorted({r.prompt for r in rows}, key=len)
     pooled = {}
     for i in range(0, len(prompts), batch):
@@ -100,6 +102,7 @@ def artifact_predictions(path: str | Path, rows: list[data.Row], encoder_dir: st
     answers = pred.answer(torch.stack([pooled[r.prompt] for r in rows]), [r.model for r in rows])
     p = Predictions(pred.meta.objective, np.array([a.length_class for a in answers]),
                     np.array([a.value for a in answers]), np.array([a.tokens for a in answers]))
+    pred.meta.extra["served_precision"] = pred.precision
     return p, pred.meta
 
 

@@ -131,6 +131,43 @@ def load_merged_encoder(encoder_dir: str, lora_rank: int, lora_state: dict[str, 
     return enc
 
 
+# ------------------------------------------------------------------ serving precision
+PRECISIONS = ("fp32", "bf16", "int8")
+
+
+def bf16_fast() -> bool:
+    """Whether this CPU runs bfloat16 matmuls natively (oneDNN: AVX512-BF16 or AMX); elsewhere bf16 is
+    emulated and slower than float32."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def to_precision(encoder, precision: str):
+    """The (merged, eval-mode) encoder for serving in `precision`.
+
+    * ``fp32``: unchanged;
+    * ``bf16``: every weight in bfloat16 (oneDNN runs the matmuls on AMX / AVX512-BF16
+      where the CPU has them); the caller pools the hidden states in float32;
+    * ``int8``: dynamic int8 quantization of the linear layers (weights int8,
+      activations quantized per batch, fbgemm).
+
+    Phase 2 of training can fit the head on the features of this very encoder
+    (`train.TrainConfig.phase2_precision`), so that the head adapts to its rounding."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {PRECISIONS}")
+    if precision == "bf16":
+        return encoder.to(torch.bfloat16)
+    if precision == "int8":
+        import warnings
+
+        with warnings.catch_warnings():  # torch.ao.quantization is deprecated in favour of torchao
+            warnings.simplefilter("ignore")
+            return torch.ao.quantization.quantize_dynamic(encoder, {nn.Linear}, dtype=torch.qint8)
+    return encoder
+
+
 def lora_state_dict(encoder) -> dict[str, torch.Tensor]:
     from peft import get_peft_model_state_dict
 

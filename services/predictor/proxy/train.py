@@ -49,6 +49,7 @@ class TrainConfig:
     phase2_epochs: int = 30
     phase2_batch: int = 256
     phase2_lr: float = 5e-4
+    phase2_precision: str = "fp32"  # encoder precision of the phase-2 features (= served precision)
     probe_epochs: int = 15
     model_dropout: float = 0.1  # share of rows trained as "unknown model"
     max_train_prompts: int = 0  # 0 = all; a subset for quick runs
@@ -61,6 +62,8 @@ class TrainConfig:
             raise ValueError(f"objective {self.objective!r} is not one of {M.OBJECTIVES}")
         if self.lora_targets not in ("qv", "all"):
             raise ValueError(f"lora_targets {self.lora_targets!r} is not qv or all")
+        if self.phase2_precision not in M.PRECISIONS:
+            raise ValueError(f"phase2_precision {self.phase2_precision!r} is not one of {M.PRECISIONS}")
         if self.pooling not in (*M.POOLINGS, "auto"):
             raise ValueError(f"pooling {self.pooling!r} is not cls, mean or auto")
         if self.max_length < 8 or self.batch_size < 1 or self.phase1_epochs < 0 or self.phase2_epochs < 0:
@@ -185,7 +188,7 @@ def embed(encoder, ids: list[list[int]], pad_id: int, poolings: tuple[str, ...],
     batches = length_batches(ids, batch, None)
     for b in tqdm(batches, desc=desc, disable=not progress, leave=False):
         input_ids, mask = collate([ids[i] for i in b], pad_id)
-        hidden = encoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
+        hidden = encoder(input_ids=input_ids, attention_mask=mask).last_hidden_state.float()
         for p in poolings:
             out[p][b] = M.pool(hidden, mask, p).float()
     return out
@@ -342,6 +345,22 @@ def select_pooling(base_encoder, ids_tr, ids_va, pad_id, tr, va, y_tr, y_va, mak
     return min(M.POOLINGS, key=lambda p: report[p]["val_loss"]), report
 
 
+def served_encoder(encoder, enc_dir: str, cfg: TrainConfig, lora: dict | None):
+    """The encoder as `infer.ProxyPredictor` serves it, for the phase-2 features: the LoRA adapter
+    rounded to float16 (as the artifact stores it) and merged, then in `cfg.phase2_precision`.
+
+    Quantisation-aware phase 2: with ``phase2_precision="int8"`` (or ``"bf16"``)
+    the head is fitted on the features of the quantised encoder, so it adapts to
+    its rounding. With fp32 the trained encoder is used as it is (as before)."""
+    if cfg.phase2_precision == "fp32":
+        return encoder
+    if lora is not None:
+        merged = M.load_merged_encoder(enc_dir, cfg.lora_rank, {k: v.half().float() for k, v in lora.items()})
+    else:
+        merged = M.load_encoder(enc_dir, 0)
+    return M.to_precision(merged.eval(), cfg.phase2_precision)
+
+
 def train(ds: data.Dataset, cfg: TrainConfig, out_dir: str | Path) -> artifact.Meta:
     """Train one objective end to end and write its artifact to `out_dir`."""
     cfg.validate()
@@ -388,8 +407,11 @@ def train(ds: data.Dataset, cfg: TrainConfig, out_dir: str | Path) -> artifact.M
     t = time.monotonic()
     for p in encoder.parameters():
         p.requires_grad_(False)
-    pooled_tr = embed(encoder, ids_tr, pad_id, (pooling,), progress=cfg.progress, desc="phase 2: encode train")[pooling]
-    pooled_va = embed(encoder, ids_va, pad_id, (pooling,), progress=cfg.progress, desc="phase 2: encode val")[pooling]
+    lora = M.lora_state_dict(encoder) if cfg.lora_rank > 0 else None
+    served = served_encoder(encoder, str(enc_dir), cfg, lora)
+    pooled_tr = embed(served, ids_tr, pad_id, (pooling,), progress=cfg.progress, desc="phase 2: encode train")[pooling]
+    pooled_va = embed(served, ids_va, pad_id, (pooling,), progress=cfg.progress, desc="phase 2: encode val")[pooling]
+    del served
     loss, epoch = train_head(head, cfg.objective, pooled_tr, tr, y_tr, pooled_va, va, y_va,
                              epochs=cfg.phase2_epochs, batch=cfg.phase2_batch, lr=cfg.phase2_lr,
                              model_dropout=cfg.model_dropout, seed=cfg.seed + 1, progress=cfg.progress,
@@ -403,8 +425,8 @@ def train(ds: data.Dataset, cfg: TrainConfig, out_dir: str | Path) -> artifact.M
                          lora_rank=cfg.lora_rank, lora_targets=list(targets), models=models, classes=classes,
                          default_classes=default,
                          log_mean=scale.mean, log_std=scale.std, data_hash=ds.data_hash,
-                         head_hidden=head.cfg.head_hidden, model_dim=head.cfg.model_dim, extra=extra)
-    lora = M.lora_state_dict(encoder) if cfg.lora_rank > 0 else None
+                         head_hidden=head.cfg.head_hidden, model_dim=head.cfg.model_dim,
+                         precision=cfg.phase2_precision, extra=extra)
     artifact.save(out_dir, meta, head.state_dict(), lora)
     logger.info("artifact %s written (%d bytes) in %.0fs", out_dir, artifact.size_bytes(out_dir), extra["train_s"])
     return meta
