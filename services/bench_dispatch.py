@@ -21,6 +21,14 @@ compared (they must be identical); the index then runs alone to `--decisions`.
 
     polyserve bench-dispatch [--workers 1200 --runtimes 12 --outstanding 2400 \\
                               --decisions 5000 --policy all] [--json]
+
+``--baseline-index FILE`` also runs each policy with another copy of `dispatcher/index.py`
+(e.g. an older commit's), in the same process on the same cluster, for before/after rows.
+
+With ``--live`` it times the live dispatcher's own code path instead: `DispatchHandlers`
+in process (heartbeats, `dispatch`, `completed` events; no NATS round trip, the deployment
+pre-cached) with `index` off (the scan over views built from the heartbeats, as before the
+index was wired in) and on, `--live-decisions` steady-state dispatches each.
 """
 from __future__ import annotations
 
@@ -270,6 +278,79 @@ def run_policy(name: str, args: argparse.Namespace) -> dict:
     return res
 
 
+# ------------------------------------------------------------------ the live dispatcher
+async def _live_run(name: str, index: bool, args: argparse.Namespace) -> dict:
+    from polyserve.dispatcher.config import DispatcherSettings
+    from polyserve.dispatcher.handlers import DeploymentCache, DispatchHandlers, Outstanding, WorkerRegistry
+    from polyserve.proto import AdapterInfo, Completed, Deployment, DispatchRequest, Heartbeat, Subjects
+    from polyserve.shared.settings import load
+
+    settings = load(DispatcherSettings, "dispatcher", [], environ={}, index=index, seed=args.seed)
+    cache = DeploymentCache(None, ttl_s=math.inf, timeout_s=1.0, retry_s=1.0)  # type: ignore[arg-type]
+    cache._cache["d"] = (Deployment(id="d", model="m", policy=name), time.monotonic())
+    h = DispatchHandlers(settings, Subjects("bench"), cache, WorkerRegistry(), Outstanding(10**6, 1e9),
+                         random.Random(args.seed))
+    encoder = name.startswith("arlo")
+    wl = Workload(args, encoder)
+    profile = Path(args.profile).stem if Path(args.profile).parent == PROFILE.parent else args.profile
+    for v in wl.views():
+        await h.on_heartbeat(Heartbeat(
+            worker_id=v.worker_id, deployment="d", model="m", engine="sim", ttl_s=1e6, gpu_id=v.gpu_id,
+            kv_capacity=v.kv_capacity, max_input_len=v.max_input_len, max_batch=v.max_batch, kernel=v.kernel,
+            adapters=[AdapterInfo(name=a, rank=r) for a, r in zip(v.adapters, v.adapter_ranks)],
+            max_adapters=v.max_adapters, profile="" if encoder else profile))
+    placed: list[tuple[str, str, int]] = []
+
+    async def one() -> None:
+        r = wl.request()
+        p = await h.dispatch(DispatchRequest(
+            request_id=r.request_id, deployment="d", model="m", input_tokens=r.input_tokens,
+            predicted_tokens=r.predicted_tokens, adapter=r.adapter, adapter_rank=r.adapter_rank))
+        placed.append((p.worker_id, r.request_id, r.input_tokens))
+
+    for _ in range(args.outstanding):
+        await one()
+    cpu, fin = [], []
+    tt = time.thread_time_ns
+    for _ in range(args.live_decisions):
+        k = wl.rng.randrange(len(placed))
+        placed[k], placed[-1] = placed[-1], placed[k]
+        wid, rid, n_in = placed.pop()
+        c0 = tt()
+        await h.on_finished(Completed(request_id=rid, worker_id=wid, input_tokens=n_in, output_tokens=100,
+                                      e2e_ms=2000.0, ttft_ms=200.0, queue_ms=10.0, atgt_ms=30.0))
+        c1 = tt()
+        await one()
+        fin.append((c1 - c0) / 1e3)
+        cpu.append((tt() - c1) / 1e3)
+    return {"policy": name, "index": index, "dispatch_cpu_p50_us": pct(cpu, 50), "dispatch_cpu_p99_us": pct(cpu, 99),
+            "completed_cpu_p50_us": pct(fin, 50), "completed_cpu_p99_us": pct(fin, 99),
+            "indexed_decisions": h.indexed_decisions, "dispatches": h.placed}
+
+
+def live_main(names: list[str], args: argparse.Namespace) -> int:
+    import asyncio
+
+    _say(f"bench-dispatch --live: DispatchHandlers in process, {args.workers} workers, {args.outstanding} "
+         f"outstanding, {args.live_decisions} dispatches per policy after a completed event each; CPU µs; "
+         f"load {os.getloadavg()[0]:.2f}")
+    _say(f"{'policy':18} {'scan p50':>9} {'scan p99':>9} {'index p50':>9} {'index p99':>9} {'x p50':>6} "
+         f"{'completed p50 (scan / index)':>29}")
+    results = []
+    for name in names:
+        scan, fast = (asyncio.run(_live_run(name, index, args)) for index in (False, True))
+        results += [scan, fast]
+        _say(f"{name:18} {scan['dispatch_cpu_p50_us']:9.1f} {scan['dispatch_cpu_p99_us']:9.1f} "
+             f"{fast['dispatch_cpu_p50_us']:9.1f} {fast['dispatch_cpu_p99_us']:9.1f} "
+             f"{scan['dispatch_cpu_p50_us'] / fast['dispatch_cpu_p50_us']:6.0f} "
+             f"{scan['completed_cpu_p50_us']:14.1f} / {fast['completed_cpu_p50_us']:.1f}")
+    _say(f"scan = POLYSERVE_DISPATCHER_INDEX=false (views built from every live heartbeat per dispatch), "
+         f"index = the default; load {os.getloadavg()[0]:.2f} at the end")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"results": results}, indent=1))
+    return 0
+
+
 # ------------------------------------------------------------------ CLI
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="polyserve bench-dispatch", description=__doc__.split("\n\n")[0],
@@ -294,6 +375,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--perf-spread", type=float, default=0.0,
                     help="each worker its own fit, every coefficient x U(1-F, 1+F) (online fits that differ)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--baseline-index", metavar="FILE",
+                    help="another version of dispatcher/index.py (e.g. from `git show REV:services/dispatcher/"
+                         "index.py`): each policy is also run with it, as a row 'POLICY (baseline)'")
+    ap.add_argument("--live", action="store_true",
+                    help="time the live dispatcher's handlers (DispatchHandlers) with the index off and on")
+    ap.add_argument("--live-decisions", type=int, default=1000, help="steady-state dispatches per policy with --live")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     ap.add_argument("--out", help="also write the JSON results to this file")
     return ap
@@ -322,6 +409,10 @@ def _fmt(x, spec: str = ".1f") -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     names = _check(args)
+    if args.live:
+        if args.live_decisions < 1:
+            raise SystemExit("--live-decisions must be >= 1")
+        return live_main(names, args)
     meta = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
             "loadavg_start": os.getloadavg(), "args": {k: v for k, v in vars(args).items()}}
     if not args.json:
@@ -331,10 +422,28 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"{'':18} {'CPU µs per decision (+ its update)':^50} {'wall µs':>10} {f'{args.outstanding}-burst, ms':^23}")
         _say(f"{'policy':18} {'scan p50':>9} {'scan p99':>9} {'index p50':>9} {'index p99':>9} {'x p50':>5} "
              f"{'x p99':>5} {'index p99':>10} {'scan':>8} {'index':>6} {'(wall)':>7} {'hb p99':>7} {'same':>10}")
+    global ix
+    runs = [("", ix)]
+    if args.baseline_index:
+        import importlib.util
+
+        if not Path(args.baseline_index).is_file():
+            raise SystemExit(f"--baseline-index {args.baseline_index} not found; pass a copy of dispatcher/index.py")
+        spec = importlib.util.spec_from_file_location("polyserve_index_baseline", args.baseline_index)
+        base_ix = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(base_ix)
+        runs.insert(0, (" (baseline)", base_ix))
     results = []
-    for name in names:
-        r = run_policy(name, args)
+    for name, (suffix, module) in ((n, run) for n in names for run in runs):
+        current, ix = ix, module
+        try:
+            r = run_policy(name, args)
+        finally:
+            ix = current
+        r["index_module"] = "baseline" if suffix else "current"
+        r["label"] = name + suffix
         results.append(r)
+        name = name + suffix
         if not args.json:
             _say(f"{name:18} {_fmt(r['pure_cpu_p50_us']):>9} {_fmt(r['pure_cpu_p99_us']):>9} "
                  f"{_fmt(r['fast_cpu_p50_us']):>9} {_fmt(r['fast_cpu_p99_us']):>9} {_fmt(r['speedup_p50'], '.0f'):>5} "
@@ -342,14 +451,14 @@ def main(argv: list[str] | None = None) -> int:
                  f"{_fmt(r['burst_fast_cpu_ms']):>6} {_fmt(r['burst_fast_ms']):>7} "
                  f"{_fmt(r['heartbeat_upsert_p99_us']):>7} {r['identical']:>5}/{r['compared']:<4}")
     meta["loadavg_end"] = os.getloadavg()
-    diverged = [r["policy"] for r in results if r["identical"] != r["compared"] or not r["burst_same_placements"]]
+    diverged = [r["label"] for r in results if r["identical"] != r["compared"] or not r["burst_same_placements"]]
     if args.out:
         Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     if args.json:
         _say(json.dumps({"meta": meta, "results": results}, indent=1))
     else:
-        slow = [r["policy"] for r in results if not r["meets_50us_p99"]]
-        slow_cpu = [r["policy"] for r in results if not r["meets_50us_p99_cpu"]]
+        slow = [r["label"] for r in results if not r["meets_50us_p99"]]
+        slow_cpu = [r["label"] for r in results if not r["meets_50us_p99_cpu"]]
         _say(f"\nindex = polyserve.dispatcher.index, a decision + the update it causes; scan = the policy "
              f"function over the dispatcher's list of views (O(n)), + the same update; CPU = thread_time_ns "
              f"(leaves out time the thread was preempted: this machine may be shared), wall = perf_counter_ns; "

@@ -31,6 +31,9 @@ class DispatcherSettings(CommonSettings, frozen=True, kw_only=True):
     """Most requests one re-balancing round moves."""
     scale_signal_interval_s: float = 5.0
     """At most one ScaleSignal per deployment in this time (aladdin/caraserve found no feasible worker)."""
+    index: bool = True
+    """Keep each deployment's workers in an incremental index (`dispatcher/index.py`) and place
+    with the policy's fast twin; false = every decision scans freshly built views."""
 
     def validate(self) -> None:
         """Raise SettingsError on values the dispatcher cannot run with."""

@@ -17,13 +17,30 @@ from tests.helpers import running, wait_for
 pytestmark = pytest.mark.integration
 
 
+def with_index(make_settings, index: bool):
+    """`make_settings` whose DispatcherSettings have `index` set (unless a test sets it)."""
+
+    def build(cls, service, **overrides):
+        if cls is DispatcherSettings:
+            overrides.setdefault("index", index)
+        return make_settings(cls, service, **overrides)
+
+    return build
+
+
+@pytest.fixture(params=[True, False], ids=["index", "scan"])
+def make_settings(make_settings, request):
+    """Every dispatcher test twice: with the worker index (the default) and with the scan."""
+    return with_index(make_settings, request.param)
+
+
 def heartbeat(subjects, wid: str, dep: str = "d", ttl_s: float = 5.0, **kw) -> Heartbeat:
     return Heartbeat(worker_id=wid, deployment=dep, model="m", engine="sim", ttl_s=ttl_s,
                      generate_subject=subjects.generate(wid), cancel_subject=subjects.cancel(wid), **kw)
 
 
 async def dispatch(bus, subjects, rid: str = "r", dep: str = "d", **kw) -> Placement:
-    req = DispatchRequest(request_id=rid, deployment=dep, model="m", input_tokens=10, **kw)
+    req = DispatchRequest(request_id=rid, deployment=dep, model="m", **{"input_tokens": 10, **kw})
     return await bus.request(subjects.dispatch, req, Placement, timeout=2)
 
 
@@ -182,3 +199,113 @@ async def test_cached_deployment_serves_through_redis_outage(make_settings, bus,
             assert (await dispatch(bus, subjects, rid="b")).worker_id == "w1"
             err = await dispatch_error(bus, subjects, rid="c", dep="never-seen")
             assert err.code == 503 and "Redis" in err.description
+
+
+LIVE_POLICIES = ["round_robin", "least_outstanding", "power_of_two", "random", "least_loaded", "first_fit",
+                 "aladdin", "caraserve", "arlo_mlq", "arlo_ig"]
+
+
+@pytest.mark.parametrize("policy_name", LIVE_POLICIES)
+async def test_indexed_dispatcher_places_like_the_scan(make_settings, bus, subjects, state, policy_name):
+    """The live dispatcher with its worker index, over real NATS/Redis, against the scan it
+    replaces: before each dispatch the scan's decision is computed from the same handlers
+    (fresh views of the live workers, a copy of the rng and policy state); the placement the
+    dispatcher returns must be that worker. Heartbeats, completions, failures, first tokens,
+    a worker leaving and one joining happen in between (the model book's clock is frozen so
+    that time-based estimates are alike on both sides)."""
+    from random import Random
+
+    from polyserve.dispatcher import policy as pol
+    from polyserve.proto import AdapterInfo, FirstToken
+
+    await state.put_deployment(Deployment(id="d", model="m", policy=policy_name))
+    settings = make_settings(DispatcherSettings, "dispatcher", rebalance_s=0, seed=5, sweep_s=30)
+    if not settings.index and policy_name != "least_outstanding":
+        pytest.skip("with the index off both sides are the scan: one policy checks the switch")
+    svc = DispatcherService(settings)
+    rng = Random(policy_name)
+    arlo = policy_name.startswith("arlo")
+    ranks = {"a": 8, "b": 64, "c": 16}
+
+    def beat(wid: str, **kw) -> Heartbeat:
+        names = rng.sample(sorted(ranks), rng.randint(0, 2))
+        base = {"kv_used": rng.randint(0, 6000), "kv_capacity": 8000, "running": rng.randint(0, 3),
+                "adapters": [AdapterInfo(name=a, rank=ranks[a]) for a in names], "max_adapters": 2,
+                "max_batch": rng.choice([4, 16]), "kernel": rng.choice(["bgmv", "mbgmv"]),
+                "profile": "sim-llama2-70b-h100-tp4"}
+        if arlo:
+            n = rng.choice([64, 128, 512])
+            base = {"max_input_len": n, "kv_capacity": n * rng.choice([4, 8])}
+        base.update(kw)
+        return heartbeat(subjects, wid, ttl_s=30, **base)
+
+    async def send(subject: str, msg, done) -> None:
+        await bus.publish(subject, msg)
+        await wait_for(done, timeout=3, what=f"{type(msg).__name__} handled")
+
+    async with running(svc):
+        h = svc.handlers
+        h.models.clock = lambda: 1000.0
+        wids = [f"w{i}" for i in range(6)]
+        for wid in wids:
+            hb = beat(wid)
+            await send(subjects.worker_event("heartbeat"), hb, lambda hb=hb: svc.registry.get(hb.worker_id) == hb)
+        placed: list[tuple[str, str]] = []
+        compared = 0
+        for i in range(40):
+            op = rng.random()
+            if op < 0.15:
+                hb = beat(rng.choice(wids))
+                await send(subjects.worker_event("heartbeat"), hb, lambda hb=hb: svc.registry.get(hb.worker_id) == hb)
+            elif op < 0.3 and placed:
+                wid, rid = placed.pop(rng.randrange(len(placed)))
+                ev = (Completed(request_id=rid, worker_id=wid, input_tokens=100, output_tokens=rng.randint(1, 80),
+                                e2e_ms=500, ttft_ms=80, queue_ms=5, atgt_ms=30.0, predicted_tokens=50)
+                      if rng.random() < 0.7 else Failed(request_id=rid, worker_id=wid, reason="test"))
+                subject = subjects.event("completed" if isinstance(ev, Completed) else "failed")
+                await send(subject, ev, lambda rid=rid: rid not in h.outstanding._placed)
+            elif op < 0.4 and placed:
+                wid, rid = rng.choice(placed)
+                await send(subjects.event("first_token"), FirstToken(request_id=rid, worker_id=wid, ttft_ms=50),
+                           lambda rid=rid: rid not in h.models.requests._by_id
+                           or h.models.requests._by_id[rid].first_token is not None)
+            elif op < 0.43 and i > 10:  # one worker leaves, a new one joins
+                gone = wids.pop(rng.randrange(len(wids)))
+                await send(subjects.worker_event("down"), WorkerDown(worker_id=gone, reason="test"),
+                           lambda gone=gone: svc.registry.get(gone) is None)
+                placed = [(w, r) for w, r in placed if w != gone]
+                wids.append(f"n{i}")
+                hb = beat(wids[-1])
+                await send(subjects.worker_event("heartbeat"), hb, lambda hb=hb: svc.registry.get(hb.worker_id) == hb)
+            else:
+                adapter = rng.choice([None, "a", "b", "c"])
+                kw = {"input_tokens": rng.choice([10, 100, 600, 3000]) if not arlo else rng.randint(1, 512),
+                      "predicted_tokens": rng.choice([1, 50, 400]), "adapter": adapter,
+                      "adapter_rank": ranks[adapter] if adapter else 0}
+                req = DispatchRequest(request_id=f"r{i}", deployment="d", model="m", **kw)
+                modelled = policy_name in ("aladdin", "caraserve")
+                views = h._views(svc.registry.live("d"), modelled)
+                views = [v for v in views if v.max_input_len <= 0 or req.input_tokens <= v.max_input_len]
+                if not views:  # no runtime long enough: the dispatcher says so
+                    err = await dispatch_error(bus, subjects, rid=req.request_id, **kw)
+                    assert err.code == 503 and "max_input_len" in err.description
+                    continue
+                r_copy = Random()
+                r_copy.setstate(h.rng.getstate())
+                want = pol.get_policy(policy_name)(views, handlers_request_view(req, settings),
+                                                   h.policy_state.get("d", pol.PolicyState()), r_copy)
+                got = await bus.request(subjects.dispatch, req, Placement, timeout=2)
+                assert got.worker_id == want.worker_id, (i, req)
+                placed.append((got.worker_id, req.request_id))
+                compared += 1
+        assert compared >= 15
+        if settings.index:
+            assert h.indexed_decisions == compared  # every decision came from the index
+        else:
+            assert h.indexed_decisions == 0
+
+
+def handlers_request_view(req, settings):
+    from polyserve.dispatcher.handlers import _request_view
+
+    return _request_view(req, settings)

@@ -17,9 +17,15 @@ from polyserve.worker.config import WorkerSettings
 from polyserve.worker.service import WorkerService
 from tests.helpers import running, wait_for
 from tests.integration.conftest import MODEL
-from tests.integration.test_dispatcher import dispatch, start_workers
+from tests.integration.test_dispatcher import dispatch, start_workers, with_index
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(params=[True, False], ids=["index", "scan"])
+def make_settings(make_settings, request):
+    """Every test twice: with the dispatcher's worker index (the default) and with the scan."""
+    return with_index(make_settings, request.param)
 
 PROFILE = "sim-llama2-70b-h100-tp4"
 

@@ -240,6 +240,42 @@ def test_aladdin_limits_at_the_boundary_of_feasibility():
     assert cases > 200
 
 
+def test_aladdin_sufficient_limits_imply_check_and_placements_keep_keys_exact():
+    """A request within a worker's sufficient limits passes `check` (so `fast_aladdin` may
+    skip it), one beyond its necessary limits fails it; and the keys an index keeps
+    incrementally across placements equal those computed from scratch."""
+    rng = random.Random(11)
+    sure = beyond = 0
+    cfgs = [ix.AL.DEFAULT, ix.AL.config_for(p.RequestView(ttft_slo_ms=800.0, atgt_slo_ms=40.0))]
+    for k in range(300):
+        cfg = rng.choice(cfgs)
+        w = random_view(rng, f"w{k}")
+        if rng.random() < 0.5 and w.requests:  # a KV cache that binds
+            w = replace(w, kv_capacity=w.kv_used + rng.choice([300, 2000, 9000]) + 3 * sum(
+                r.input_tokens + r.generated for r in w.requests))
+        index = ix.WorkerIndex()
+        index.upsert(w)
+        s = index._aladdin_for(cfg)
+        for i in range(rng.randint(0, 6)):  # placements update the keys incrementally
+            w = index.placed(w.worker_id, random_request(rng, i))
+            fresh = ix._Aladdin(cfg)
+            fresh.update(None, w)
+            assert s.all.cur == fresh.all.cur and s.live.cur == fresh.live.cur, (k, i)
+        lim = ix._aladdin_limits(w, cfg)
+        for i in range(25):
+            n_in, pred = rng.choice([0, 1, 10, 100, 500, 2000, 8000]), rng.choice([0, 1, 50, 300, 2000])
+            req = p.RequestView(request_id="n", input_tokens=n_in, predicted_tokens=pred)
+            need = (n_in, n_in + cfg.gamma * max(1, pred), n_in + max(1, pred))
+            why = ix.AL.check(w, req, cfg)
+            if lim is None or any(x > m for x, m in zip(need, lim[:3])):
+                assert why, (k, req, w)
+                beyond += 1
+            elif all(x <= m for x, m in zip(need, lim[3:])):
+                assert not why, (k, req, w, why)
+                sure += 1
+    assert sure > 300 and beyond > 300
+
+
 def test_aladdin_fallback_takes_the_lowest_id_among_the_emptiest():
     # no worker can take a request this long: Alg. 1 would scale out; the emptiest takes it
     ws = [p.WorkerView(worker_id=w, kv_capacity=1000, perf=PERFS[1]) for w in ("c", "a", "b")]
