@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     bn = sub.add_parser("bench", help="latency at batch 1 and throughput of the proxy model on this machine")
     bn.add_argument("--artifact", default=None)
     bn.add_argument("--encoder-dir")
-    bn.add_argument("--threads", type=int, default=0)
+    bn.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as the service; 0 = all cores)")
     bn.add_argument("--iterations", type=int, default=50, help="batch-1 predictions per prompt length")
     bn.add_argument("--seconds", type=float, default=5.0, help="duration of each throughput run")
     bn.add_argument("--max-batch", type=int, default=16)

@@ -36,8 +36,12 @@ class PredictorSettings(CommonSettings, frozen=True, kw_only=True):
     """Requests waiting for the model; beyond, the historical mean answers at once."""
     proxy_bucket_step: int = 64
     """Batches are padded to the next multiple of this many tokens (64, 128, 192, ...)."""
-    proxy_threads: int = 0
-    """torch intra-op threads (0 = torch's default, all cores). The model thread sets
+    proxy_threads: int = 1
+    """torch intra-op threads (0 = torch's default, all cores). One by default: the predictor
+    shares the machine with the other services, and on the 2-core build machine one thread
+    was faster than two at batch 1 (bf16, 128 tokens: p50 10.5-11.1 vs 19.5-21.1 ms) and in
+    micro-batched throughput (240-244 vs 211-220 predictions/s), runs interleaved in one
+    session at load 1.4-1.6 (`polyserve predictor bench --precision bf16 --threads 1|2`). The model thread sets
     OMP_WAIT_POLICY=PASSIVE unless the environment has it: with spinning OpenMP threads, two
     threads made MiniLM 5-20x slower than one on a busy shared machine (measured)."""
     proxy_precision: str = "auto"
