@@ -37,6 +37,7 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
     model_path: str = ""  # hf engine: local checkpoint directory
     device: str = "cpu"  # hf engine
     dtype: str = "float32"  # hf engine (vllm: float32 means "auto")
+    kv_layout: str = "auto"  # hf engine: auto (ragged on CPU, padded on CUDA) | ragged | padded
     gpu_memory_utilization: float = 0.9  # vllm engine
     max_model_len: int = 0  # vllm engine; 0 = the model's own
     enable_lora: bool = True  # vllm engine

@@ -280,3 +280,69 @@ async def test_serves_a_local_checkpoint_directory(tmp_path):
         assert res.tokens[0] == 12 or res.finish[0] == "stop"
     finally:
         await eng.stop()
+
+
+# ------------------------------------------------------------------ KV layouts
+LAYOUT_WORK = [("a", 40), ("the quick brown fox jumps over the lazy dog " * 6, 12), ("serving models " * 3, 30),
+               ("x y z", 20), ("tokens " * 20, 25)]
+
+
+async def _layout_run(layout: str) -> tuple[int, int, list[tuple[int, int]]]:
+    """LAYOUT_WORK (plus one request joining midway) on a `layout` engine: (KV cells attended by decode
+    steps, cells a ragged layout needs exactly, [(KV width, longest live row) after every reap])."""
+    eng = HfEngine(settings(kv_layout=layout))
+    await eng.start()
+    try:
+        assert eng._batch.layout == layout
+        batch, reap = eng._batch, eng._batch.reap
+        seen: list[tuple[int, int]] = []
+
+        def checked_reap():  # in the step thread, right after rows leave
+            dropped = reap()
+            if batch.rows:
+                seen.append((batch.kv_columns, max(r.pos for r in batch.rows)))
+            return dropped
+        batch.reap = checked_reap
+        late: list[asyncio.Task] = []
+
+        def join(res: Result):  # a row joins while others decode; the long prompt leaves first
+            if sum(res.tokens.values()) == 5 and not late:
+                late.append(asyncio.create_task(collect(eng, f"{layout[0]}late", "late " * 9, max_tokens=15,
+                                                        temperature=0)))
+        res = await asyncio.gather(*(collect(eng, f"{layout[0]}{i}", p, max_tokens=m, temperature=0,
+                                             on_delta=join if i == 0 else None)
+                                     for i, (p, m) in enumerate(LAYOUT_WORK)))
+        res.append(await late[0])
+        prompts = [p for p, _ in LAYOUT_WORK] + ["late " * 9]
+        # decode step t of a row attends over its prompt + t tokens (the first token came from prefill)
+        exact = sum(sum(eng.count_tokens(p) + t for t in range(1, r.tokens[0])) for p, r in zip(prompts, res))
+        return batch.cells, exact, seen
+    finally:
+        await eng.stop()
+
+
+async def test_ragged_and_padded_kv_give_the_same_greedy_tokens_and_ragged_attends_no_padding(monkeypatch):
+    from polyserve.worker.engines import hf_batch
+    ids: dict[tuple[str, str], list[int]] = {}
+    accept = hf_batch.Row.accept
+
+    def recording(row, token):
+        rid = row.owner.req.request_id
+        ids.setdefault((rid[:1], rid[1:]), []).append(token)
+        return accept(row, token)
+    monkeypatch.setattr(hf_batch.Row, "accept", recording)
+    padded, _, padded_widths = await _layout_run("padded")
+    ragged, exact, ragged_widths = await _layout_run("ragged")
+    for seen in (padded_widths, ragged_widths):
+        assert seen and all(w == longest for w, longest in seen), "KV width must be the longest live row's"
+    assert ragged == exact, "the ragged layout attends over each row's own tokens only"
+    assert ragged < 0.9 * padded, (ragged, padded)
+    assert {k[1] for k in ids if k[0] == "p"} == {k[1] for k in ids if k[0] == "r"} and len(ids) == 12
+    for (lay, rid), tokens in ids.items():
+        if lay == "p":
+            assert tokens == ids[("r", rid)], f"request {rid}: greedy tokens differ between KV layouts"
+
+
+async def test_unknown_kv_layout_is_a_clear_error():
+    with pytest.raises(EngineError, match="kv_layout 'paged' is unknown"):
+        HfEngine(settings(kv_layout="paged"))

@@ -5,23 +5,19 @@ thread (`asyncio.to_thread`) under one lock, so the loop stays responsive while 
 step computes and adapter loads never interleave with a step. One iteration of the
 loop: admit waiting requests in queue order while batch rows and the KV budget allow
 (each is prefilled alone and joins the batch), then one batched decode step for
-every running row (see `hf_batch` for the KV layout and why it is our own loop).
+every running row (see `hf_batch` for the KV layouts and why it is our own loop; setting
+`kv_layout`: auto = ragged on CPU, padded on CUDA).
 
 Admission (`generate`'s first `__anext__`): a full waiting queue is EngineOverloaded
 (429); an input over `max_input_len`, or a request whose KV reservation could never
 fit, is a 400; an unknown adapter is a 404 naming the loaded ones.
 
-LoRA adapters live in three tiers (`lora_cache`): disk, host (a CPU copy, pinned on
-CUDA hosts) and device (installed in the PEFT model). `load_adapter` reads the host
-copy and, if the device has a free slot, starts the device copy in the background.
-A request for an adapter that is not on the device starts its copy (evicting the
-coldest unpinned device adapter if the device is full) and then, by `cold_start`:
-"cpu_assisted" (CaraServe §4) -> it is admitted at once and its prefill (and any
-decode step before the copy lands) adds the LoRA delta computed on the CPU from the
-host copy; "on_demand" -> it waits in the queue (not blocking others) for the
-device copy. Copies run in one background thread; installing a landed copy and
-evicting happen between steps under the engine lock. Prefetch: each loop pass asks
-the cache for adapters whose request rate is rising and starts their copies.
+LoRA adapters (tiers, background copies, CPU-assisted cold start, prefetch) are managed
+by `hf_lora.AdapterManager`; the loop calls it between steps under the engine lock.
+
+Withdraw (Aladdin Alg. 2 moves): a request still in the waiting queue can be given back
+(`withdraw`); its stream ends with `Withdrawn` and the worker asks the gateway to send it
+elsewhere. Once prefilled it runs here to the end.
 
 KV accounting: a running request reserves `n * (input + max_tokens)` tokens of the
 `kv_capacity_tokens` budget from admission until it ends; `load().kv_used` reports
@@ -30,12 +26,10 @@ those reservations, so capacity - used is exactly what the next admission may ta
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import itertools
 import json
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -47,31 +41,16 @@ from polyserve.proto import AdapterInfo
 
 from polyserve.worker import policy as worker_policy
 from polyserve.worker.engine import (Delta, Engine, EngineError, EngineLoad, EngineOverloaded, EngineRequest,
-                                     Finished, check_request, free_adapter, make_stats, relay)
-from polyserve.worker.engines.hf_batch import Batch, Row
-from polyserve.worker.lora import (AdapterError, AdapterRegistry, AdapterSpec, HostLora, check_fits, check_name,
-                                   copy_to_device, load_host_lora, lora_config, read_adapter, weight_bytes)
-from polyserve.worker.lora_cache import DEVICE, DISK, HOST, AdapterCache, CachePolicy, CacheError
+                                     Finished, Withdrawn, check_request, free_adapter, make_stats, relay)
+from polyserve.worker.engines.hf_batch import LAYOUTS, Batch, Row
+from polyserve.worker.engines.hf_lora import COLD_START, AdapterManager  # noqa: F401 (COLD_START re-exported)
+from polyserve.worker.lora_cache import HOST
 
 logger = logging.getLogger(__name__)
 
 OrderKey = Callable[[EngineRequest], Any]
 # Queue orders as sort keys (fcfs, priority, ssjf): the same code the sim engine and the simulator use.
 ORDERS: dict[str, OrderKey] = {k: v for k, v in worker_policy.ORDER_KEYS.items() if k != "sjf_oracle"}
-COLD_START = ("cpu_assisted", "on_demand")
-_HEARTBEAT_TIER = {DEVICE: "gpu", HOST: "host", DISK: "disk"}
-
-
-class _Lora:
-    """One adapter on this worker: its directory, host copy, the copy in flight, and readiness."""
-
-    def __init__(self, spec: AdapterSpec, config):
-        self.spec = spec
-        self.config = config
-        self.host: HostLora | None = None  # set by the copy thread or load_adapter
-        self.job: concurrent.futures.Future | None = None  # disk/host -> device copy in flight
-        self.on_device = asyncio.Event()  # also set when the device copy failed (`error`)
-        self.error: str | None = None
 
 
 class _Active:
@@ -117,30 +96,15 @@ class HfEngine(Engine):
         if order is None and scheduling not in ORDERS:
             raise EngineError(f"scheduling {scheduling!r} is unknown; choose one of {', '.join(ORDERS)}", 400)
         self.order: OrderKey = order or ORDERS[scheduling]
-        self.adapters = AdapterRegistry()
-        self.cold_start = getattr(settings, "lora_cold_start", "cpu_assisted") or "cpu_assisted"
-        if self.cold_start not in COLD_START:
-            raise EngineError(f"lora_cold_start {self.cold_start!r} is unknown; choose one of "
-                              f"{', '.join(COLD_START)}", 400)
-        self.prefetch = bool(getattr(settings, "lora_prefetch", True))
-        try:
-            self.cache = AdapterCache(CachePolicy.from_settings(settings))
-        except CacheError as exc:
-            raise EngineError(f"LoRA cache settings: {exc}", 400) from exc
-        self.lora_stats = {"cpu_assisted_requests": 0, "device_copies": 0, "prefetches": 0, "evictions": 0,
-                           "host_evictions": 0}
-        self._loras: dict[str, _Lora] = {}
-        self._wanted: set[str] = set()  # adapters requests wait for on the device
-        self._demand_seen = False  # a request (or note_demand) since the last prefetch pass
-        self._copier: concurrent.futures.ThreadPoolExecutor | None = None
-        # bench/test hooks, off by default: hold device copies until set; emulate a host->device link of
-        # this many GB/s on a machine without one (figures made with it are labelled simulated)
-        self._copy_gate: threading.Event | None = None
-        self._sim_link_gb_s = 0.0
+        self.kv_layout = getattr(settings, "kv_layout", "auto") or "auto"
+        if self.kv_layout not in ("auto", *LAYOUTS):
+            raise EngineError(f"kv_layout {self.kv_layout!r} is unknown; choose auto, {', '.join(LAYOUTS)}", 400)
         self._bundle = None
         self._batch: Batch | None = None
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
+        self.loras = AdapterManager(settings, self._lock, self._wake, self._fail_waiting_for)
+        self.adapters = self.loras.registry
         self._task: asyncio.Task | None = None
         self._waiting: list[_Active] = []
         self._running: dict[str, _Active] = {}
@@ -148,7 +112,6 @@ class HfEngine(Engine):
         self._kv_reserved = 0
         self._seq = itertools.count()
         self._stopping = False
-        self._loop_ref: asyncio.AbstractEventLoop | None = None
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -159,8 +122,11 @@ class HfEngine(Engine):
         if self.kv_capacity <= 0:
             self.kv_capacity = auto_kv_capacity(self._bundle)
         self.max_input_len = min(self.max_input_len, self._bundle.max_positions - 1)
-        self._batch = Batch(self._bundle.model, self._bundle.device, self._bundle.suppress_ids)
-        self._copier = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-copy")
+        layout = self.kv_layout
+        if layout == "auto":  # per-row attention is a loop of small kernels: cheap on a CPU, not on a GPU
+            layout = "ragged" if self._bundle.device.type == "cpu" else "padded"
+        self._batch = Batch(self._bundle.model, self._bundle.device, self._bundle.suppress_ids, layout)
+        self.loras.start(self._batch, self.model_name)
         self._stopping = False
         self._task = asyncio.create_task(self._loop(), name=f"hf-engine-{self.model_name}")
         logger.info("hf engine serving %s (%s) on %s", self.model_name, self._bundle.source, self._bundle.device)
@@ -178,11 +144,7 @@ class HfEngine(Engine):
             self._task = None
         if self._batch is not None:
             self._batch.clear()
-        if self._copy_gate is not None:
-            self._copy_gate.set()
-        if self._copier is not None:
-            self._copier.shutdown(wait=True, cancel_futures=True)
-            self._copier = None
+        self.loras.stop()
 
     def set_order(self, order: OrderKey) -> None:
         """Change the waiting queue's order (e.g. shortest-predicted-first with aging)."""
@@ -214,10 +176,7 @@ class HfEngine(Engine):
             raise EngineOverloaded(f"waiting queue full ({self.max_waiting} requests); retry later")
         act = _Active(req, ids, next(self._seq), reserve)
         if req.adapter:
-            self.cache.observe(req.adapter, time.monotonic())
-            self._demand_seen = True
-            if self.cache.tier(req.adapter) != DEVICE:
-                self._wanted.add(req.adapter)  # the loop starts its copy before this request's prefill
+            self.loras.observe(req.adapter)
         self._waiting.append(act)
         self._known[req.request_id] = act
         self._wake.set()
@@ -233,11 +192,20 @@ class HfEngine(Engine):
         self._finish(act)
         return True
 
+    def withdraw(self, request_id: str) -> bool:
+        """Give back a request still in the waiting queue (Aladdin Alg. 2 move): its stream ends with
+        `Withdrawn` and no output. False once it is prefilled (running), over, or unknown."""
+        act = self._known.get(request_id)
+        if act is None or act.done or act not in self._waiting:
+            return False
+        self._release(act)
+        act.queue.put_nowait(Withdrawn(request_id))
+        return True
+
     def load(self) -> EngineLoad:
         return EngineLoad(running=len(self._running), waiting=len(self._waiting), kv_used=self._kv_reserved,
                           kv_capacity=self.kv_capacity, max_input_len=self.max_input_len,
-                          adapters=[AdapterInfo(name=n, rank=self.adapters.rank(n), tier=self.adapter_tier(n))
-                                    for n in self.adapters.names()])
+                          adapters=self.loras.infos())
 
     @property
     def max_adapters(self) -> int:
@@ -246,9 +214,7 @@ class HfEngine(Engine):
 
     def adapter_tier(self, name: str) -> str:
         """Heartbeat tier of a loaded adapter: "gpu" (on the device), "loading", "host" or "disk"."""
-        if self.cache.loading(name) is not None:
-            return "loading"
-        return _HEARTBEAT_TIER[self.cache.tier(name)]
+        return self.loras.tier(name)
 
     def count_tokens(self, text: str) -> int:
         if self._bundle is None:
@@ -267,256 +233,60 @@ class HfEngine(Engine):
         from polyserve.worker.engines.hf_model import format_chat
         return format_chat(self._bundle.tokenizer, messages)
 
-    # ----------------------------------------------------------------- adapters
+    # ----------------------------------------------------------------- adapters (see hf_lora)
     async def load_adapter(self, name: str, path: str, wait: bool = False) -> AdapterInfo:
-        """Register a PEFT LoRA adapter at runtime; requests may name it as soon as this returns.
-
-        Reads the host copy now (disk -> host); the device copy starts in the background when
-        the device has a free slot, else on the first request. `wait`: return only once the
-        adapter is on the device."""
-        if self._batch is None:
-            raise EngineError("the hf engine is not started", 503)
-        try:
-            check_name(name)
-            spec = read_adapter(path)
-        except AdapterError as exc:
-            raise EngineError(str(exc), exc.status) from exc
-        if name in self.adapters:
-            raise EngineError(f"adapter {name!r} is already loaded; unload it first", 409)
-        try:
-            config, nbytes = await asyncio.to_thread(lambda: (lora_config(spec), weight_bytes(spec)))
-        except Exception as exc:  # unreadable config or weights
-            raise EngineError(f"adapter {name!r} at {spec.path}: {exc}", 400) from exc
-        if name in self.adapters:  # loaded by a concurrent call meanwhile
-            raise EngineError(f"adapter {name!r} is already loaded; unload it first", 409)
-        try:
-            entry = _Lora(spec, config)
-            self.cache.add(name, nbytes)
-            self._loras[name] = entry
-            self.adapters.add(name, spec)
-        except (AdapterError, CacheError) as exc:
-            raise EngineError(f"adapter {name!r} at {spec.path}: {exc}", 400) from exc
-        try:
-            host_victims = self.cache.victims(name, HOST, time.monotonic())
-            if host_victims is not None:
-                async with self._lock:  # host copies are shared with the loop
-                    self._drop_host(host_victims)
-                    self.cache.start(name, HOST)
-                try:
-                    host = await asyncio.to_thread(self._read_host, entry)
-                    async with self._lock:  # the model's modules change only under the lock
-                        check_fits(host, self._batch.model)
-                    entry.host = host
-                except Exception:
-                    self.cache.failed(name)
-                    raise
-                self.cache.landed(name, HOST)
-            if self.cache.victims(name, DEVICE, time.monotonic()) == []:
-                self._wanted.add(name)
-                self._wake.set()
-        except Exception as exc:
-            await self._forget(name)
-            raise EngineError(f"adapter {name!r} at {spec.path} does not fit model {self.model_name}: {exc}",
-                              400) from exc
-        if wait:
-            await self.ensure_on_device(name)
-        logger.info("loaded adapter %s (rank %d) from %s: %s", name, spec.rank, spec.path, self.adapter_tier(name))
-        return AdapterInfo(name=name, rank=spec.rank, tier=self.adapter_tier(name))
+        """Register a PEFT LoRA adapter at runtime (`AdapterManager.load`)."""
+        return await self.loras.load(name, path, wait)
 
     def note_demand(self, name: str, now: float | None = None) -> None:
-        """Demand for adapter `name` seen elsewhere (e.g. the router saw its rate rise): it counts
-        towards the prefetch rule as a request here would, without a request."""
-        if name not in self._loras:
-            raise EngineError(self.adapters.unknown_message(name), 404)
-        self.cache.observe(name, time.monotonic() if now is None else now)
-        self._demand_seen = True
-        self._wake.set()
+        """Demand for adapter `name` seen elsewhere: counts towards prefetch (`AdapterManager.note_demand`)."""
+        self.loras.note_demand(name, now)
 
     async def ensure_on_device(self, name: str, timeout: float = 120.0) -> None:
         """Promote adapter `name` to the device (evicting the coldest unpinned one if needed); wait for it."""
-        entry = self._loras.get(name)
-        if entry is None:
-            raise EngineError(self.adapters.unknown_message(name), 404)
-        if self.cache.tier(name) == DEVICE:
-            return
-        self._wanted.add(name)
-        self._wake.set()
-        entry.error = None
-        entry.on_device.clear()
-        try:
-            await asyncio.wait_for(entry.on_device.wait(), timeout)
-        except asyncio.TimeoutError:
-            raise EngineError(f"adapter {name!r} did not reach the device in {timeout:.0f} s "
-                              f"(device slots full of adapters in use?)", 503) from None
-        if entry.error:
-            raise EngineError(f"adapter {name!r} could not be put on the device: {entry.error}", 500)
+        await self.loras.ensure_on_device(name, timeout)
 
     async def demote_adapter(self, name: str, to: str = HOST) -> None:
         """Evict adapter `name` from the device (to "host") or down to "disk"; 409 while requests use it."""
-        if name not in self._loras:
-            raise EngineError(self.adapters.unknown_message(name), 404)
-        if to not in (HOST, DISK):
-            raise EngineError(f"demote to {HOST!r} or {DISK!r}, not {to!r}", 400)
-        async with self._lock:
-            try:
-                if self.cache.tier(name) == DEVICE:
-                    await asyncio.to_thread(self._evict_device, [name])
-                if to == DISK and self.cache.tier(name) == HOST:
-                    self._drop_host([name])
-            except CacheError as exc:
-                raise EngineError(f"adapter {name!r}: {exc}", 409) from exc
+        await self.loras.demote(name, to)
 
     async def unload_adapter(self, name: str, force: bool = False) -> None:
         """Remove an adapter; refused (409) while requests use it, unless `force` cancels them."""
         free_adapter(name, self.adapters, list(self._known.values()), force, self.cancel)
-        await self._forget(name)
+        await self.loras.forget(name)
         logger.info("unloaded adapter %s", name)
 
-    async def _forget(self, name: str) -> None:
-        async with self._lock:
-            entry = self._loras.pop(name, None)
-            if entry is not None and name in self.cache and self.cache.tier(name) == DEVICE:
-                await asyncio.to_thread(self._batch.remove_adapter, name)
-            self._batch.cpu_lora.pop(name, None)
-            self._wanted.discard(name)
-            if name in self.cache:
-                self.cache.remove(name)
-            if name in self.adapters:
-                self.adapters.remove(name)
+    def _fail_waiting_for(self, name: str, exc: EngineError) -> None:
+        """Adapter `name` could not reach the device: fail the requests waiting for it."""
+        for act in [a for a in self._waiting if a.req.adapter == name]:
+            self._fail(act, exc)
 
-    def _read_host(self, entry: _Lora) -> HostLora:
-        pin = self._bundle.device.type == "cuda"
-        return load_host_lora(entry.spec, pin=pin, config=entry.config)
-
-    def _drop_host(self, names: list[str]) -> None:
-        """Host eviction: forget the host copies of host-only adapters (they stay known, on disk)."""
-        for n in names:
-            self.cache.demote(n)
-            self._loras[n].host = None
-            self._batch.cpu_lora.pop(n, None)
-            self.lora_stats["host_evictions"] += 1
-
-    def _evict_device(self, names: list[str]) -> None:
-        """Device eviction (engine lock held): remove from the PEFT model, keep the host copy."""
-        for n in names:
-            self.cache.demote(n)
-            self._batch.remove_adapter(n)
-            self._loras[n].on_device.clear()
-            self.lora_stats["evictions"] += 1
-
-    def _fetch(self, entry: _Lora) -> dict:
-        """Copy thread: disk -> host if needed (requests may start CPU-assisted then), host -> device."""
-        if entry.host is None:
-            entry.host = self._read_host(entry)
-            self._notify()
-        if self._copy_gate is not None:
-            self._copy_gate.wait()
-        t0 = time.perf_counter()
-        if self._sim_link_gb_s > 0:
-            time.sleep(entry.host.nbytes / (self._sim_link_gb_s * 1e9))
-        state = copy_to_device(entry.host.state, self._bundle.device)
-        self.lora_stats["last_copy_ms"] = (time.perf_counter() - t0) * 1e3
-        return state
-
-    def _notify(self) -> None:
-        loop = self._loop_ref
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._wake.set)
-
-    async def _manage_adapters(self) -> None:
-        """Between steps, under the engine lock: install landed copies, start wanted and prefetched ones."""
-        for name, entry in list(self._loras.items()):
-            if entry.job is None or not entry.job.done():
-                continue
-            job, entry.job = entry.job, None
-            if entry.host is not None and self.cache.tier(name) == DISK:
-                self.cache.landed(name, HOST)  # the copy thread read it from disk first
-            try:
-                state = job.result()
-                t0 = time.perf_counter()
-                await asyncio.to_thread(self._batch.install_adapter, name, entry.config, state)
-                self.lora_stats["last_install_ms"] = (time.perf_counter() - t0) * 1e3
-            except Exception as exc:
-                self.cache.failed(name)
-                self._wanted.discard(name)
-                logger.error("adapter %s: device copy failed: %s", name, exc)
-                entry.error = str(exc) or type(exc).__name__
-                entry.on_device.set()
-                for act in [a for a in self._waiting if a.req.adapter == name]:
-                    self._fail(act, EngineError(f"adapter {name!r} could not be put on the device: {exc}", 500))
-                continue
-            self.cache.landed(name, DEVICE)
-            entry.error = None
-            self._batch.cpu_lora.pop(name, None)  # next steps use the device copy
-            self._wanted.discard(name)
-            entry.on_device.set()
-            self.lora_stats["device_copies"] += 1
-        now = time.monotonic()
-        for name in sorted(self._wanted, key=lambda n: -self.cache.score(n, now)):
-            if name not in self._loras or self.cache.tier(name) == DEVICE:
-                self._wanted.discard(name)
-            elif self.cache.loading(name) is None:
-                await self._promote(name, self.cache.victims(name, DEVICE, now))
-        if self.prefetch:
-            for name, victims in self.cache.prefetch(now, limit=1):
-                if await self._promote(name, victims):
-                    self.lora_stats["prefetches"] += 1
-
-    async def _promote(self, name: str, device_victims: list[str] | None) -> bool:
-        """Start the copy of `name` to the device after making room; False if there is none now."""
-        now = time.monotonic()
-        entry = self._loras[name]
-        host_victims: list[str] | None = []
-        if self.cache.tier(name) == DISK:
-            host_victims = self.cache.victims(name, HOST, now)
-        if device_victims is None or host_victims is None:
-            return False
-        self._drop_host(host_victims)
-        if device_victims:
-            await asyncio.to_thread(self._evict_device, device_victims)
-        self.cache.start(name, DEVICE)
-        entry.job = self._copier.submit(self._fetch, entry)
-        entry.job.add_done_callback(lambda _f: self._notify())
-        return True
-
-    def _adapter_ready(self, act: _Active) -> str | None:
-        """How `act` may run now: "device", "cpu" (CPU-assisted) or None (wait for the device copy)."""
-        name = act.req.adapter
-        if not name or self.cache.tier(name) == DEVICE:
-            return "device"
-        entry = self._loras[name]
-        if self.cache.loading(name) is None:
-            self._wanted.add(name)  # e.g. evicted while this request waited
-        if name in self._batch.cpu_lora:
-            return "cpu"
-        if self.cold_start == "cpu_assisted" and entry.host is not None and entry.host.cpu_ok:
-            return "cpu"
-        return None
+    # the adapter state under its former engine attributes (bench_lora, tests)
+    cache = property(lambda self: self.loras.cache)
+    lora_stats = property(lambda self: self.loras.stats)
+    _loras = property(lambda self: self.loras.entries)
+    cold_start = property(lambda self: self.loras.cold_start,
+                          lambda self, v: setattr(self.loras, "cold_start", v))
+    _copy_gate = property(lambda self: self.loras.copy_gate, lambda self, v: setattr(self.loras, "copy_gate", v))
+    _sim_link_gb_s = property(lambda self: self.loras.sim_link_gb_s,
+                              lambda self, v: setattr(self.loras, "sim_link_gb_s", v))
 
     # ----------------------------------------------------------------- the loop
-    def _adapter_work(self) -> bool:
-        """A landed copy to install, or an adapter wanted on the device whose copy has not started."""
-        return (any(e.job is not None and e.job.done() for e in self._loras.values())
-                or any(n in self.cache and self.cache.loading(n) is None and self.cache.tier(n) != DEVICE
-                       for n in self._wanted))
-
     async def _idle(self, timeout: float | None) -> None:
         """Sleep until woken (a request, a landed copy) or `timeout`; short naps while adapter work
         is pending but cannot start (no room on the device yet), so the loop never spins."""
         self._wake.clear()
-        if self._adapter_work():
+        if self.loras.pending():
             timeout = 0.02
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)
 
     async def _loop(self) -> None:
-        self._loop_ref = asyncio.get_running_loop()
         while not self._stopping:
-            if self._adapter_work() or (self.prefetch and self._demand_seen):
-                self._demand_seen = False
+            if self.loras.due():
                 try:
                     async with self._lock:
-                        await self._manage_adapters()
+                        await self.loras.manage()
                 except Exception:  # never let adapter bookkeeping stop serving
                     logger.exception("hf engine: adapter management failed")
             if not self._waiting and not self._running:
@@ -558,7 +328,7 @@ class HfEngine(Engine):
         i = 0
         while i < len(self._waiting) and not self._stopping:
             act = self._waiting[i]
-            how = self._adapter_ready(act)
+            how = self.loras.ready(act.req.adapter)
             if how is None:  # on_demand (or no host copy yet): wait for the device copy, let others pass
                 i += 1
                 continue
@@ -572,11 +342,7 @@ class HfEngine(Engine):
             self._running[act.req.request_id] = act
             self._kv_reserved += act.reserve
             if act.req.adapter:
-                self.cache.pin(act.req.adapter)
-                if how == "cpu" and act.req.adapter not in self._batch.cpu_lora:
-                    self._batch.cpu_lora[act.req.adapter] = self._loras[act.req.adapter].host
-                if how == "cpu":
-                    self.lora_stats["cpu_assisted_requests"] += 1
+                self.loras.pin(act.req.adapter, how)
             act.start = time.monotonic()
             b = self._bundle
             try:
@@ -626,7 +392,7 @@ class HfEngine(Engine):
         self._known.pop(act.req.request_id, None)
         if self._running.pop(act.req.request_id, None) is not None:
             self._kv_reserved -= act.reserve
-            if act.req.adapter and act.req.adapter in self.cache:
-                self.cache.unpin(act.req.adapter)
+            if act.req.adapter:
+                self.loras.unpin(act.req.adapter)
         elif act in self._waiting:
             self._waiting.remove(act)

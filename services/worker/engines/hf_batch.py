@@ -1,4 +1,4 @@
-"""The running batch of the `hf` engine: per-request prefill, batched decode over a padded KV cache.
+"""The running batch of the `hf` engine: per-request prefill, batched decode over a ragged or padded KV.
 
 Why our own loop over `past_key_values` rather than transformers' continuous-batching
 manager (`generate_batch`/`ContinuousBatchingManager`): that API is young and has
@@ -10,29 +10,37 @@ attention mask is a stable, documented part of every causal LM's forward.
 How the batch works (all of it runs in a worker thread, never on the event loop):
 
 * Prefill runs per request, unpadded (`[1, L]`), so a prompt is computed exactly as
-  when it is alone. Its KV is copied to its `n` choice rows and merged into the
-  batch cache by LEFT-padding whichever side is shorter (keys/values of zeros,
-  attention mask 0).
-* Decode runs all rows in one forward: one pending token per row, the attention
-  mask (0 on padding columns, so their softmax weight is exactly 0) and per-row
+  when it is alone. Its KV is copied to each of its `n` choice rows.
+* Decode runs all rows in one forward: one pending token per row and per-row
   `position_ids` (the row's true length, so RoPE sees the same positions as alone).
-  All rows grow by one column per step, so padding stays on the left.
-* Rows that finish or whose request is cancelled are dropped before the next step
-  (`index_select` on the batch dimension) and padding columns that no remaining
-  row needs are trimmed: the KV of a finished request is freed at once.
+  The KV has one of two layouts:
+  - "ragged" (default on CPU): each row keeps its own per-layer buffers (grown by
+    doubling, so a step writes one column in place). The model's attention is routed
+    (transformers' `AttentionInterface`) to a function that, for decode steps, appends
+    each row's new key/value and attends over that row's own columns only: no padding,
+    and a join or a leave copies nothing. Prefill still uses transformers' sdpa.
+  - "padded" (default on CUDA, where one batched kernel beats a per-row loop): one
+    cache, rows LEFT-padded to the longest (keys/values of zeros, attention mask 0,
+    so padding gets softmax weight exactly 0). Rows that leave are dropped with
+    `index_select` and the left columns no remaining row needs are trimmed, so the
+    width is always the longest live row's.
+  Continuous batching mixes long-running rows with just-joined short ones, so the
+  padded layout attends over more cells than the rows hold (1.2x in `bench-batching`
+  at 16-32 concurrent) and copies the whole cache on every join and leave; the ragged
+  layout attends over exactly the real ones.
+* Rows that finish or whose request is cancelled are dropped before the next step:
+  the KV of a finished request is freed at once.
 * Multi-LoRA: with a PEFT model every forward gets `adapter_names` (one per row,
   `"__base__"` for the base model) — PEFT's mixed-adapter batch inference, which
   applies each adapter's A/B to its own sub-batch inside every LoRA layer.
 * CPU-assisted LoRA (CaraServe §4): rows whose adapter is in `cpu_lora` (its
-  weights are still being copied to the device) run as base rows for PEFT, and a
-  forward hook on each targeted base Linear adds their delta x·A·B·scaling,
-  computed on the CPU from the host copy. The base model's x·W stays on the
-  device; once the engine installs the device copy it drops the adapter from
-  `cpu_lora` and the next step uses PEFT's weights.
+  weights are still being copied to the device) run as base rows for PEFT, and
+  forward hooks (`hf_lora.cpu_hooks`) add their delta x·A·B·scaling, computed on
+  the CPU from the host copy. Once the engine installs the device copy it drops
+  the adapter from `cpu_lora` and the next step uses PEFT's weights.
 
-The cache layout is a padded tensor per layer, so a batch costs
-rows x longest-context of KV; the engine's KV budget counts reservations
-(input + max_tokens per row), which bounds that too.
+The engine's KV budget counts reservations (input + max_tokens per row), which
+bounds either layout's memory.
 """
 from __future__ import annotations
 
@@ -103,11 +111,13 @@ def sample(logits: torch.Tensor, rows: Sequence[Row], suppress: torch.Tensor | N
     logits = logits.float()
     if suppress is not None:
         logits[:, suppress] = float("-inf")
-    for i, row in enumerate(rows):
-        if row.n_out < row.params.min_tokens and row.eos_ids:
-            logits[i, list(row.eos_ids)] = float("-inf")
-    out = [0] * len(rows)
+    held = [(i, eos) for i, row in enumerate(rows) if row.n_out < row.params.min_tokens for eos in row.eos_ids]
+    if held:  # one indexed write for every row still under min_tokens (a write per row cost ~10 us each)
+        logits[[i for i, _ in held], [eos for _, eos in held]] = float("-inf")
     greedy = [i for i, r in enumerate(rows) if r.generator is None]
+    if len(greedy) == len(rows):  # all greedy: no copy of the [rows, vocab] logits
+        return logits.argmax(dim=-1).tolist()
+    out = [0] * len(rows)
     if greedy:
         for i, tok in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
             out[i] = tok
@@ -131,23 +141,9 @@ def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -
     return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
-def _cpu_delta(entries):
-    """A forward hook: for each (rows, A, B, scaling), out[rows] += (x[rows] on the CPU)·Aᵀ·Bᵀ·scaling.
-
-    The same operations, in the same order, as PEFT's LoRA layer (F.linear with A,
-    then B, then the scaling), so on a CPU the result is the device path's."""
-    def hook(module, args, out):
-        x = args[0]
-        for idx, a, b, scaling in entries:
-            xs = x if idx is None else x.index_select(0, idx)
-            delta = F.linear(F.linear(xs.to("cpu", a.dtype), a), b) * scaling
-            delta = delta.to(out.device, out.dtype)
-            if idx is None:
-                out = out + delta
-            else:
-                out = out.index_add(0, idx, delta)
-        return out
-    return hook
+LAYOUTS = ("ragged", "padded")
+_RAGGED = "polyserve_ragged"  # the attention implementation name the ragged layout registers
+_GROW = 128  # columns a row's buffers grow by at least (then doubling), bounded by its last position
 
 
 def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -166,63 +162,116 @@ def _make_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]):
     return DynamicCache(ddp_cache_data=kv)
 
 
-class Batch:
-    """The rows being decoded and their padded KV cache. Not thread-safe: one caller at a time."""
+class RowKV:
+    """One row's keys and values: per layer a [kv_heads, capacity, head_dim] buffer, `length` filled.
 
-    def __init__(self, model, device: torch.device, suppress_ids: Sequence[int] = ()):
+    Capacity grows by doubling (at least `_GROW` columns) up to `limit`, the row's last position,
+    so a step writes one column in place instead of copying the cache."""
+
+    __slots__ = ("layers", "length", "limit")
+
+    def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]], limit: int):
+        length = int(kv[0][0].shape[-2])
+        self.length, self.limit = length, max(limit, length + 1)
+        cap = min(self.limit, length + _GROW)
+        self.layers = [(_buffer(k, cap), _buffer(v, cap)) for k, v in kv]
+
+    def reserve(self) -> None:
+        """Room for one more column."""
+        cap = int(self.layers[0][0].shape[1])
+        if self.length < cap:
+            return
+        cap = min(max(self.limit, self.length + 1), max(2 * cap, cap + _GROW))
+        self.layers = [(_buffer(k[:, :self.length], cap), _buffer(v[:, :self.length], cap)) for k, v in self.layers]
+
+
+def _buffer(t: torch.Tensor, cap: int) -> torch.Tensor:
+    """[kv_heads, cap, head_dim] holding `t` ([1, H, L, D] or [H, L, D]) in its first L columns."""
+    t = t[0] if t.dim() == 4 else t
+    buf = t.new_empty(t.shape[0], cap, t.shape[2])
+    buf[:, :t.shape[1]] = t
+    return buf
+
+
+class _RaggedStep:
+    """One decode forward over ragged rows: each layer's attention appends the new key/value to
+    every row's buffer and attends over that row's own columns only (no padding anywhere)."""
+
+    def __init__(self, kv: list[RowKV]):
+        self.kv = kv
+
+    def attend(self, layer: int, query, key, value, scaling):
+        gqa = query.shape[1] != key.shape[1]
+        outs = []
+        for i, row in enumerate(self.kv):
+            k, v = row.layers[layer]
+            n = row.length
+            k[:, n] = key[i, :, 0]
+            v[:, n] = value[i, :, 0]
+            outs.append(F.scaled_dot_product_attention(query[i:i + 1], k[None, :, :n + 1], v[None, :, :n + 1],
+                                                       scale=scaling, enable_gqa=gqa))
+        return torch.cat(outs).transpose(1, 2).contiguous()  # [B, 1, heads, head_dim] like sdpa's
+
+
+def _ragged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """The ragged layout's attention: decode steps go to their `_RaggedStep`, everything else
+    (prefill) is transformers' own sdpa attention, unchanged."""
+    step = kwargs.pop("ragged_step", None)
+    if step is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    return step.attend(module.layer_idx, query, key, value, scaling), None
+
+
+def use_ragged_attention(model) -> bool:
+    """Route `model`'s attention through `_ragged_attention`; False if the model does not use sdpa."""
+    from transformers import AttentionInterface
+    config = model.config
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", _RAGGED) or getattr(config, "sliding_window",
+                                                                                         None):
+        return False
+    AttentionInterface.register(_RAGGED, _ragged_attention)
+    config._attn_implementation = _RAGGED
+    return True
+
+
+class Batch:
+    """The rows being decoded and their KV. Not thread-safe: one caller at a time.
+
+    `layout`: "ragged" (each row its own KV buffers; attention per row) or "padded" (one
+    left-padded cache; attention batched under a mask)."""
+
+    def __init__(self, model, device: torch.device, suppress_ids: Sequence[int] = (), layout: str = "ragged"):
+        if layout not in LAYOUTS:
+            raise ValueError(f"kv layout {layout!r} is unknown; choose one of {', '.join(LAYOUTS)}")
         self.model = model
         self.lora = False  # True once the model is a PeftModel: pass adapter_names
         self.device = device
         self.suppress = torch.tensor(list(suppress_ids), device=device) if suppress_ids else None
+        self.layout = "ragged" if layout == "ragged" and use_ragged_attention(model) else "padded"
         self.rows: list[Row] = []
-        self.cache = None
-        self.mask: torch.Tensor | None = None  # [B, L] 1 = real token, 0 = padding
+        self.kv: list[RowKV] = []  # ragged: one per row
+        self.cache = None  # padded: a DynamicCache of [B, kv_heads, L, head_dim] per layer
+        self.mask: torch.Tensor | None = None  # padded: [B, L] 1 = real token, 0 = padding
         self.cpu_lora: dict = {}  # adapter name -> lora.HostLora: computed on the CPU until on the device
         self.cpu_steps = 0  # forwards that ran at least one row CPU-assisted
+        self.cells = 0  # row x KV-column cells attended over by decode steps (padding included)
 
     @property
     def kv_columns(self) -> int:
+        """Width of the KV: the longest row (ragged) or the padded cache's columns."""
+        if self.layout == "ragged":
+            return max((kv.length for kv in self.kv), default=0)
         return 0 if self.mask is None else int(self.mask.shape[1])
 
     def install_adapter(self, name: str, config, state: dict) -> None:
-        """Put adapter `name` (a peft LoraConfig and its PEFT state dict, already on the device) into
-        the model: PEFT's modules are created on the meta device, then the tensors are assigned."""
-        import copy
-        import warnings
-
-        from peft import PeftModel
-        from peft.auto import MODEL_TYPE_TO_PEFT_MODEL_MAPPING
-        from peft.utils import set_peft_model_state_dict
-        config = copy.deepcopy(config)
-        model = self.model
-        with warnings.catch_warnings():  # deprecation chatter between peft and transformers releases
-            warnings.simplefilter("ignore", FutureWarning)
-            warnings.simplefilter("ignore", UserWarning)
-            if isinstance(model, PeftModel):
-                model.add_adapter(name, config, low_cpu_mem_usage=True)
-            else:
-                cls = MODEL_TYPE_TO_PEFT_MODEL_MAPPING.get(config.task_type, PeftModel)
-                model = cls(model, config, adapter_name=name, low_cpu_mem_usage=True)
-            self.model, self.lora = model, True
-            try:  # the new adapter's weights are on the meta device until assigned here
-                result = set_peft_model_state_dict(model, state, adapter_name=name, low_cpu_mem_usage=True)
-                missing = [k for k in result.missing_keys if name in k and "lora_" in k]
-                if missing:
-                    raise ValueError(f"adapter {name!r} is missing weights for {missing[:3]}")
-            except Exception:
-                self.remove_adapter(name)  # never leave a half-installed adapter in the model
-                raise
-        model.eval()
+        from polyserve.worker.engines.hf_model import install_adapter
+        install_adapter(self, name, config, state)
 
     def remove_adapter(self, name: str) -> None:
-        """Delete adapter `name` from the PEFT model; the last one gone restores the plain base model."""
-        import warnings
-        model = self.model
-        with warnings.catch_warnings():  # PEFT warns that another adapter becomes "active": we never use that
-            warnings.simplefilter("ignore", UserWarning)
-            model.delete_adapter(name)
-        if not list(model.peft_config):
-            self.model, self.lora = model.unload(), False
+        from polyserve.worker.engines.hf_model import remove_adapter
+        remove_adapter(self, name)
 
     def _forward(self, input_ids, adapters: list[str], **kw):
         assisted: dict[str, list[int]] = {}
@@ -231,30 +280,18 @@ class Batch:
                 assisted.setdefault(a, []).append(i)
         if self.lora:
             kw["adapter_names"] = [BASE if a in assisted else a for a in adapters]
+        kw.setdefault("use_cache", True)
         if not assisted:
-            return self.model(input_ids=input_ids, use_cache=True, **kw)
-        handles = self._cpu_hooks(assisted, len(adapters))
+            return self.model(input_ids=input_ids, **kw)
+        from polyserve.worker.engines.hf_lora import cpu_hooks
+        root = self.model.get_base_model() if self.lora else self.model
+        handles = cpu_hooks(root, self.cpu_lora, assisted, len(adapters), self.device)
         try:
             self.cpu_steps += 1
-            return self.model(input_ids=input_ids, use_cache=True, **kw)
+            return self.model(input_ids=input_ids, **kw)
         finally:
             for h in handles:
                 h.remove()
-
-    def _cpu_hooks(self, assisted: dict[str, list[int]], n_rows: int) -> list:
-        """Forward hooks adding x·A·B·scaling (on the CPU) to the base Linear outputs of `assisted` rows."""
-        root = self.model.get_base_model() if self.lora else self.model
-        per_module: dict[str, list] = {}
-        for name, rows in assisted.items():
-            host = self.cpu_lora[name]
-            idx = None if len(rows) == n_rows else torch.tensor(rows, device=self.device)
-            for path, (a, b) in host.modules.items():
-                per_module.setdefault(path, []).append((idx, a, b, host.scaling))
-        handles = []
-        for path, entries in per_module.items():
-            mod = root.get_submodule(path)
-            handles.append(getattr(mod, "base_layer", mod).register_forward_hook(_cpu_delta(entries)))
-        return handles
 
     @torch.inference_mode()
     def prefill(self, rows: list[Row], prompt_ids: Sequence[int]) -> list[tuple[Row, Delta]]:
@@ -265,7 +302,11 @@ class Batch:
         logits = out.logits[:, -1, :].expand(len(rows), -1).clone()
         events = [(r, r.accept(t)) for r, t in zip(rows, sample(logits, rows, self.suppress))]
         live = [r for r in rows if not r.gone]
-        if live:
+        if live and self.layout == "ragged":
+            kv = _kv(out.past_key_values)
+            new = [RowKV(kv, len(prompt_ids) + r.params.max_tokens) for r in live]  # built first: all or none
+            self.rows, self.kv = self.rows + live, self.kv + new
+        elif live:
             kv = [(k.expand(len(live), -1, -1, -1).contiguous(), v.expand(len(live), -1, -1, -1).contiguous())
                   for k, v in _kv(out.past_key_values)]
             self._merge(live, kv, len(prompt_ids))
@@ -289,13 +330,16 @@ class Batch:
 
     @torch.inference_mode()
     def reap(self) -> int:
-        """Drop finished and cancelled rows and the padding no row needs; returns rows dropped."""
+        """Drop finished and cancelled rows (and, padded, the padding no row needs); returns rows dropped."""
         keep = [i for i, r in enumerate(self.rows) if not r.gone]
         dropped = len(self.rows) - len(keep)
         if not dropped:
             return 0
         if not keep:
-            self.rows, self.cache, self.mask = [], None, None
+            self.clear()
+            return dropped
+        if self.layout == "ragged":  # a row's buffers are its own: nothing else to copy
+            self.rows, self.kv = [self.rows[i] for i in keep], [self.kv[i] for i in keep]
             return dropped
         idx = torch.tensor(keep, device=self.device)
         mask = self.mask.index_select(0, idx)
@@ -315,10 +359,19 @@ class Batch:
         rows = self.rows
         ids = torch.tensor([[r.last_token] for r in rows], device=self.device)
         pos = torch.tensor([[r.pos] for r in rows], device=self.device)
-        mask = torch.cat([self.mask, self.mask.new_ones(len(rows), 1)], dim=1)
-        out = self._forward(ids, [r.adapter for r in rows], attention_mask=mask, position_ids=pos,
-                            past_key_values=self.cache)
-        self.mask, self.cache = mask, out.past_key_values
+        adapters = [r.adapter for r in rows]
+        if self.layout == "ragged":
+            for kv in self.kv:
+                kv.reserve()
+            self.cells += sum(kv.length + 1 for kv in self.kv)
+            out = self._forward(ids, adapters, position_ids=pos, use_cache=False, ragged_step=_RaggedStep(self.kv))
+            for kv in self.kv:
+                kv.length += 1
+        else:
+            mask = torch.cat([self.mask, self.mask.new_ones(len(rows), 1)], dim=1)
+            self.cells += int(mask.numel())
+            out = self._forward(ids, adapters, attention_mask=mask, position_ids=pos, past_key_values=self.cache)
+            self.mask, self.cache = mask, out.past_key_values
         for r in rows:
             r.pos += 1
         tokens = sample(out.logits[:, -1, :], rows, self.suppress)
@@ -327,4 +380,4 @@ class Batch:
         return events
 
     def clear(self) -> None:
-        self.rows, self.cache, self.mask = [], None, None
+        self.rows, self.kv, self.cache, self.mask = [], [], None, None

@@ -228,3 +228,45 @@ def format_chat(tokenizer, messages: list[dict]) -> str:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     lines = [f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages]
     return "\n".join(lines + ["assistant:"])
+
+
+def install_adapter(batch, name: str, config, state: dict) -> None:
+    """Put adapter `name` (a peft LoraConfig and its PEFT state dict, already on the device) into
+    `batch.model`: PEFT's modules are created on the meta device, then the tensors are assigned."""
+    import copy
+    import warnings
+
+    from peft import PeftModel
+    from peft.auto import MODEL_TYPE_TO_PEFT_MODEL_MAPPING
+    from peft.utils import set_peft_model_state_dict
+    config = copy.deepcopy(config)
+    model = batch.model
+    with warnings.catch_warnings():  # deprecation chatter between peft and transformers releases
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        if isinstance(model, PeftModel):
+            model.add_adapter(name, config, low_cpu_mem_usage=True)
+        else:
+            cls = MODEL_TYPE_TO_PEFT_MODEL_MAPPING.get(config.task_type, PeftModel)
+            model = cls(model, config, adapter_name=name, low_cpu_mem_usage=True)
+        batch.model, batch.lora = model, True
+        try:  # the new adapter's weights are on the meta device until assigned here
+            result = set_peft_model_state_dict(model, state, adapter_name=name, low_cpu_mem_usage=True)
+            missing = [k for k in result.missing_keys if name in k and "lora_" in k]
+            if missing:
+                raise ValueError(f"adapter {name!r} is missing weights for {missing[:3]}")
+        except Exception:
+            remove_adapter(batch, name)  # never leave a half-installed adapter in the model
+            raise
+    model.eval()
+
+
+def remove_adapter(batch, name: str) -> None:
+    """Delete adapter `name` from the PEFT model; the last one gone restores the plain base model."""
+    import warnings
+    model = batch.model
+    with warnings.catch_warnings():  # PEFT warns that another adapter becomes "active": we never use that
+        warnings.simplefilter("ignore", UserWarning)
+        model.delete_adapter(name)
+    if not list(model.peft_config):
+        batch.model, batch.lora = model.unload(), False
