@@ -10,6 +10,12 @@ new workers serve after the cold start, removed ones (the scaler's choice, else 
 least busy, starting workers first) stop taking requests, hand their queue back to
 the dispatcher and stop when their running requests end.
 
+With `live_pertoken` the per-token HPA also sees the requests still decoding, each as
+its per-token latency so far ((now − arrival) / tokens generated, those with at least
+one token): the thesis's exporter reports per-token latency "whenever an output token
+is created" (§5.2), while a request's latency exists only when it completes. Without
+it both HPA metrics come from completed requests (the planner's `Sample`s).
+
 As the planner does (`reset_window_on_scale`), samples from before a scaling action
 are not shown to the scaler after it.
 
@@ -107,11 +113,13 @@ class PlannerLoop:
         self.samples.append(Sample(ts=finish, e2e_ms=e2e_ms, output_tokens=output_tokens, ttft_ms=ttft_ms))
 
     def observe(self, now: float, workers: list[WorkerLoad], pending: int,
-                clock_signals: list[ClockSignal]) -> Outcome:
+                clock_signals: list[ClockSignal], live: list[Sample] = ()) -> Outcome:
+        """One decision. `live`: samples of requests still in flight, shown to the scaler
+        this time only (the per-token metric streamed per token, `live_pertoken`)."""
         t0 = max(now - self.window_s, self.since)
         while self.samples and self.samples[0].ts < now - self.window_s:
             self.samples.popleft()
-        window = [s for s in self.samples if s.ts >= t0]
+        window = [s for s in self.samples if s.ts >= t0] + list(live)
         obs = Observation(now=now, current=len(workers) + pending, samples=window, workers=workers,
                           pending=pending, clock_signals=clock_signals)
         self.state, out = self.scaler.step(self.state, obs)
@@ -126,6 +134,10 @@ class PlannerLoop:
             if self.reset:
                 self.since = now
         return out
+
+    def first_scale_out_since(self, t: float) -> float | None:
+        """Time of the first scale-out decided at or after `t` (None: none)."""
+        return next((now for now, cur, want, _ in self.decisions if now >= t and want > cur), None)
 
 
 def load_rise(arrivals: np.ndarray, bin_s: float, factor: float, baseline_s: float = 60.0) -> float | None:

@@ -18,6 +18,9 @@ Examples::
     # the planner's autoscalers (one run each), 60 s cold starts, up to 16 workers
     python -m polyserve.simulator.cli --autoscaler pertoken,request,tracking,muserve \\
         --cold-start-s 60 --max-workers 16 --rate-scale 0.5,1,1.5 --out sim-out/autoscale
+    # a synthetic load step (1 -> 3 req/s at 300 s, lengths from the conv trace): first scale-out after it
+    python -m polyserve.simulator.cli --trace synthetic:step:1:3:300:1200 --autoscaler pertoken,request \
+        --threshold-factor 0.6,1 --cold-start-s 60 --out sim-out/step
     # MIAD vs the maximum clock on 4 workers, at three loads and two SLO scales
     python -m polyserve.simulator.cli --workers 4 --clock max,miad --rate-scale 0.5,1,1.5 \\
         --slo-scale 1,2 --out sim-out/miad
@@ -37,7 +40,8 @@ from polyserve.simulator.cluster import SIM_POLICIES, SimConfig, simulate
 from polyserve.simulator.engine import WorkerConfig
 from polyserve.simulator.power import gpu_from_profile, gpu_spec
 from polyserve.simulator.predictor import MODES, LengthPredictor, load_confusion
-from polyserve.simulator.trace import assign_adapters, datasets_dir, load_azure_llm, make_adapters, window
+from polyserve.simulator.trace import (SYNTHETIC_HELP, assign_adapters, datasets_dir, load_trace, make_adapters,
+                                       window)
 from polyserve.worker.policy import ORDER_KEYS
 
 DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / "worker" / "profiles" / "sim-llama2-70b-h100-tp4.json"
@@ -52,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     traces = datasets_dir() / "traces"
     ap.add_argument("--trace", action="append", default=None,
-                    help=f"Azure LLM trace CSV, repeatable (default {traces / 'azure_llm_2023_conv.csv'})")
+                    help=f"Azure LLM trace CSV or {SYNTHETIC_HELP}, repeatable "
+                         f"(default {traces / 'azure_llm_2023_conv.csv'})")
+    ap.add_argument("--synthetic-lengths", default=str(traces / "azure_llm_2023_conv.csv"),
+                    help="Azure CSV whose (input, output) length pairs synthetic traces draw from")
     ap.add_argument("--profile", default=str(DEFAULT_PROFILE), help="engine profile JSON (worker/profiles)")
     ap.add_argument("--policy", default="least_outstanding", help=f"comma list of: {', '.join(SIM_POLICIES)}")
     ap.add_argument("--order", default="fcfs", help=f"queue orders, comma list of: {', '.join(ORDER_KEYS)}")
@@ -75,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--scaler-window-s", type=float, default=30.0, help="completed requests of this window")
     sc.add_argument("--stabilization-s", type=float, default=30.0, help="HPA scale-down stabilisation (planner)")
     sc.add_argument("--max-step", type=int, default=0, help="HPA: most workers per decision (0 = no limit)")
-    sc.add_argument("--threshold-factor", type=float, default=0.6,
-                    help="HPA thresholds = this x the mean SLO budget in the scaler's metric (auto thresholds)")
+    sc.add_argument("--threshold-factor", default="0.6",
+                    help="HPA thresholds = this x the mean SLO budget in the scaler's metric (auto thresholds); "
+                         "a comma list runs each HPA scaler once per factor")
     sc.add_argument("--pertoken-threshold-ms", type=float, default=0.0, help="0 = auto")
     sc.add_argument("--request-threshold-ms", type=float, default=0.0, help="0 = auto")
     sc.add_argument("--tracking-slo-ms", type=float, default=0.0, help="0 = auto (mean per-token SLO budget)")
@@ -86,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--tracking-hold-s", type=float, default=60.0, help="... held this long")
     sc.add_argument("--muserve-idle-release-s", type=float, default=60.0,
                     help="µ-Serve defines no scale-in: release one worker after all were idle this long (0 = never)")
+    sc.add_argument("--live-pertoken", default="off",
+                    help="per-token HPA also sees requests in flight (per-token latency so far; the thesis "
+                         "streams it per token): off | on | off,on (one run each)")
     sc.add_argument("--no-reset-window", action="store_true",
                     help="keep samples from before a scaling action (the planner drops them)")
     sc.add_argument("--rise-factor", type=float, default=1.25,
@@ -98,7 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--miad-threshold", type=float, default=0.05)
     ck.add_argument("--miad-window-s", type=float, default=2.0, help="latency window MIAD looks at")
     ck.add_argument("--miad-quantile", type=float, default=99.0, help="TTFT quantile MIAD looks at")
-    ck.add_argument("--miad-min-mhz", default="0", help="comma list of MIAD clock floors (0 = the GPU's minimum)")
+    ck.add_argument("--miad-min-mhz", default="0",
+                    help="comma list of MIAD clock floors in MHz (0 = the GPU's minimum) or 'auto': the lowest "
+                         "clock that prefills the --miad-floor-quantile prompt length within the TTFT SLO")
+    ck.add_argument("--miad-floor-quantile", type=float, default=99.9,
+                    help="auto floor: percentile of the trace's prompt lengths (simulator.power.auto_floor_mhz)")
     ck.add_argument("--scale-out-after", type=int, default=4,
                     help="MIAD UP requests at max clock in a row before µ-Serve's scale-out signal")
     ap.add_argument("--slo-scale", default="1", help="comma list: multiply both SLOs (one run each)")
@@ -195,7 +210,13 @@ def _main(args) -> int:
     bounds = None if args.class_bounds == "percentile" else tuple(_csv(args.class_bounds, int))
     scalers = [a for a in _csv(args.autoscaler)] or [""]
     clocks = _csv(args.clock) or [""]
-    floors = _csv(args.miad_min_mhz, int) or [0]
+    floors = [x if x == "auto" else int(x) for x in _csv(args.miad_min_mhz, str.lower)] or [0]
+    lives = [{"off": False, "on": True}.get(x) for x in _csv(args.live_pertoken, str.lower)] or [False]
+    if None in lives:
+        raise ValueError("--live-pertoken takes off, on or off,on")
+    factors = _csv(args.threshold_factor, float) or [0.6]
+    if any(f <= 0 for f in factors):
+        raise ValueError("--threshold-factor values must be > 0")
     slo_scales = _csv(args.slo_scale, float)
     if any(x <= 0 for x in slo_scales):
         raise ValueError("--slo-scale values must be > 0")
@@ -211,7 +232,7 @@ def _main(args) -> int:
                      planner_period_s=args.planner_period_s, initial_workers=args.initial_workers,
                      scaler_window_s=args.scaler_window_s,
                      stabilization_s=args.stabilization_s, scaler_max_step=args.max_step,
-                     threshold_factor=args.threshold_factor, pertoken_threshold_ms=args.pertoken_threshold_ms,
+                     threshold_factor=factors[0], pertoken_threshold_ms=args.pertoken_threshold_ms,
                      request_threshold_ms=args.request_threshold_ms, tracking_slo_ms=args.tracking_slo_ms,
                      tracking_metric=args.tracking_metric, tracking_up_at=args.tracking_up_at,
                      tracking_down_below=args.tracking_down_below, tracking_hold_s=args.tracking_hold_s,
@@ -220,23 +241,30 @@ def _main(args) -> int:
                      gpu=args.gpu or gpu_from_profile(raw), clock_period_s=args.clock_period_s,
                      miad_step_mhz=args.miad_step_mhz, miad_threshold=args.miad_threshold,
                      miad_window_s=args.miad_window_s, miad_quantile=args.miad_quantile,
+                     miad_floor_quantile=args.miad_floor_quantile,
                      scale_out_after=args.scale_out_after)
     variants = []  # (label suffix, SimConfig changes) per slo scale x autoscaler x clock (x MIAD floor)
     for slo in slo_scales:
         for a in scalers:
-            for c in clocks:
-                for fl in (floors if c == "miad" else [0]):
-                    suffix = (f"/{a}" if a else "") + (f"/{c}" if c else "") + \
-                        (f">={fl}MHz" if c == "miad" and (fl or len(floors) > 1) else "") + \
-                        (f"/slo x{slo:g}" if len(slo_scales) > 1 else "")
-                    variants.append((suffix, slo, {"autoscaler": a, "clock": c, "miad_min_mhz": fl,
-                                                   "ttft_slo_ms": args.ttft_slo_ms * slo,
-                                                   "atgt_slo_ms": args.atgt_slo_ms * slo}))
+            hpa = bool(a) and a.strip().lower() in ("pertoken", "request")
+            for fac, lv in itertools.product(factors if hpa else factors[:1],
+                                             lives if a.strip().lower() == "pertoken" else [False]):
+                for c in clocks:
+                    for fl in (floors if c == "miad" else [0]):
+                        suffix = (f"/{a}" if a else "") + (f"@{fac:g}" if hpa and len(factors) > 1 else "") + \
+                            ("+live" if lv else "") + \
+                            (f"/{c}" if c else "") + \
+                            (f">={fl}MHz" if c == "miad" and (fl or len(floors) > 1) else "") + \
+                            (f"/slo x{slo:g}" if len(slo_scales) > 1 else "")
+                        variants.append((suffix, slo, {"autoscaler": a, "clock": c, "miad_min_mhz": fl,
+                                                       "threshold_factor": fac, "live_pertoken": lv,
+                                                       "ttft_slo_ms": args.ttft_slo_ms * slo,
+                                                       "atgt_slo_ms": args.atgt_slo_ms * slo}))
     for _, _, ch in variants:
         replace(base, **ch).validate()
     rows, cdfs, runs_meta, series = [], {}, [], {}
     for tpath in traces:
-        full = load_azure_llm(tpath)
+        full = load_trace(tpath, args.synthetic_lengths, seed=args.seed)
         for scale in scales:
             tr = window(full, start_s=start, end_s=end, rate_scale=scale, duration_s=args.duration)
             pred = LengthPredictor(args.predictor, full.output_len, bounds=bounds, confusion=confusion, seed=args.seed)
@@ -250,7 +278,10 @@ def _main(args) -> int:
                             (f"/{kernel}" if len(kernels) > 1 or args.adapters else "") + suffix
                         group = pol + (f"/{order}" if len(orders) > 1 else "") + \
                             (f"/{kernel}" if len(kernels) > 1 or args.adapters else "") + \
-                            (f"/{ch['autoscaler']}" if ch["autoscaler"] else "")
+                            (f"/{ch['autoscaler']}" if ch["autoscaler"] else "") + \
+                            (f"@{ch['threshold_factor']:g}" if len(factors) > 1 and
+                             ch["autoscaler"].strip().lower() in ("pertoken", "request") else "") + \
+                            ("+live" if ch["live_pertoken"] else "")
                         if args.search_gpus:
                             res, m, n = _search(tr, perf, cfg, args.target, args.max_workers, **kw)
                             m["workers"] = n

@@ -83,6 +83,7 @@ class SimConfig:
     tracking_hold_s: float = 60.0
     muserve_idle_release_s: float = 60.0
     reset_window_on_scale: bool = True
+    live_pertoken: bool = False  # per-token HPA also sees in-flight requests (simulator.autoscale docstring)
     scaler_max_step: int = 0  # HPA: most workers added/removed per decision (0 = no limit, the planner's default)
     rise_factor: float = 1.25  # "load rise": first planner period with rate >= this x the first minute's
     # clocks and power (simulator.power); clock "" = no clock control, energy at the maximum clock
@@ -93,7 +94,8 @@ class SimConfig:
     miad_threshold: float = 0.05
     miad_window_s: float = 2.0
     miad_quantile: float = 99.0
-    miad_min_mhz: int = 0  # 0 = the GPU's minimum
+    miad_min_mhz: int | str = 0  # 0 = the GPU's minimum; "auto" = power.auto_floor
+    miad_floor_quantile: float = 99.9  # auto floor: percentile of the trace's prompt lengths
     scale_out_after: int = 4
     power_bin_s: float = 10.0
 
@@ -119,6 +121,10 @@ class SimConfig:
         if self.clock_period_s <= 0 or self.power_bin_s <= 0:
             raise ValueError("clock_period_s and power_bin_s must be > 0")
         pw.gpu_spec(self.gpu)
+        if isinstance(self.miad_min_mhz, str) and self.miad_min_mhz != "auto":
+            raise ValueError(f"miad_min_mhz {self.miad_min_mhz!r}: give MHz (an integer) or 'auto'")
+        if not 0 < self.miad_floor_quantile <= 100:
+            raise ValueError("miad_floor_quantile must be in (0, 100]")
 
 
 @dataclass
@@ -169,10 +175,16 @@ class Cluster:
         self.spec = pw.gpu_spec(cfg.gpu)
         self.meter = pw.PowerMeter(self.spec, cfg.worker.tp, cfg.power_bin_s)
         clock = cfg.clock or ("max" if cfg.autoscaler and auto.canonical(cfg.autoscaler) == "muserve" else "")
+        self.floor: dict | None = None
+        floor_mhz = cfg.miad_min_mhz
+        if floor_mhz == "auto":
+            self.floor = pw.auto_floor(self.spec, perf, trace.input_len, cfg.ttft_slo_ms,
+                                       threshold=cfg.miad_threshold, quantile=cfg.miad_floor_quantile)
+            floor_mhz = self.floor["mhz"]
         self.clock = pw.ClockControl(self.spec, clock, ttft_slo_ms=cfg.ttft_slo_ms, atgt_slo_ms=cfg.atgt_slo_ms,
                                      step_mhz=cfg.miad_step_mhz, threshold=cfg.miad_threshold,
                                      window_s=cfg.miad_window_s, quantile=cfg.miad_quantile,
-                                     min_mhz=cfg.miad_min_mhz, scale_out_after=cfg.scale_out_after) if clock else None
+                                     min_mhz=floor_mhz, scale_out_after=cfg.scale_out_after) if clock else None
         self.clock_series: list[tuple[float, float, int, int, int]] = []  # (t, mean, min, max MHz, workers)
         self.planner: auto.PlannerLoop | None = None
         self.thresholds: auto.Thresholds | None = None
@@ -285,14 +297,19 @@ class Cluster:
             out.update(clock_t=cs[:, 0].tolist(), clock_mean_mhz=cs[:, 1].tolist(), clock_min_mhz=cs[:, 2].tolist(),
                        clock_max_mhz=cs[:, 3].tolist(),
                        clock_avg_mhz=float(cs[busy, 1].mean()) if busy.any() else float(self.spec.max_mhz),
-                       miad_decisions=dict(self.clock.decisions))
+                       miad_decisions=dict(self.clock.decisions), miad_floor_mhz=self.clock.cfg.min_mhz)
+            if self.floor is not None:
+                out["miad_auto_floor"] = self.floor
         if self.planner is not None:
             pl = self.planner
-            rise = auto.load_rise(tr.arrival, cfg.planner_period_s, cfg.rise_factor)
+            rise = tr.step_s if tr.step_s is not None else auto.load_rise(tr.arrival, cfg.planner_period_s,
+                                                                          cfg.rise_factor)
             first = pl.first_scale_out
             out.update(autoscaler=pl.scaler.name, scaler=auto.scaler_threshold(pl.scaler),
                        first_scale_out_s=first, load_rise_s=rise,
                        scale_out_after_rise_s=(first - rise) if first is not None and rise is not None else None,
+                       rise_to_scale_out_s=pl.first_scale_out_since(rise) - rise
+                       if rise is not None and pl.first_scale_out_since(rise) is not None else None,
                        scale_outs=pl.scale_outs, scale_ins=pl.scale_ins,
                        decisions=[(t, c, d) for t, c, d, _ in pl.decisions],
                        reasons=[r for *_, r in pl.decisions][-3:])
@@ -360,13 +377,18 @@ class Cluster:
         return out
 
     def _plan(self, now: float) -> None:
-        live = self._live()
-        ready = [w for w in live if w.ready_at <= now]
-        starting = [w for w in live if w.ready_at > now]
+        up = self._live()
+        ready = [w for w in up if w.ready_at <= now]
+        starting = [w for w in up if w.ready_at > now]
         signals = self.clock.take_signals() if self.clock is not None else []
+        live = []
+        if self.cfg.live_pertoken and auto.canonical(self.cfg.autoscaler) == "pertoken":
+            live = [auto.Sample(ts=now, e2e_ms=(now - r.arrival) * 1000.0, output_tokens=w.generated_of(r),
+                                ttft_ms=(r.first_token - r.arrival) * 1000.0)
+                    for w in ready for r in w.running.values() if w.generated_of(r) > 0]
         out = self.planner.observe(now, [WorkerLoad(w.id, float(w.in_flight())) for w in ready], len(starting),
-                                   signals)
-        current = len(live)
+                                   signals, live)
+        current = len(up)
         if out.desired > current:
             for _ in range(min(out.desired, self.cfg.max_workers) - current):
                 self.counters["scale_outs"] += 1

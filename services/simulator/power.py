@@ -15,6 +15,17 @@
   still runs with the clock pinned (min = max), so µ-Serve's scale-out signal (at max
   clock and still missing the SLO) exists for the µ-Serve autoscaler.
 
+Automatic floor (`auto_floor`, ``--miad-min-mhz auto``): Alg. 3 reacts to slack every
+500 ms, but a prefill already running at a low clock is not sped up in the model (a
+step's duration is fixed when it starts), so the floor decides alone whether a long
+prompt that arrives at the lowest clock meets the TTFT SLO. The auto floor is the
+lowest clock at which the prefill of the `quantile` (P99.9) prompt length of the
+trace (its history, as the predictor's) takes at most (1 − threshold)·TTFT_SLO — the
+slack below which Alg. 3 (line 11) scales up, so that at the floor such a prompt
+does not by itself put MIAD into an UP state. The P99.9 (not the P99) leaves most of a
+99% attainment target to what the rule ignores: queueing behind another prefill,
+batched prompts, and ATGT stalls of decoding requests during long prefills.
+
 Defaults beyond Alg. 3: `window_s` = 2 s (four MIAD periods: the controller sees the
 effect of its last step soon; with 5 s the conv trace at 0.5x load on 4 workers
 attained 0.93 instead of 0.955, simulated) and `min_mhz` = the GPU's minimum; a
@@ -106,6 +117,26 @@ class PowerMeter:
                 "power_per_gpu_w": total / gpu_s if gpu_s > 0 else 0.0,
                 "util": self.tp * self.busy_s / gpu_s if gpu_s > 0 else 0.0,
                 "power_t": edges[:-1].tolist(), "power_w": (series / width).tolist()}
+
+
+def auto_floor(spec: gpu_model.GpuClockSpec, perf, input_len, ttft_slo_ms: float, threshold: float = 0.05,
+               quantile: float = 99.9) -> dict:
+    """The automatic MIAD floor (module docstring): the lowest clock (MHz) at which the
+    prefill of the `quantile` prompt length of `input_len` fits (1 − threshold)·TTFT SLO
+    on the latency-vs-clock curve (`gpu_model.llm_request`); the maximum if none does.
+    `perf` has `prefill_ms(tokens)` at the maximum clock (a `WorkerPerf`)."""
+    lens = np.asarray(input_len, dtype=float)
+    if lens.size == 0:
+        raise ValueError("auto MIAD floor: the trace has no requests")
+    if ttft_slo_ms <= 0 or not 0 <= threshold < 1:
+        raise ValueError("auto MIAD floor: need ttft_slo_ms > 0 and 0 <= threshold < 1")
+    tokens = int(np.percentile(lens, quantile, method="inverted_cdf"))  # nearest rank, as planner.percentile
+    pre = float(perf.prefill_ms(tokens))
+    work = gpu_model.llm_request(pre, 0.0)
+    budget = (1.0 - threshold) * ttft_slo_ms
+    mhz = next((f for f in range(spec.min_mhz, spec.max_mhz + 1) if work.at(spec.frac(f)) <= budget), spec.max_mhz)
+    return {"mhz": int(mhz), "quantile": quantile, "prompt_tokens": tokens, "prefill_ms_at_max": pre,
+            "budget_ms": budget, "prefill_ms_at_floor": work.at(spec.frac(mhz))}
 
 
 @dataclass

@@ -111,10 +111,11 @@ def extra_metrics(res: RunResult, lat: Latencies, ok_t: np.ndarray, ok_a: np.nda
            "j_per_request": e / len(done) if e is not None and done else None,
            "j_per_token": e / tokens if e is not None and tokens else None,
            "clock_avg_mhz": x.get("clock_avg_mhz"), "miad_decisions": x.get("miad_decisions"),
-           "miad_min_mhz": cfg.get("miad_min_mhz")}
+           "miad_min_mhz": cfg.get("miad_min_mhz"), "miad_floor_mhz": x.get("miad_floor_mhz")}
     if "autoscaler" in x:
         row.update({k: x[k] for k in ("autoscaler", "scaler", "first_scale_out_s", "load_rise_s",
-                                      "scale_out_after_rise_s", "scale_outs", "scale_ins")})
+                                      "scale_out_after_rise_s", "rise_to_scale_out_s", "scale_outs",
+                                      "scale_ins")})
     return row
 
 
@@ -143,7 +144,7 @@ def table(rows: Sequence[dict], title: str = "") -> str:
 
 
 EXTRA_COLUMNS = ("run", "load", "viol TTFT n/%", "viol ATGT n/%", "viol any n/%", "GPU-s", "workers peak",
-                 "1st scale-out s (after rise)", "out/in", "clock MHz avg", "power W avg (per GPU)", "energy MJ",
+                 "1st scale-out s (rise to next)", "out/in", "clock MHz avg", "power W avg (per GPU)", "energy MJ",
                  "J/req", "J/token")
 
 
@@ -157,8 +158,10 @@ def extra_table(rows: Sequence[dict], title: str = "") -> str:
             return "-"
         if r["first_scale_out_s"] is None:
             return "none"
-        after = r.get("scale_out_after_rise_s")
-        return f"{r['first_scale_out_s']:.0f}" + (f" ({after:+.0f})" if after is not None else "")
+        if r.get("load_rise_s") is None:
+            return f"{r['first_scale_out_s']:.0f}"
+        after = r.get("rise_to_scale_out_s")
+        return f"{r['first_scale_out_s']:.0f} (" + (f"+{after:.0f})" if after is not None else "none after)")
 
     body = [[r["label"], _f(r.get("load"), "{:g}"), viol(r, "viol_ttft"), viol(r, "viol_atgt"), viol(r, "viol_any"),
              _f(r["gpu_seconds"]), str(r.get("workers_peak", "-")), first(r),
@@ -176,6 +179,13 @@ def extra_table(rows: Sequence[dict], title: str = "") -> str:
 
 MIAD_COLUMNS = ("run", "load", "SLO x", "max: SLO both", "max: W avg", "MIAD (floor 0): SLO both / W",
                 "best MIAD >= target: floor MHz", "SLO both", "W avg", "power max/MIAD", "J/token max/MIAD")
+
+
+def _floor(r: dict) -> str:
+    """A MIAD row's floor: MHz given, 'auto (MHz)' or 'GPU min'."""
+    if r.get("miad_min_mhz") == "auto":
+        return f"auto ({_f(r.get('miad_floor_mhz'))})"
+    return str(r.get("miad_min_mhz") or "GPU min")
 
 
 def miad_table(rows: Sequence[dict], target: float, title: str = "") -> str:
@@ -199,7 +209,7 @@ def miad_table(rows: Sequence[dict], target: float, title: str = "") -> str:
         floor0 = next((r for r in g["miad"] if not r.get("miad_min_mhz")), None)
         body.append([grp, _f(load, "{:g}"), _f(slo, "{:g}"), _f(mx["slo_both"], "{:.3f}"), _f(mx["avg_power_w"]),
                      f"{_f(floor0['slo_both'], '{:.3f}')} / {_f(floor0['avg_power_w'])}" if floor0 else "-",
-                     str(best.get("miad_min_mhz") or "GPU min") if best else "none",
+                     _floor(best) if best else "none",
                      _f(best["slo_both"], "{:.3f}") if best else "-", _f(best["avg_power_w"]) if best else "-",
                      _f(mx["avg_power_w"] / best["avg_power_w"], "{:.2f}x") if best else "-",
                      _f(mx["j_per_token"] / best["j_per_token"], "{:.2f}x") if best and best["j_per_token"] else "-"])

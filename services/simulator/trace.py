@@ -5,6 +5,12 @@
   first request, input and output lengths. `window` takes a time slice of the original
   timeline, rescales the rate (inter-arrival times ÷ `rate_scale`) and cuts the result
   to a duration.
+* Synthetic load steps (`synthetic_step`, CLI ``--trace synthetic:step:BASE:PEAK:AT_S:DURATION_S[:RAMP_S]``):
+  Poisson arrivals at BASE req/s, then (from AT_S, linearly over RAMP_S, default 0 =
+  a step) PEAK req/s until DURATION_S; every request's (input, output) lengths are one
+  pair drawn from a real trace (the Azure conv trace by default), so the work per
+  request is realistic and only the arrival rate is made up. `Trace.step_s` keeps the
+  time of the step for the "first scale-out after the rise" figure.
 * LoRA adapters (CaraServe §7.1): one adapter per function of the Azure Functions 2019
   sample (``azure_functions_2019_sample1000_invocations.csv``), its popularity the
   function's invocations over the day; ranks drawn uniformly from a set with a seed.
@@ -19,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from polyserve.shared.paths import datasets_dir  # noqa: F401  (re-exported)
+from polyserve.shared.paths import datasets_dir  # also re-exported
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,7 @@ class Trace:
     arrival: np.ndarray  # float64 seconds
     input_len: np.ndarray  # int64
     output_len: np.ndarray  # int64 (>= 1)
+    step_s: float | None = None  # synthetic traces: when the load step (or ramp) starts
 
     def __len__(self) -> int:
         return int(self.arrival.size)
@@ -93,7 +100,84 @@ def window(trace: Trace, *, start_s: float = 0.0, end_s: float | None = None, ra
     arr = (arr - arr[0]) / rate_scale
     keep = arr <= duration_s if duration_s is not None else np.ones(arr.size, dtype=bool)
     suffix = f"x{rate_scale:g}" if rate_scale != 1 else ""
-    return Trace(trace.name + suffix, arr[keep], trace.input_len[mask][keep], trace.output_len[mask][keep])
+    step = None
+    if trace.step_s is not None:
+        step = (trace.step_s - a[mask][0]) / rate_scale
+        if step < 0 or (duration_s is not None and step > duration_s) or (end_s is not None and trace.step_s >= end_s):
+            step = None
+    return Trace(trace.name + suffix, arr[keep], trace.input_len[mask][keep], trace.output_len[mask][keep], step)
+
+
+# ------------------------------------------------------------------ synthetic load steps
+SYNTHETIC_PREFIX = "synthetic:"
+SYNTHETIC_HELP = "synthetic:step:BASE:PEAK:AT_S:DURATION_S[:RAMP_S] (rates in req/s, times in s)"
+
+
+def synthetic_step(base_rps: float, peak_rps: float, at_s: float, duration_s: float, lengths: Trace,
+                   ramp_s: float = 0.0, seed: int = 0) -> Trace:
+    """Poisson arrivals at `base_rps`, from `at_s` rising linearly over `ramp_s` (0 = a step)
+    to `peak_rps`, kept until `duration_s`; (input, output) pairs drawn with replacement
+    from `lengths` (module docstring). Non-homogeneous Poisson by thinning."""
+    if base_rps < 0 or peak_rps <= 0 or (base_rps == 0 and peak_rps == 0):
+        raise ValueError(f"synthetic step: need BASE >= 0 and PEAK > 0 req/s (got {base_rps:g}, {peak_rps:g})")
+    if not 0 <= at_s < duration_s or ramp_s < 0 or at_s + ramp_s > duration_s:
+        raise ValueError(f"synthetic step: need 0 <= AT_S < DURATION_S and AT_S + RAMP_S <= DURATION_S "
+                         f"(got at {at_s:g}, ramp {ramp_s:g}, duration {duration_s:g})")
+    if len(lengths) == 0:
+        raise ValueError("synthetic step: the length trace is empty")
+    rng = np.random.default_rng(seed)
+    lam_max = max(base_rps, peak_rps)
+    t = np.cumsum(rng.exponential(1.0 / lam_max, size=int(lam_max * duration_s * 1.2) + 64))
+    while t[-1] < duration_s:  # (rare) not enough points drawn
+        t = np.concatenate([t, t[-1] + np.cumsum(rng.exponential(1.0 / lam_max, size=1024))])
+    t = t[t < duration_s]
+    frac = np.clip((t - at_s) / ramp_s, 0.0, 1.0) if ramp_s > 0 else (t >= at_s).astype(float)
+    lam = base_rps + (peak_rps - base_rps) * frac
+    t = t[rng.random(t.size) < lam / lam_max]
+    if t.size == 0:
+        raise ValueError("synthetic step: no arrivals; raise the rates or the duration")
+    pick = rng.integers(0, len(lengths), size=t.size)
+    name = f"step{base_rps:g}to{peak_rps:g}" + (f"ramp{ramp_s:g}" if ramp_s else "")
+    # the trace starts at 0 (the generator's clock), not at the first arrival, so step_s stays AT_S
+    return Trace(name, t, lengths.input_len[pick].copy(), lengths.output_len[pick].copy(), float(at_s))
+
+
+def parse_synthetic(spec: str) -> dict:
+    """The fields of a ``synthetic:step:...`` spec (see SYNTHETIC_HELP)."""
+    parts = spec[len(SYNTHETIC_PREFIX):].split(":") if spec.startswith(SYNTHETIC_PREFIX) else []
+    if not parts or parts[0] != "step" or len(parts) not in (5, 6):
+        raise ValueError(f"bad synthetic trace {spec!r}; expected {SYNTHETIC_HELP}, e.g. synthetic:step:1:3:300:1200")
+    try:
+        vals = [float(x) for x in parts[1:]]
+    except ValueError:
+        raise ValueError(f"bad synthetic trace {spec!r}: every field after 'step' must be a number "
+                         f"({SYNTHETIC_HELP})") from None
+    keys = ("base_rps", "peak_rps", "at_s", "duration_s", "ramp_s")
+    return dict(zip(keys, vals))
+
+
+def load_trace(spec: str | Path, lengths_path: str | Path | None = None, seed: int = 0) -> Trace:
+    """An Azure CSV path, or a synthetic spec whose lengths come from `lengths_path` (an Azure CSV)."""
+    s = str(spec)
+    if not s.startswith(SYNTHETIC_PREFIX):
+        return load_azure_llm(s)
+    kw = parse_synthetic(s)
+    src = lengths_path or datasets_dir() / "traces" / "azure_llm_2023_conv.csv"
+    return synthetic_step(lengths=load_azure_llm(src), seed=seed, **kw)
+
+
+def write_azure_csv(trace: Trace, path: str | Path, t0: str = "2023-11-16 18:00:00") -> Path:
+    """Write `trace` in the Azure LLM CSV format (TIMESTAMP, ContextTokens, GeneratedTokens)."""
+    from datetime import datetime, timedelta
+
+    start = datetime.fromisoformat(t0)
+    path = Path(path)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
+        for a, i, o in zip(trace.arrival.tolist(), trace.input_len.tolist(), trace.output_len.tolist()):
+            w.writerow([(start + timedelta(seconds=a)).strftime("%Y-%m-%d %H:%M:%S.%f"), i, o])
+    return path
 
 
 # ------------------------------------------------------------------ LoRA adapters
