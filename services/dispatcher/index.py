@@ -49,7 +49,8 @@ What each structure costs per decision (n workers) and what it assumes:
   worker, skips those whose necessary limits the request exceeds, takes the first whose
   sufficient limits it meets without running `check`, and runs the real `check` only where
   the two disagree (near a boundary) — O(blocks + k), `check` rarely. The fallback (nothing
-  fits: the emptiest, scale_out=True) is O(log n). An upsert recomputes one worker's sums
+  fits: the least `policy_aladdin.fallback_key`, scale_out=True) scans every view —
+  O(Σ requests), only when no worker fits. An upsert recomputes one worker's sums
   in one pass (O(its requests)); `placed` adds the new request to them in O(1) — the
   Σ(l_in + γ·l_out) that `capacity_norm` reads stays bit-identical because CPython's `sum`
   adds floats left to right (< 3.12; on 3.12+ `capacity_norm` itself is called).
@@ -934,8 +935,8 @@ def fast_aladdin(index: WorkerIndex, request: RequestView, state: PolicyState, r
             return Decision(key[1], state)  # passes every constraint for sure
         if not check(views[key[1]], request, cfg):
             return Decision(key[1], state)
-    keys = s.all.keys  # none fits: the emptiest by capacity_norm, lowest id among equals
-    return Decision(keys[bisect_left(keys, (keys[-1][0],))][-1], state, scale_out=True)
+    # none fits: where it does the least harm (the pure policy's fallback, over every view)
+    return Decision(AL.fallback(views.values(), request, cfg), state, scale_out=True)
 
 
 def fast_caraserve(index: WorkerIndex, request: RequestView, state: PolicyState, rng) -> Decision:

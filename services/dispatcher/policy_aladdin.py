@@ -18,7 +18,10 @@ ones placed but not yet prefilled), all of these hold:
   token per step until its (predicted) end, stays ≤ the worker's KV capacity.
 
 Among feasible workers the fullest by `capacity_norm` wins; when none fits the result
-says so (`Placement.scale_out`): Alg. 1 opens a new worker there. `capacity_norm` is
+says so (`Placement.scale_out`): Alg. 1 opens a new worker there. Where none can be opened
+(a fixed cluster, or one at its size limit) the request goes where it does the least harm
+(`fallback_key`: no missed TTFT or full batch first, then the fewest ongoing requests whose
+slack its prefill overruns, then the largest slack margin, then the emptiest). `capacity_norm` is
 the L2 norm of (batch size, Σ(l_in + γ·l_out)), each divided by the worker's limit
 (max_batch or the SLO batch bound, and l_d(1)) so that the two dimensions weigh alike
 (the paper leaves the scaling open; raw tokens would drown the batch size).
@@ -135,30 +138,37 @@ def kv_peak(perf: WorkerPerf | None, entries: Iterable[tuple[float, float]]) -> 
     return peak
 
 
+def request_slacks_ms(w: WorkerView, perf: WorkerPerf, new: RunningRequest, cfg: AladdinConfig = DEFAULT) -> list[float]:
+    """The time each ongoing request of `w` can give up to a prefill (constraint d), one
+    value per started request (see `ongoing_slack_ms`, their minimum)."""
+    # A request in the prefill under way (started, no token yet) counts as one about to
+    # have its first token: l_out = 1, t_dec = 0 — the new prefill would delay its first step.
+    started = [r for r in w.requests if r.started]
+    if not started:
+        return []
+    t_dec = cfg.atgt_slo_ms
+    if cfg.slack != "lifetime":
+        return [t_dec * max(1, r.generated) - r.decode_ms for r in started]
+    b = len(w.requests) + 1
+    ctx = (sum(r.input_tokens + r.generated for r in w.requests) + new.input_tokens) / b
+    step = perf.decode_ms(ctx, b)
+    out = []
+    for r in started:
+        total = planned_output(r, cfg)
+        out.append(t_dec * (total - 1) - r.decode_ms - (total - max(1, r.generated)) * step)
+    return out
+
+
 def ongoing_slack_ms(w: WorkerView, perf: WorkerPerf, new: RunningRequest, cfg: AladdinConfig = DEFAULT) -> float:
-    """The least time any ongoing request of `w` can give up to a prefill (constraint d).
+    """The least time any ongoing request of `w` can give up to a prefill (constraint d);
+    inf when none has started.
 
     ``banked`` (the paper): T_dec·l_out − t_dec, what it has saved so far against its ATGT
     budget. ``lifetime``: T_dec·(L − 1) − t_dec − (L − l_out)·t_step, what it will have
     saved by its planned end L if the rest of its steps take t_step (the modelled decode
     step of the batch with `new` in it) — less strict for a request that has just begun.
     """
-    # A request in the prefill under way (started, no token yet) counts as one about to
-    # have its first token: l_out = 1, t_dec = 0 — the new prefill would delay its first step.
-    started = [r for r in w.requests if r.started]
-    if not started:
-        return math.inf
-    t_dec = cfg.atgt_slo_ms
-    if cfg.slack != "lifetime":
-        return min(t_dec * max(1, r.generated) - r.decode_ms for r in started)
-    b = len(w.requests) + 1
-    ctx = (sum(r.input_tokens + r.generated for r in w.requests) + new.input_tokens) / b
-    step = perf.decode_ms(ctx, b)
-    out = math.inf
-    for r in started:
-        total = planned_output(r, cfg)
-        out = min(out, t_dec * (total - 1) - r.decode_ms - (total - max(1, r.generated)) * step)
-    return out
+    return min(request_slacks_ms(w, perf, new, cfg), default=math.inf)
 
 
 def check(w: WorkerView, req: RequestView, cfg: AladdinConfig = DEFAULT) -> str:
@@ -217,18 +227,53 @@ def config_for(req: RequestView, base: AladdinConfig = DEFAULT) -> AladdinConfig
                    atgt_slo_ms=req.atgt_slo_ms or base.atgt_slo_ms)
 
 
+def fallback_key(w: WorkerView, req: RequestView, cfg: AladdinConfig = DEFAULT) -> tuple:
+    """How much harm `req` does on `w` when no worker passes Alg. 1 and none can be opened
+    (a fixed cluster, or one at its size limit); the least key takes it:
+
+    (over a hard limit, victims, −margin, capacity_norm, worker_id), where "over a hard
+    limit" is a full batch or a TTFT (c) the request would miss waiting behind the prompts
+    not yet prefilled there; "victims" the ongoing requests whose slack (constraint d,
+    θ·slack_j) its prefill, with the prompts queued before it, would overrun; "margin"
+    θ·min_j slack_j − that prefill (inf with no ongoing request). Alg. 1 itself has no
+    such case (it opens a worker); the emptiest worker by capacity_norm alone ignores the
+    prompt backlog and fresh requests' slack, and costs SLO misses when the cluster is
+    fixed (see README, Aladdin experiments)."""
+    perf = _perf(w, cfg)
+    b = _batch(w) + 1
+    hard = bool(w.max_batch and b > w.max_batch)
+    victims, margin = 0, math.inf
+    if perf is not None:
+        queued = sum(r.input_tokens for r in w.requests if not r.started)
+        prefilling = sum(r.input_tokens for r in w.requests if r.started and r.generated == 0)
+        backlog = queued + prefilling
+        if perf.prefill_ms(backlog + req.input_tokens) > cfg.ttft_slo_ms and backlog:
+            hard = True
+        t_pre = perf.prefill_ms(queued + req.input_tokens)
+        slacks = request_slacks_ms(w, perf, as_new(req), cfg)
+        if slacks:
+            victims = sum(1 for x in slacks if cfg.theta * x < t_pre)
+            margin = cfg.theta * min(slacks) - t_pre
+    return hard, victims, -margin, capacity_norm(w, cfg), w.worker_id
+
+
+def fallback(workers: Iterable[WorkerView], req: RequestView, cfg: AladdinConfig = DEFAULT) -> str:
+    """The worker that takes `req` when none passes Alg. 1: the least `fallback_key`."""
+    return min(fallback_key(w, req, cfg) for w in workers)[-1]
+
+
 def aladdin_best_fit(workers: Sequence[WorkerView], request: RequestView, state: PolicyState,
                      rng) -> Decision:
     """`POLICIES["aladdin"]`: Alg. 1 over the live workers. When none fits (Alg. 1 would open
-    a new worker: see `place` for that signal) the emptiest worker by capacity_norm takes it."""
+    a new worker: see `place` for that signal) the worker where the request does the least
+    harm (`fallback_key`) takes it, with `scale_out=True`."""
     if not workers:
         raise ValueError("a dispatch policy needs at least one candidate worker")
     cfg = config_for(request)
     p = place(workers, request, cfg)
     if p.worker_id is not None:
         return Decision(p.worker_id, state)
-    return Decision(min(workers, key=lambda w: (capacity_norm(w, cfg), w.worker_id)).worker_id, state,
-                    scale_out=True)
+    return Decision(fallback(workers, request, cfg), state, scale_out=True)
 
 
 # ------------------------------------------------------------------ Alg. 2: re-balancing

@@ -77,8 +77,10 @@ def random_view(rng: random.Random, wid: str, arlo: bool = False, same: WorkerPe
                         max_batch=rng.choice([0, 4, 8, 64]), requests=reqs, perf=perf)
 
 
-def run_equivalence(policy: str, seed: int, steps: int = 160, same: WorkerPerf | None = None) -> int:
-    """Random ops on an index; returns how many decisions were compared."""
+def run_equivalence(policy: str, seed: int, steps: int = 160, same: WorkerPerf | None = None,
+                    atgt_slo_ms: float = 0.0) -> int:
+    """Random ops on an index; returns how many decisions were compared. `atgt_slo_ms`: every
+    request carries this ATGT SLO (a tight one leaves Aladdin no fit: its fallback decides)."""
     rng = random.Random(seed)
     arlo = policy.startswith("arlo")
 
@@ -104,6 +106,8 @@ def run_equivalence(policy: str, seed: int, steps: int = 160, same: WorkerPerf |
             index.finished(wid, rid)
         else:
             req = random_request(rng, i, arlo)
+            if atgt_slo_ms:
+                req = replace(req, atgt_slo_ms=atgt_slo_ms)
             seed_rng = rng.random()
             r1, r2 = random.Random(seed_rng), random.Random(seed_rng)
             want = pure(index.views(), req, state, r1)
@@ -129,6 +133,28 @@ def test_fast_policy_on_clusters_of_alike_workers(policy, perf):
     """Many workers with the same perf model, kernel and rank: big CaraServe cost groups,
     many capacity_norm ties."""
     assert sum(run_equivalence(policy, seed, steps=80, same=perf) for seed in range(3)) > 100
+
+
+def test_aladdin_fallback_twin_on_clusters_where_nothing_fits(monkeypatch):
+    """A 29 ms ATGT SLO (the 70B profile's single step is 28.8 ms + 0.28 ms per sequence)
+    leaves no worker passing Alg. 1: every decision is the least-harm fallback, and many
+    differ from the emptiest worker's; a 30 ms one on mixed perf models leaves some."""
+    calls = {"fallback": 0, "not_emptiest": 0}
+    real = ix.AL.fallback
+
+    def counting(workers, req, cfg):
+        workers = list(workers)
+        got = real(workers, req, cfg)
+        calls["fallback"] += 1
+        emptiest = min(workers, key=lambda w: (ix.AL.capacity_norm(w, cfg), w.worker_id)).worker_id
+        calls["not_emptiest"] += got != emptiest
+        return got
+
+    monkeypatch.setattr(ix.AL, "fallback", counting)
+    compared = sum(run_equivalence("aladdin", seed, steps=80, atgt_slo_ms=30.0) for seed in range(4))
+    compared += sum(run_equivalence("aladdin", seed, steps=80, same=PERFS[1], atgt_slo_ms=29.0) for seed in range(4))
+    assert compared > 400 and calls["fallback"] > 2 * 200  # pure and fast each call it
+    assert calls["not_emptiest"] > 2 * 60
 
 
 def test_every_registered_policy_has_a_fast_twin():
@@ -286,6 +312,25 @@ def test_aladdin_fallback_takes_the_lowest_id_among_the_emptiest():
     req = p.RequestView(request_id="n", input_tokens=900, predicted_tokens=900)
     want = ix.AL.aladdin_best_fit(ws, req, p.PolicyState(), None)
     assert want.worker_id == "a" and ix.fast_aladdin(index, req, p.PolicyState(), None) == want
+
+
+def test_aladdin_fallback_goes_where_the_request_does_the_least_harm():
+    """Nothing fits: the fast twin takes the pure policy's least-harm worker (not the emptiest),
+    also after placements change the workers' queues."""
+    from tests.unit.test_policies_aladdin import CFG, no_fit_cluster
+    ws, req = no_fit_cluster()
+    req = replace(req, ttft_slo_ms=CFG.ttft_slo_ms, atgt_slo_ms=CFG.atgt_slo_ms)
+    index = ix.WorkerIndex(policies=("aladdin",))
+    for w in ws:
+        index.upsert(w)
+    seen = []
+    for i in range(4):
+        r = replace(req, request_id=f"n{i}")
+        want = ix.AL.aladdin_best_fit(index.views(), r, p.PolicyState(), None)
+        assert want.scale_out and ix.fast_aladdin(index, r, p.PolicyState(), None) == want
+        index.placed(want.worker_id, r)
+        seen.append(want.worker_id)
+    assert seen[0] == "old"  # the emptiest ("fresh") has a request whose slack the prefill would eat
 
 
 @pytest.mark.parametrize("policy", ["caraserve", "first_fit", "aladdin"])

@@ -51,6 +51,37 @@ def test_signals_scale_out_when_no_worker_fits_and_the_policy_falls_back_to_the_
     assert p.choose("aladdin", ws, REQ, p.PolicyState(), random.Random(0)).worker_id == "b"
 
 
+def no_fit_cluster() -> tuple[list, p.RequestView]:
+    """Three workers none of which passes Alg. 1 for a 1000-token prompt (prefill 110 ms)."""
+    req = p.RequestView(request_id="n", input_tokens=1000, predicted_tokens=100)
+    fresh = worker("fresh", running(1, gen=1, dec_ms=0.0))  # slack 75 ms: 0.9·75 < 110 ms
+    old = worker("old", running(20, l_in=2000, gen=50, dec_ms=2000.0))  # slack 1750 ms, context over (b)
+    queued = tuple(p.RunningRequest(request_id=f"q{k}", input_tokens=2000, predicted_tokens=50, started=False)
+                   for k in range(2))
+    backlog = worker("backlog", queued)  # prefill(4000 + 1000) = 510 ms > T_pre 500 ms
+    return [fresh, old, backlog], req
+
+
+def test_with_no_fit_the_request_goes_where_it_does_the_least_harm():
+    ws, req = no_fit_cluster()
+    got = a.place(ws, req, CFG)
+    assert got.worker_id is None and got.reasons == {"fresh": "slack", "old": "atgt", "backlog": "ttft"}
+    norms = {w.worker_id: a.capacity_norm(w, CFG) for w in ws}
+    assert norms["fresh"] < norms["backlog"] < norms["old"]  # the emptiest would be "fresh"
+    keys = {w.worker_id: a.fallback_key(w, req, CFG) for w in ws}
+    assert keys["fresh"][:2] == (False, 1)  # its one request would lose its whole slack
+    assert keys["old"][:2] == (False, 0) and keys["old"][2] == -(0.9 * 1750.0 - 110.0)
+    assert keys["backlog"][0] is True  # the new prompt would wait past its TTFT SLO
+    assert a.fallback(ws, req, CFG) == "old"
+    d = a.aladdin_best_fit(ws, p.RequestView(request_id="n", input_tokens=1000, predicted_tokens=100,
+                                             ttft_slo_ms=500.0, atgt_slo_ms=75.0), p.PolicyState(), None)
+    assert d.worker_id == "old" and d.scale_out
+    # among workers that hurt no ongoing request the larger slack margin wins, then the emptiest
+    less = worker("less", running(20, l_in=2000, gen=50, dec_ms=3000.0))  # slack 750 ms
+    assert a.fallback([less, ws[1]], req, CFG) == "old"
+    assert a.fallback([worker("e1"), worker("e0")], req, CFG) == "e0"  # idle: lowest id
+
+
 def test_atgt_constraint_b_bounds_batch_context():
     # l_d(b) = (75 - 20 - b)/0.001; 20 requests of 2000 + 0.5·100 = 41,000 tokens > 0.9·l_d(21) = 30,600
     heavy = worker("heavy", running(20, l_in=2000))
