@@ -453,9 +453,17 @@ class Cluster:
             if p.worker_id is not None:
                 return self.workers[p.worker_id]
             self.counters["no_fit"] += 1
-            if cfg.autoscale and len(live) < cfg.max_workers:
-                self.counters["scale_outs"] += 1
-                return self._open(now, now + cfg.cold_start_s)
+            if cfg.autoscale:
+                # A worker still cold-starting takes what fits on it (its queue counts as
+                # not-yet-started requests), so one shortfall opens one worker, not one each.
+                starting = [w for w in live if w.ready_at > now]
+                if starting and len(starting) < len(live):
+                    q = aladdin.place([self._view(w, now, detail) for w in starting], rv, self.acfg)
+                    if q.worker_id is not None:
+                        return self.workers[q.worker_id]
+                if len(live) < cfg.max_workers:
+                    self.counters["scale_outs"] += 1
+                    return self._open(now, now + cfg.cold_start_s)
             # no new worker: the policy's own fallback (the emptiest worker)
             return self.workers[POLICIES["aladdin"](views, rv, self.state, self.rng).worker_id]
         d = POLICIES[cfg.policy](views, rv, self.state, self.rng)

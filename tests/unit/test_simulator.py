@@ -126,6 +126,18 @@ def test_aladdin_autoscale_opens_and_releases_workers():
     assert res.gpus_peak > 1 and res.gpu_seconds < res.gpus_peak * res.horizon_s
 
 
+def test_aladdin_autoscale_fills_cold_starting_workers_before_opening_more():
+    """With a cold start, a request that fits nowhere ready goes to a worker still starting
+    when it fits there: one shortfall opens one worker, not one per request."""
+    trace = from_requests([(0.0, 50, 100), (0.01, 50, 100), (0.02, 50, 100), (0.03, 50, 100)], "burst")
+    cfg = cluster.SimConfig(policy="aladdin", workers=1, autoscale=True, cold_start_s=5.0, idle_release_s=60.0,
+                            worker=WorkerConfig(max_batch=2, kv_capacity=50_000))
+    res = cluster.simulate(trace, PERF, cfg, predictor=LengthPredictor("oracle", trace.output_len))
+    # two fill the ready worker; the third opens a worker; the fourth waits on that one
+    assert res.counters["workers_opened"] == 2 and res.counters["scale_outs"] == 1
+    assert sorted(r.worker for r in res.requests).count(res.requests[2].worker) == 2
+
+
 def test_predictors_and_conditional_mean():
     out = np.array([10, 20, 30, 40, 1000] * 20)
     bounds = percentile_bounds(out)
