@@ -368,15 +368,7 @@ def _capacity_norm(w: WorkerView, cfg: AL.AladdinConfig, perf, agg: _Agg) -> flo
         return AL.capacity_norm(w, cfg)
     b = agg.n if w.requests else max(w.outstanding, w.running + w.waiting)
     ctx = float(agg.wctx) if w.requests else float(w.kv_used)
-    b_lim = float(w.max_batch or 0)
-    ctx_lim = 0.0
-    if perf is not None:
-        if not b_lim and perf.base.c2 > 0:
-            b_lim = max(1.0, (cfg.atgt_slo_ms - perf.base.c3) / perf.base.c2)
-        ctx_lim = perf.l_d(1, cfg.atgt_slo_ms)
-    if not ctx_lim or not math.isfinite(ctx_lim) or ctx_lim <= 0:
-        ctx_lim = float(w.kv_capacity or 1)
-    return math.hypot(b / (b_lim or 1.0), ctx / ctx_lim)
+    return AL.norm_of(w, cfg, perf, b, ctx)
 
 
 def _aladdin_limits(w: WorkerView, cfg: AL.AladdinConfig, perf=None, agg: _Agg | None = None) -> tuple | None:

@@ -110,8 +110,11 @@ def _weighted_ctx(w: WorkerView, cfg: AladdinConfig) -> float:
 
 def capacity_norm(w: WorkerView, cfg: AladdinConfig = DEFAULT) -> float:
     """How full a worker is: L2 norm of (batch / batch limit, Σ(l_in + γ·l_out) / l_d(1))."""
-    perf = _perf(w, cfg)
-    b, ctx = _batch(w), _weighted_ctx(w, cfg)
+    return norm_of(w, cfg, _perf(w, cfg), _batch(w), _weighted_ctx(w, cfg))
+
+
+def norm_of(w: WorkerView, cfg: AladdinConfig, perf: WorkerPerf | None, b: int, ctx: float) -> float:
+    """`capacity_norm` of a worker holding batch `b` and weighted context `ctx`."""
     b_lim = float(w.max_batch or 0)
     ctx_lim = 0.0
     if perf is not None:

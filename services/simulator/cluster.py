@@ -415,7 +415,7 @@ class Cluster:
             self._stop(w, now)
 
     def _route(self, r: SimRequest, now: float) -> None:
-        """Place an already-arrived request again (its queue's worker is stopping)."""
+        """Place a request on the worker the policy chooses (and start it if it is idle)."""
         w = self._choose(r, now)
         if not w.enqueue(r, now):
             self.counters["rejected"] += 1
@@ -431,13 +431,7 @@ class Cluster:
             self.counters["rejected"] += 1
             self.misses += 1
             return
-        w = self._choose(r, now)
-        if not w.enqueue(r, now):
-            self.counters["rejected"] += 1
-            self.misses += 1
-            return
-        if w.step is None:
-            self._push(now, _KICK, w)
+        self._route(r, now)
 
     def _choose(self, r: SimRequest, now: float) -> SimWorker:
         cfg = self.cfg
