@@ -281,7 +281,8 @@ def run_policy(name: str, args: argparse.Namespace) -> dict:
 # ------------------------------------------------------------------ the live dispatcher
 async def _live_run(name: str, index: bool, args: argparse.Namespace) -> dict:
     from polyserve.dispatcher.config import DispatcherSettings
-    from polyserve.dispatcher.handlers import DeploymentCache, DispatchHandlers, Outstanding, WorkerRegistry
+    from polyserve.dispatcher.handlers import DispatchHandlers
+    from polyserve.dispatcher.registry import DeploymentCache, Outstanding, WorkerRegistry
     from polyserve.proto import AdapterInfo, Completed, Deployment, DispatchRequest, Heartbeat, Subjects
     from polyserve.shared.settings import load
 

@@ -1,5 +1,5 @@
-"""Dispatcher state and handlers: the live worker view, the outstanding-request
-accounting, the deployment cache, and the `polyserve.v1.dispatch` handler.
+"""The `polyserve.v1.dispatch` handler and the event listeners over the dispatcher's state
+(the live worker view, outstanding placements and deployment cache are in `registry`).
 
 All of it is in memory and bounded; Redis is read only for deployments (cached,
 with a timeout) and to seed the worker view at start.
@@ -20,240 +20,23 @@ scan computes them at the dispatch.
 """
 from __future__ import annotations
 
-import asyncio
-import heapq
 import logging
 import math
 import random
-import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 from polyserve.dispatcher import index as dindex
 from polyserve.dispatcher import policy, policy_aladdin
 from polyserve.dispatcher.config import DispatcherSettings
 from polyserve.dispatcher.live import MODEL_POLICIES, ModelBook
+from polyserve.dispatcher.registry import DeploymentCache, Outstanding, WorkerRegistry
 from polyserve.proto import (Completed, Deployment, DispatchRequest, Failed, FirstToken, Heartbeat, Placement,
                              ScaleSignal, Subjects, Withdraw, WithdrawReply, WorkerDown)
 from polyserve.shared.bus import BusError
-from polyserve.shared.state import State
 
 logger = logging.getLogger(__name__)
-Clock = Callable[[], float]
 Publish = Callable[[str, object], Awaitable[None]]
 Ask = Callable[[str, Withdraw], Awaitable[WithdrawReply]]
-
-TOMBSTONE_S = 60.0  # how long a WorkerDown keeps older, late heartbeats from reviving a worker
-
-
-@dataclass
-class _Live:
-    hb: Heartbeat
-    expires: float  # monotonic
-
-
-class WorkerRegistry:
-    """Workers heard from recently: added by heartbeats, expired after their `ttl_s`,
-    removed at once by WorkerDown."""
-
-    def __init__(self, clock: Clock = time.monotonic, wall: Clock = time.time):
-        self.clock = clock
-        self.wall = wall
-        self._workers: dict[str, _Live] = {}
-        self._down: dict[str, tuple[float, float]] = {}  # worker_id -> (down event ts, forget at)
-        self._expiries: list[tuple[float, str]] = []  # heap; stale entries dropped lazily
-
-    def heartbeat(self, hb: Heartbeat, *, seeded: bool = False) -> bool:
-        """Record a heartbeat; False when it predates a WorkerDown of that worker.
-
-        A live heartbeat counts from its arrival (immune to clock skew between
-        hosts); one seeded from Redis counts from its own timestamp.
-        """
-        down = self._down.get(hb.worker_id)
-        if down is not None:
-            if hb.ts <= down[0]:
-                return False
-            del self._down[hb.worker_id]
-        ttl = hb.ttl_s if not seeded else max(0.0, hb.ts + hb.ttl_s - self.wall())
-        live = self._workers[hb.worker_id] = _Live(hb, self.clock() + ttl)
-        heapq.heappush(self._expiries, (live.expires, hb.worker_id))
-        if len(self._expiries) > 4 * len(self._workers) + 64:  # bound the stale entries
-            self._expiries = [(w.expires, wid) for wid, w in self._workers.items()]
-            heapq.heapify(self._expiries)
-        return True
-
-    def any_expired(self) -> bool:
-        """Whether some worker's TTL has run out and the sweep has not removed it yet."""
-        h, now = self._expiries, self.clock()
-        while h:
-            exp, wid = h[0]
-            w = self._workers.get(wid)
-            if w is None or w.expires != exp:
-                heapq.heappop(h)  # a newer heartbeat, or gone
-                continue
-            return exp <= now
-        return False
-
-    def get(self, worker_id: str) -> Heartbeat | None:
-        """The worker's last heartbeat while it is in memory (expired or not)."""
-        w = self._workers.get(worker_id)
-        return w.hb if w is not None else None
-
-    def of(self, deployment: str) -> list[Heartbeat]:
-        """Last heartbeats of the deployment's workers in memory, expired or not."""
-        return [w.hb for w in self._workers.values() if w.hb.deployment == deployment]
-
-    def down(self, ev: WorkerDown) -> bool:
-        """Remove a worker at once; True when it was known."""
-        self._down[ev.worker_id] = (ev.ts, self.clock() + TOMBSTONE_S)
-        return self._workers.pop(ev.worker_id, None) is not None
-
-    def live(self, deployment: str) -> list[Heartbeat]:
-        """Last heartbeats of the deployment's workers whose TTL has not run out."""
-        now = self.clock()
-        return [w.hb for w in self._workers.values() if w.hb.deployment == deployment and w.expires > now]
-
-    def known(self, deployment: str) -> int:
-        """Workers of the deployment still in memory, expired or not."""
-        return sum(1 for w in self._workers.values() if w.hb.deployment == deployment)
-
-    def sweep(self) -> list[str]:
-        """Forget expired workers and old tombstones; return the expired worker ids."""
-        now = self.clock()
-        gone = [wid for wid, w in self._workers.items() if w.expires <= now]
-        for wid in gone:
-            del self._workers[wid]
-        for wid in [wid for wid, (_, until) in self._down.items() if until <= now]:
-            del self._down[wid]
-        return gone
-
-    def __len__(self) -> int:
-        return len(self._workers)
-
-
-class Outstanding:
-    """request_id -> worker of this dispatcher's placements, until a completed/failed
-    event; bounded (`max_tracked`) and expiring (`ttl_s`) so leaks cannot grow."""
-
-    def __init__(self, max_tracked: int, ttl_s: float, clock: Clock = time.monotonic):
-        self.max_tracked = max_tracked
-        self.ttl_s = ttl_s
-        self.clock = clock
-        self._placed: OrderedDict[str, tuple[str, float]] = OrderedDict()  # oldest first
-        self._per_worker: dict[str, int] = {}
-        self.expired = 0
-        self.evicted = 0
-        self.on_change: Callable[[str], None] | None = None  # told of each worker whose count changed
-
-    def place(self, request_id: str, worker_id: str) -> None:
-        """Count a placement (a retry of the same request moves it to the new worker)."""
-        self.finish(request_id)
-        self._placed[request_id] = (worker_id, self.clock() + self.ttl_s)
-        self._per_worker[worker_id] = self._per_worker.get(worker_id, 0) + 1
-        if self.on_change is not None:
-            self.on_change(worker_id)
-        while len(self._placed) > self.max_tracked:
-            self._drop_oldest()
-            self.evicted += 1
-
-    def finish(self, request_id: str) -> str | None:
-        """Stop counting a request; its worker, or None when it was not tracked."""
-        entry = self._placed.pop(request_id, None)
-        if entry is None:
-            return None
-        self._dec(entry[0])
-        return entry[0]
-
-    def forget_worker(self, worker_id: str) -> int:
-        """Drop every placement on a worker that is gone; how many were dropped."""
-        ids = [rid for rid, (wid, _) in self._placed.items() if wid == worker_id]
-        for rid in ids:
-            self.finish(rid)
-        return len(ids)
-
-    def expire(self) -> int:
-        """Drop placements older than the TTL; how many were dropped."""
-        now, n = self.clock(), 0
-        while self._placed and next(iter(self._placed.values()))[1] <= now:
-            self._drop_oldest()
-            n += 1
-        self.expired += n
-        return n
-
-    def count(self, worker_id: str) -> int:
-        return self._per_worker.get(worker_id, 0)
-
-    def __len__(self) -> int:
-        return len(self._placed)
-
-    def _drop_oldest(self) -> None:
-        _, (wid, _) = self._placed.popitem(last=False)
-        self._dec(wid)
-
-    def _dec(self, worker_id: str) -> None:
-        n = self._per_worker.get(worker_id, 0) - 1
-        if n > 0:
-            self._per_worker[worker_id] = n
-        else:
-            self._per_worker.pop(worker_id, None)
-        if self.on_change is not None:
-            self.on_change(worker_id)
-
-
-class DeploymentCache:
-    """Deployments read from Redis, each reused for `ttl_s`; when Redis fails the
-    cached copy keeps serving (stale) and Redis is left alone for `retry_s`."""
-
-    MAX_ENTRIES = 4096
-
-    def __init__(self, state: State, *, ttl_s: float, timeout_s: float, retry_s: float,
-                 clock: Clock = time.monotonic):
-        self.state = state
-        self.ttl_s = ttl_s
-        self.timeout_s = timeout_s
-        self.retry_s = retry_s
-        self.clock = clock
-        self._cache: OrderedDict[str, tuple[Deployment, float]] = OrderedDict()
-        self._down_until = 0.0
-        self.redis_errors = 0
-
-    def cached(self, dep_id: str) -> Deployment | None:
-        """The cached copy, however old (no Redis call)."""
-        entry = self._cache.get(dep_id)
-        return entry[0] if entry is not None else None
-
-    async def get(self, dep_id: str) -> Deployment | None:
-        """The deployment, or None when Redis says it does not exist.
-
-        Raises BusError(503) only when Redis is unavailable and the deployment
-        was never cached.
-        """
-        now = self.clock()
-        cached = self._cache.get(dep_id)
-        if cached is not None and now - cached[1] < self.ttl_s:
-            return cached[0]
-        if now >= self._down_until:
-            try:
-                dep = await asyncio.wait_for(self.state.get_deployment(dep_id), self.timeout_s)
-            except Exception as exc:  # timeout, connection refused: serve from the cache
-                self.redis_errors += 1
-                self._down_until = self.clock() + self.retry_s
-                logger.warning("dispatcher: cannot read deployment %r from Redis (%s: %s)%s", dep_id,
-                               type(exc).__name__, exc, "; using the cached copy" if cached else "")
-            else:
-                if dep is None:
-                    self._cache.pop(dep_id, None)
-                    return None
-                self._cache[dep_id] = (dep, self.clock())
-                self._cache.move_to_end(dep_id)
-                while len(self._cache) > self.MAX_ENTRIES:
-                    self._cache.popitem(last=False)
-                return dep
-        if cached is not None:
-            return cached[0]
-        raise BusError(503, f"deployment registry (Redis) unavailable and deployment {dep_id!r} "
-                            "is not cached; retry shortly")
 
 
 class _DepIndex:

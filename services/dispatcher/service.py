@@ -7,7 +7,8 @@ import random
 from typing import Any
 
 from polyserve.dispatcher.config import DispatcherSettings
-from polyserve.dispatcher.handlers import DeploymentCache, DispatchHandlers, Outstanding, WorkerRegistry
+from polyserve.dispatcher.handlers import DispatchHandlers
+from polyserve.dispatcher.registry import DeploymentCache, Outstanding, WorkerRegistry
 from polyserve.proto import Keys
 from polyserve.proto import Completed, DispatchRequest, Failed, FirstToken, Heartbeat, WithdrawReply, WorkerDown
 from polyserve.shared.lifecycle import ServiceBase

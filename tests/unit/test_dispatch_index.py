@@ -11,8 +11,8 @@ import random
 from dataclasses import replace
 
 import pytest
-
 from polyserve.dispatcher import index as ix
+from polyserve.dispatcher import index_models as ixm
 from polyserve.dispatcher import policy as p
 from polyserve.dispatcher.perf_models import BGMV, MBGMV, WorkerPerf
 from polyserve.worker.policy import PerfModel
@@ -287,7 +287,7 @@ def test_aladdin_sufficient_limits_imply_check_and_placements_keep_keys_exact():
             fresh = ix._Aladdin(cfg)
             fresh.update(None, w)
             assert s.all.cur == fresh.all.cur and s.live.cur == fresh.live.cur, (k, i)
-        lim = ix._aladdin_limits(w, cfg)
+        lim = ixm._aladdin_limits(w, cfg)
         for i in range(25):
             n_in, pred = rng.choice([0, 1, 10, 100, 500, 2000, 8000]), rng.choice([0, 1, 50, 300, 2000])
             req = p.RequestView(request_id="n", input_tokens=n_in, predicted_tokens=pred)

@@ -3,7 +3,7 @@ import random
 import pytest
 
 from polyserve.dispatcher import policy as p
-from polyserve.dispatcher.handlers import Outstanding, WorkerRegistry
+from polyserve.dispatcher.registry import Outstanding, WorkerRegistry
 from polyserve.proto import Heartbeat, WorkerDown
 
 pytestmark = pytest.mark.unit
