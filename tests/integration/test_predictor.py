@@ -25,6 +25,13 @@ async def predict(bus, subjects, model: str = "m", inp: int = 100) -> Prediction
                              Prediction, timeout=2)
 
 
+def _until(fetch, ok):
+    async def check():
+        value = await fetch()
+        return value if ok(value) else None
+    return check
+
+
 async def test_prior_then_history_persisted_across_restart(make_settings, bus, subjects, state, prefix):
     cfg = make_settings(PredictorSettings, "predictor", refresh_s=0.2)
     async with running(PredictorService(cfg)):
@@ -39,7 +46,12 @@ async def test_prior_then_history_persisted_across_restart(make_settings, bus, s
 
         p = await wait_for(learned, what="a history estimate after 5 completed events")
         assert p.length_class == 1
-        raw = await state.r.hgetall(Keys(prefix).lenstats("m"))
+        # persisted to Redis; a save that timed out (the event loop stalled while the proxy
+        # model loads) is retried after the back-off, so wait for it
+        async def saved():
+            return await state.r.hgetall(Keys(prefix).lenstats("m"))
+
+        raw = await wait_for(_until(saved, lambda r: int(r.get(b"n:6", 0)) >= 5), what="all 5 saved")
         assert int(raw[b"n:6"]) == 5 and int(raw[b"sum:6"]) == 250
         # another bucket of the same model falls back to the model-wide mean; other models to the prior
         assert (await predict(bus, subjects, inp=5000)).source == "history"
