@@ -26,6 +26,7 @@ class PredictRequest(Msg, kw_only=True):
     model: str
     prompt: str = ""
     input_tokens: int
+    max_tokens: int = 0  # the request's hard cap on output tokens (0 = none known); the estimate never exceeds it
 
 
 class Prediction(Msg, kw_only=True):
@@ -49,6 +50,7 @@ class DispatchRequest(Msg, kw_only=True):
     priority: int = 0
     exclude: list[str] = []
     adapter_rank: int = 0  # LoRA rank of `adapter` from the registry (0 = base model or unknown)
+    max_tokens: int = 0  # the request's hard cap on output tokens (0 = none known); predicted_tokens <= it
 
 
 class Placement(Msg, kw_only=True):
@@ -231,7 +233,7 @@ class Heartbeat(Event, tag="heartbeat", kw_only=True):
     cancel_subject: str = ""
     max_batch: int = 0  # engine batch limit (0 = unknown)
     kernel: str = ""  # LoRA kernel cost model: "bgmv" | "mbgmv" ("" = unknown)
-    profile: str = ""  # engine profile (worker/profiles/<name>.json or a path) the dispatcher starts its fits from
+    profile: str = ""  # engine profile (core/profiles/<name>.json or a path) the dispatcher starts its fits from
     max_adapters: int = 0  # adapter slots on the device (0 = no limit)
 
 
@@ -380,12 +382,20 @@ class ScalerPolicy(Msg, kw_only=True):
     threshold_ms: float = 50.0
 
 
+TTFT_SLO_MS = 1600.0
+"""Aladdin Table 2 (Llama2-70B): time-to-first-token SLO, the default of a deployment."""
+ATGT_SLO_MS = 75.0
+"""Aladdin Table 2 (Llama2-70B): average time-per-generated-token SLO, the default of a deployment."""
+
+
 class Deployment(Msg, kw_only=True):
     id: str
     model: str
     engine: str = "sim"
     policy: str = "least_outstanding"
     scaler: ScalerPolicy = ScalerPolicy()
+    ttft_slo_ms: float = TTFT_SLO_MS  # the SLOs this deployment is served to (aladdin/caraserve place against them)
+    atgt_slo_ms: float = ATGT_SLO_MS
     created: float = msgspec.field(default_factory=now)
 
 

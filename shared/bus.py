@@ -17,7 +17,8 @@ import msgspec
 import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg as NatsMsg
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 

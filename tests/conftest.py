@@ -3,7 +3,6 @@ same code as `polyserve up`), a fresh subject/key prefix per test, and helpers t
 run services in-process or as processes."""
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import shutil
@@ -17,7 +16,8 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from polyserve.proto import Keys, Subjects
-from polyserve.shared import infra, settings as settings_mod
+from polyserve.shared import infra
+from polyserve.shared import settings as settings_mod
 from polyserve.shared.bus import Bus
 from polyserve.shared.state import State, connect
 from polyserve.shared.telemetry import make_tracer

@@ -30,8 +30,20 @@ from polyserve.dispatcher import policy, policy_aladdin
 from polyserve.dispatcher.config import DispatcherSettings
 from polyserve.dispatcher.live import MODEL_POLICIES, ModelBook
 from polyserve.dispatcher.registry import DeploymentCache, Outstanding, WorkerRegistry
-from polyserve.proto import (Completed, Deployment, DispatchRequest, Failed, FirstToken, Heartbeat, Placement,
-                             ScaleSignal, Subjects, Withdraw, WithdrawReply, WorkerDown)
+from polyserve.proto import (
+    Completed,
+    Deployment,
+    DispatchRequest,
+    Failed,
+    FirstToken,
+    Heartbeat,
+    Placement,
+    ScaleSignal,
+    Subjects,
+    Withdraw,
+    WithdrawReply,
+    WorkerDown,
+)
 from polyserve.shared.bus import BusError
 
 logger = logging.getLogger(__name__)

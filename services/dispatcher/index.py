@@ -74,7 +74,7 @@ What each structure costs per decision (n workers) and what it assumes:
   two groups (2 + its resident adapters sorted-list operations); a decision evaluates one
   worker per group visited. When every worker has its own, different fit (per-worker
   online fits) groups are single workers and more of them are visited (see
-  `polyserve bench-dispatch --perf-spread`).
+  `polyserve bench dispatch --perf-spread`).
 * arlo_mlq / arlo_ilb / arlo_ig: per runtime length, instances sorted by Alg. 1's head key
   (and by ILB's key); levels by length — O(L) for L runtimes.
 
@@ -98,14 +98,7 @@ from polyserve.dispatcher import policy_aladdin as AL
 from polyserve.dispatcher import policy_arlo as AR
 from polyserve.dispatcher import policy_caraserve as CS
 from polyserve.dispatcher.index_models import _Aladdin, _Cara
-from polyserve.dispatcher.index_structs import (
-    _Arlo,
-    _FirstFit,
-    _KeyOrder,
-    _Struct,
-    _tokens_key,
-    _with_load,
-)
+from polyserve.dispatcher.index_structs import _Arlo, _FirstFit, _KeyOrder, _Struct, _tokens_key, _with_load
 from polyserve.dispatcher.policy import Decision, PolicyState, RequestView, WorkerView
 
 # ------------------------------------------------------------------ the index

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 
+from polyserve.core.perf import BGMV, LORA_DEFAULTS, MBGMV
 from polyserve.dispatcher import policy_aladdin as AL
 from polyserve.dispatcher import policy_caraserve as CS
 from polyserve.dispatcher.index_structs import _INF, _Blocked, _Sorted, _Struct
-from polyserve.dispatcher.perf_models import BGMV, LORA_DEFAULTS, MBGMV
 from polyserve.dispatcher.policy import RequestView, WorkerView
 
 # ------------------------------------------------------------------ aladdin

@@ -7,7 +7,7 @@ and `WorkerView.perf` (its performance models). In the live dispatcher those com
   `failed` events; tokens generated so far are estimated from the time since the first
   token and the worker's modelled decode step;
 * a `PerfFitter` per worker, started from the engine profile its heartbeat names
-  (`Heartbeat.profile`: a file in `polyserve/worker/profiles/` or a path) and refitted
+  (`Heartbeat.profile`: a file in `polyserve/core/profiles/` or a path) and refitted
   online from every `completed` event (prefill from TTFT − queue; decode step from ATGT
   with the batch and context the book saw on that worker). `errors()` reports each
   fit's current out-of-sample error.
@@ -22,14 +22,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from polyserve.dispatcher.perf_models import PerfFitter, WorkerPerf, load_perf
+from polyserve.core import profiles
+from polyserve.core.perf import PerfFitter, WorkerPerf, load_perf
 from polyserve.dispatcher.policy import RequestView
 from polyserve.dispatcher.policy_aladdin import ATGT_SLO_MS, RequestBook
 from polyserve.proto import Completed, Failed, FirstToken, Heartbeat
 
 logger = logging.getLogger(__name__)
 
-PROFILES_DIR = Path(__file__).resolve().parents[1] / "worker" / "profiles"
+PROFILES_DIR = profiles.profiles_dir()
 MODEL_POLICIES = frozenset({"aladdin", "caraserve"})
 """Policies that need per-request bookkeeping and performance models."""
 

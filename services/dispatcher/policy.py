@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotation only: policy.py stays import-light
-    from polyserve.dispatcher.perf_models import WorkerPerf
+    from polyserve.core.perf import WorkerPerf
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,8 +35,8 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
+from polyserve.core.perf import WorkerPerf
 from polyserve.dispatcher import policy as _policy
-from polyserve.dispatcher.perf_models import WorkerPerf
 from polyserve.dispatcher.policy import Decision, PolicyState, RequestView, RunningRequest, WorkerView
 
 TTFT_SLO_MS = 1600.0  # Aladdin Table 2, Llama2-chat-70b on A100

@@ -25,10 +25,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from polyserve.core.perf import LORA_DEFAULTS, PerfModel, WorkerPerf
 from polyserve.dispatcher import policy as _policy
-from polyserve.dispatcher.perf_models import LORA_DEFAULTS, WorkerPerf
 from polyserve.dispatcher.policy import Decision, PolicyState, RequestView, WorkerView
-from polyserve.worker.policy import PerfModel
 
 ATGT_SLO_MS = 75.0  # time-per-token SLO default (Aladdin Table 2, Llama2-70B)
 PENALTY = 1e6  # ms added to a candidate that would break the SLO

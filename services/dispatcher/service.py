@@ -9,8 +9,7 @@ from typing import Any
 from polyserve.dispatcher.config import DispatcherSettings
 from polyserve.dispatcher.handlers import DispatchHandlers
 from polyserve.dispatcher.registry import DeploymentCache, Outstanding, WorkerRegistry
-from polyserve.proto import Keys
-from polyserve.proto import Completed, DispatchRequest, Failed, FirstToken, Heartbeat, WithdrawReply, WorkerDown
+from polyserve.proto import Completed, DispatchRequest, Failed, FirstToken, Heartbeat, Keys, WithdrawReply, WorkerDown
 from polyserve.shared.lifecycle import ServiceBase
 
 logger = logging.getLogger(__name__)

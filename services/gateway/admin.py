@@ -13,6 +13,7 @@ import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from polyserve.core import names
 from polyserve.proto import AdapterCommand, AdapterSpec, Deployment, ScalerPolicy
 
 from .handlers import GatewayError
@@ -59,11 +60,9 @@ def add_admin_routes(app: FastAPI, gw: "GatewayService") -> None:
 
     @app.post("/v1/deployments", status_code=201, dependencies=admin)
     async def create(body: DeploymentBody) -> JSONResponse:
-        from polyserve.dispatcher.policy import POLICIES
-
-        if body.policy not in POLICIES:
-            raise InvalidRequest(f"unknown dispatch policy '{body.policy}'; choose one of {sorted(POLICIES)}",
-                                 "policy")
+        if body.policy not in names.DISPATCH_POLICIES:
+            raise InvalidRequest(f"unknown dispatch policy '{body.policy}'; choose one of "
+                                 f"{sorted(names.DISPATCH_POLICIES)}", "policy")
         if body.scaler.min_replicas > body.scaler.max_replicas:
             raise InvalidRequest("scaler.min_replicas must not exceed scaler.max_replicas", "scaler.min_replicas")
         dep_id = body.id or re.sub(r"[^A-Za-z0-9_\-]", "-", body.model)[:64]

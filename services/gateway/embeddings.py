@@ -27,8 +27,18 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from pydantic import BaseModel, ConfigDict, Field
 
-from polyserve.proto import (Admitted, Completed, Deployment, DispatchRequest, Dispatched, EmbedReply,
-                             EmbedRequest, Failed, Heartbeat, Placement)
+from polyserve.proto import (
+    Admitted,
+    Completed,
+    Deployment,
+    Dispatched,
+    DispatchRequest,
+    EmbedReply,
+    EmbedRequest,
+    Failed,
+    Heartbeat,
+    Placement,
+)
 from polyserve.shared.bus import BusError
 
 from .handlers import GatewayError, _status_of
@@ -187,8 +197,7 @@ def add_embedding_routes(app: FastAPI, gw: "GatewayService") -> None:
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingBody, request: Request) -> JSONResponse:
-        from polyserve.worker.engines.encoder_text import (EncoderNotFound, load_text_tokenizer, model_dir_for,
-                                                           truncate_ids)
+        from polyserve.core.encoder_text import EncoderNotFound, load_text_tokenizer, model_dir_for, truncate_ids
 
         s = gw.settings
         if gw.draining:

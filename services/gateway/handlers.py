@@ -12,9 +12,24 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from polyserve.proto import (Admitted, CancelRequest, Completed, Deployment, DispatchRequest, Dispatched,
-                             Failed, FirstToken, GenerateAccepted, GenerateRequest, Placement, Predicted,
-                             Prediction, PredictRequest, SamplingParams, TokenChunk)
+from polyserve.proto import (
+    Admitted,
+    CancelRequest,
+    Completed,
+    Deployment,
+    Dispatched,
+    DispatchRequest,
+    Failed,
+    FirstToken,
+    GenerateAccepted,
+    GenerateRequest,
+    Placement,
+    Predicted,
+    Prediction,
+    PredictRequest,
+    SamplingParams,
+    TokenChunk,
+)
 from polyserve.shared.bus import BusError, decode, error_of
 
 from .policy import estimate_tokens

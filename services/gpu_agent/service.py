@@ -30,8 +30,16 @@ from polyserve.gpu_agent.energy import EnergyMeter, energy_source
 from polyserve.gpu_agent.frequency import FrequencyController
 from polyserve.gpu_agent.gpu import Gpu, GpuReading, detect_gpu
 from polyserve.gpu_agent.handlers import AgentHandlers
-from polyserve.proto import (AgentInfo, Completed, EnergyReport, GpuTelemetry, Heartbeat, StartWorker, StopWorker,
-                             WorkerDown)
+from polyserve.proto import (
+    AgentInfo,
+    Completed,
+    EnergyReport,
+    GpuTelemetry,
+    Heartbeat,
+    StartWorker,
+    StopWorker,
+    WorkerDown,
+)
 from polyserve.shared.lifecycle import ServiceBase
 
 logger = logging.getLogger(__name__)

@@ -30,11 +30,13 @@ from pathlib import Path
 
 import msgspec
 
+from polyserve.core import profiles
+from polyserve.core.profiles import profile_path
 from polyserve.planner import arlo_ilp
 from polyserve.proto import EncoderProfile, RuntimePlan
 from polyserve.proto import RuntimeProfile as RuntimeSpec
 
-SHIPPED_PROFILE = Path(__file__).resolve().parent.parent / "worker" / "profiles" / "encoder-minilm-l6-cpu.json"
+SHIPPED_PROFILE = profile_path(profiles.ENCODER_CPU)
 ENCODER_ENGINE = "encoder"
 
 

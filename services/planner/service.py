@@ -29,14 +29,24 @@ import time
 from collections import deque
 
 import msgspec
-
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from polyserve.planner import arlo_live, policy
 from polyserve.planner.config import PlannerSettings
 from polyserve.planner.handlers import PlannerHandlers
-from polyserve.proto import (AgentInfo, AgentReply, Completed, Deployment, Heartbeat, RuntimePlan, ScaleDecision,
-                             ScaleSignal, StartWorker, StopWorker, WorkerDown)
+from polyserve.proto import (
+    AgentInfo,
+    AgentReply,
+    Completed,
+    Deployment,
+    Heartbeat,
+    RuntimePlan,
+    ScaleDecision,
+    ScaleSignal,
+    StartWorker,
+    StopWorker,
+    WorkerDown,
+)
 from polyserve.shared.bus import BusError
 from polyserve.shared.lifecycle import ServiceBase
 

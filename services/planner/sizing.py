@@ -13,7 +13,7 @@ configuration maximises T_max. A degree whose weights do not fit (M ≤ m_r) or 
 single-request iteration already misses the SLO (c3 + k2·l_avg + c2 > T_decode) is
 infeasible. `splitwise_candidates` builds the candidates from the Splitwise profile
 (`../shared/datasets/profiles/splitwise_llama2_70b_bloom_176b_a100_h100.csv`), one
-decode fit per TP with `polyserve.worker.profile_fit.fit_decode` on the rows with
+decode fit per TP with `polyserve.core.profile_fit.fit_decode` on the rows with
 batch ≤ 32 (at batch 64 token_time drops below batch 32 on TP 2, the anomaly the
 dataset README warns of for prompt time; a negative k2 left by the fit is clamped
 to 0) and M derived as there (TP·GPU memory·0.9 − fp16 weights, labelled derived). `tp_scaling` fits Eq. 5
@@ -100,7 +100,7 @@ def best_tp(candidates: Iterable[TpCandidate], mean_kv_tokens: float, l_avg: flo
 def splitwise_candidates(path: str | Path, model: str = "llama2-70b", hardware: str = "h100-80gb",
                          tps: Sequence[int] = (1, 2, 4, 8), max_batch: int = 32) -> list[TpCandidate]:
     """One candidate per TP degree the Splitwise profile has for (model, hardware); others are skipped."""
-    from polyserve.worker import profile_fit as pf
+    from polyserve.core import profile_fit as pf
 
     out = []
     for tp in tps:

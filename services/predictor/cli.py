@@ -18,7 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "datasets" / "text"
+from polyserve.shared.paths import datasets_dir
+
+DEFAULT_DATA = datasets_dir() / "text"
 
 
 def _say(msg: str) -> None:

@@ -12,7 +12,6 @@ import asyncio
 import logging
 from typing import Any
 
-
 from polyserve.predictor.config import PredictorSettings
 from polyserve.predictor.handlers import LengthStats, PredictHandlers
 from polyserve.proto import Completed, PredictRequest

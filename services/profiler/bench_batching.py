@@ -49,8 +49,8 @@ from pathlib import Path
 
 from polyserve.profiler.grid import PromptMaker
 from polyserve.proto import SamplingParams
-from polyserve.worker.engine import Delta, EngineRequest
 from polyserve.shared.paths import datasets_dir
+from polyserve.worker.engine import Delta, EngineRequest
 
 DEFAULT_TRACE = datasets_dir() / "traces" / "azure_llm_2023_conv.csv"
 

@@ -20,6 +20,8 @@ import types
 from datetime import datetime, timezone
 from pathlib import Path
 
+from polyserve.core import profiles
+from polyserve.core.profiles import profile_path
 from polyserve.profiler import fit as fitmod
 from polyserve.profiler.grid import GridRunner, GridSpec
 from polyserve.shared.paths import datasets_dir
@@ -138,7 +140,7 @@ def cmd_run(args, argv: list[str]) -> int:
                 f"of the Engine interface sees them; the sim engine may replay it (its output is then simulated)")
         simulated = False
     else:
-        prof_raw = json.loads(Path(args.profile or fitmod.PROFILES_DIR / "sim-llama2-70b-h100-tp4.json").read_text())
+        prof_raw = json.loads(Path(args.profile or profile_path(profiles.DEFAULT_SIM)).read_text())
         kv_bytes, dims = int(prof_raw.get("kv_bytes_per_token", 0)), {}
         where, device = "sim", f"sim engine replaying {card.get('profile')} at time_scale {args.time_scale}"
         if args.time_scale > 0:
@@ -185,7 +187,7 @@ def _source(args, card: dict, spec: GridSpec, meas, dims: dict, where: str, devi
 
 
 def _output_lengths(trace: str) -> tuple[int, float, str]:
-    from polyserve.worker.profile_fit import AZURE_CONV_LOG_SIGMA, AZURE_CONV_MEDIAN, output_lengths
+    from polyserve.core.profile_fit import AZURE_CONV_LOG_SIGMA, AZURE_CONV_MEDIAN, output_lengths
     if trace and Path(trace).is_file():
         median, sigma = output_lengths(trace)
         return median, sigma, f"median and log-sigma of GeneratedTokens in {Path(trace).name}"
@@ -209,7 +211,7 @@ def _quiet_transformers() -> None:
 
 # ---------------------------------------------------------------------- fit-splitwise, list, show
 def cmd_fit_splitwise(args, argv: list[str]) -> int:
-    from polyserve.worker import profile_fit
+    from polyserve.core import profile_fit
     try:
         prof = profile_fit.build_profile(args.splitwise, args.model, args.hardware, args.tp, args.output_trace or None)
     except (OSError, ValueError, KeyError) as exc:

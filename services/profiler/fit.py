@@ -34,11 +34,12 @@ from pathlib import Path
 
 import numpy as np
 
-from polyserve.worker.policy import PerfModel
-from polyserve.worker.profile_fit import AZURE_CONV_LOG_SIGMA, AZURE_CONV_MEDIAN, Fit, lstsq
+from polyserve.core import profiles
+from polyserve.core.perf import PerfModel
+from polyserve.core.profile_fit import AZURE_CONV_LOG_SIGMA, AZURE_CONV_MEDIAN, Fit, lstsq
 
 SCHEMA = "polyserve.profile/1"
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "worker" / "profiles"
+PROFILES_DIR = profiles.profiles_dir()
 
 FORMS = {
     "prefill": ("t_ms = k1*sum_l_in + c1", ("k1", "c1")),

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from polyserve.dispatcher.perf_models import WorkerPerf, load_perf, perf_from_dict
+from polyserve.core.perf import WorkerPerf, load_perf, perf_from_dict
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from polyserve.planner.autoscalers import (ClockSignal, HpaScaler, MuServeScaler, Observation, Outcome,
-                                           TargetTracking, WorkerLoad)
+from polyserve.planner.autoscalers import (
+    ClockSignal,
+    HpaScaler,
+    MuServeScaler,
+    Observation,
+    Outcome,
+    TargetTracking,
+    WorkerLoad,
+)
 from polyserve.planner.policy import Sample
 
 SCALERS = ("pertoken", "request", "tracking", "muserve")

@@ -34,17 +34,18 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from polyserve.dispatcher.perf_models import KERNELS, load_perf
+from polyserve.core import profiles
+from polyserve.core.perf import KERNELS, load_perf
+from polyserve.core.profiles import profile_path
+from polyserve.core.queue_order import ORDER_KEYS
 from polyserve.simulator import report
 from polyserve.simulator.cluster import SIM_POLICIES, SimConfig, simulate
 from polyserve.simulator.engine import WorkerConfig
 from polyserve.simulator.power import gpu_from_profile, gpu_spec
 from polyserve.simulator.predictor import MODES, LengthPredictor, load_confusion
-from polyserve.simulator.trace import (SYNTHETIC_HELP, assign_adapters, datasets_dir, load_trace, make_adapters,
-                                       window)
-from polyserve.worker.policy import ORDER_KEYS
+from polyserve.simulator.trace import SYNTHETIC_HELP, assign_adapters, datasets_dir, load_trace, make_adapters, window
 
-DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / "worker" / "profiles" / "sim-llama2-70b-h100-tp4.json"
+DEFAULT_PROFILE = profile_path(profiles.DEFAULT_SIM)
 
 
 def _csv(text: str, cast=str) -> list:
@@ -60,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                          f"(default {traces / 'azure_llm_2023_conv.csv'})")
     ap.add_argument("--synthetic-lengths", default=str(traces / "azure_llm_2023_conv.csv"),
                     help="Azure CSV whose (input, output) length pairs synthetic traces draw from")
-    ap.add_argument("--profile", default=str(DEFAULT_PROFILE), help="engine profile JSON (worker/profiles)")
+    ap.add_argument("--profile", default=str(DEFAULT_PROFILE), help="engine profile JSON (core/profiles)")
     ap.add_argument("--policy", default="least_outstanding", help=f"comma list of: {', '.join(SIM_POLICIES)}")
     ap.add_argument("--order", default="fcfs", help=f"queue orders, comma list of: {', '.join(ORDER_KEYS)}")
     ap.add_argument("--kernel", default="bgmv", help=f"LoRA kernels, comma list of: {', '.join(KERNELS)}")

@@ -1,6 +1,6 @@
 """The discrete-event cluster: arrivals from a trace, placement by the dispatcher's own
 policies (`polyserve.dispatcher.policy.POLICIES`, Aladdin's `place`/`rebalance`), queue
-order by the worker's own order keys (`polyserve.worker.policy.ORDER_KEYS`), workers
+order by the worker's own order keys (`polyserve.core.queue_order.ORDER_KEYS`), workers
 from `engine.SimWorker`, events on a heap.
 
 Placement names: every name in `POLICIES`, plus ``aladdin_rebalance`` (Aladdin Alg. 1
@@ -24,8 +24,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
+from polyserve.core.perf import PerfFitter, WorkerPerf
+from polyserve.core.queue_order import ORDER_KEYS, ssjf_key
 from polyserve.dispatcher import policy_aladdin as aladdin
-from polyserve.dispatcher.perf_models import PerfFitter, WorkerPerf
 from polyserve.dispatcher.policy import POLICIES, PolicyState, RequestView, RunningRequest, WorkerView
 from polyserve.planner.autoscalers import WorkerLoad, least_busy
 from polyserve.simulator import autoscale as auto
@@ -33,7 +34,6 @@ from polyserve.simulator import power as pw
 from polyserve.simulator.engine import SimRequest, SimWorker, WorkerConfig
 from polyserve.simulator.predictor import ConditionalMean, LengthPredictor
 from polyserve.simulator.trace import Adapters, Trace
-from polyserve.worker.policy import ORDER_KEYS, ssjf_key
 
 SIM_POLICIES = (*POLICIES, "aladdin_rebalance")
 NEEDS_REQUESTS = {"aladdin", "aladdin_rebalance", "caraserve"}

@@ -2,10 +2,10 @@
 
 The iteration follows the project's `sim` engine (`polyserve.worker.engines.sim`) so the
 two can be compared: each step admits waiting requests in queue order while batch
-slots and KV allow (head-of-line, `polyserve.worker.policy.admit_count`), runs one
+slots and KV allow (head-of-line, `polyserve.core.queue_order.admit_count`), runs one
 prefill of the admitted prompts (which yields their first token), then one decode step
 of the requests admitted before (one token each). Durations come from Aladdin's models
-(`polyserve.worker.policy.prefill_ms` / `decode_ms`) plus the LoRA share of the
+(`polyserve.core.perf.prefill_ms` / `decode_ms`) plus the LoRA share of the
 worker's kernel (CaraServe BGMV/MBGMV, `perf_models.WorkerPerf.lora_ms`), and a
 cold adapter's load time in the prefill.
 
@@ -27,9 +27,10 @@ import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from polyserve.dispatcher.perf_models import WorkerPerf
+from polyserve.core import perf as core_perf
+from polyserve.core import queue_order as wp
+from polyserve.core.perf import WorkerPerf
 from polyserve.gpu_agent import gpu_model
-from polyserve.worker import policy as wp
 
 
 @dataclass(eq=False, slots=True)
@@ -267,7 +268,7 @@ class SimWorker:
     def _demand(self, r: SimRequest) -> int:
         if self.cfg.kv_mode == "reserve":
             out = min(r.predicted_tokens, r.output_len) if r.predicted_tokens > 0 else r.output_len
-            return wp.kv_demand(self.perf.base, r.input_len, out)
+            return core_perf.kv_demand(self.perf.base, r.input_len, out)
         return int(self.perf.kv(r.prefill_len + 1) + 0.999)
 
     def _adapter_slot(self, r: SimRequest) -> bool:

@@ -19,11 +19,19 @@ from collections.abc import AsyncIterator
 
 from opentelemetry import trace
 
-from polyserve.proto import (AdapterCommand, CancelRequest, GenerateAccepted, GenerateRequest, Placement,
-                             RequestStats, TokenChunk, Withdraw, WithdrawReply)
+from polyserve.proto import (
+    AdapterCommand,
+    CancelRequest,
+    GenerateAccepted,
+    GenerateRequest,
+    Placement,
+    RequestStats,
+    TokenChunk,
+    Withdraw,
+    WithdrawReply,
+)
 from polyserve.shared.bus import Bus, BusError
-from polyserve.worker.engine import (Delta, Engine, EngineError, EngineOverloaded, EngineRequest, Finished,
-                                     Withdrawn)
+from polyserve.worker.engine import Delta, Engine, EngineError, EngineOverloaded, EngineRequest, Finished, Withdrawn
 
 logger = logging.getLogger(__name__)
 

@@ -6,8 +6,7 @@ import asyncio
 import logging
 from typing import Any
 
-from polyserve.proto import (AdapterCommand, CancelRequest, GenerateRequest, Heartbeat, Withdraw, WorkerDown,
-                             WorkerUp)
+from polyserve.proto import AdapterCommand, CancelRequest, GenerateRequest, Heartbeat, Withdraw, WorkerDown, WorkerUp
 from polyserve.shared.lifecycle import ServiceBase
 from polyserve.worker.config import WorkerSettings, with_worker_id
 from polyserve.worker.embed_handler import serve_embeddings

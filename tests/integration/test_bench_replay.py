@@ -6,13 +6,12 @@ import argparse
 
 import pytest
 
-from polyserve import bench_replay as br
-from polyserve.dispatcher.perf_models import load_perf
+from polyserve.bench import replay as br
+from polyserve.core.perf import load_perf
 from polyserve.simulator import report
 from polyserve.simulator.cluster import SimConfig, simulate
 from polyserve.simulator.trace import from_requests
 from polyserve.worker.engines.sim import DEFAULT_PROFILE
-
 from tests.integration.conftest import MODEL
 
 pytestmark = pytest.mark.integration

@@ -1,10 +1,7 @@
-import asyncio
 
-import msgspec
 import pytest
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-from polyserve.proto import PredictRequest, Prediction
+from polyserve.proto import Prediction, PredictRequest
 from polyserve.shared.bus import Bus, BusError
 from polyserve.shared.telemetry import make_tracer
 

@@ -8,8 +8,7 @@ import pytest
 
 from polyserve.dispatcher.config import DispatcherSettings
 from polyserve.dispatcher.service import DispatcherService
-from polyserve.proto import (Completed, Deployment, DispatchRequest, Failed, Heartbeat, Placement,
-                             WorkerDown)
+from polyserve.proto import Completed, Deployment, DispatchRequest, Failed, Heartbeat, Placement, WorkerDown
 from polyserve.shared import infra
 from polyserve.shared.bus import BusError
 from tests.helpers import running, wait_for

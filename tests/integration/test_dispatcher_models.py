@@ -11,8 +11,17 @@ import pytest
 
 from polyserve.dispatcher.config import DispatcherSettings
 from polyserve.dispatcher.service import DispatcherService
-from polyserve.proto import (AnyEvent, Completed, Deployment, Dispatched, FirstToken, Placement, ScaleSignal,
-                             Withdraw, WithdrawReply)
+from polyserve.proto import (
+    AnyEvent,
+    Completed,
+    Deployment,
+    Dispatched,
+    FirstToken,
+    Placement,
+    ScaleSignal,
+    Withdraw,
+    WithdrawReply,
+)
 from polyserve.worker.config import WorkerSettings
 from polyserve.worker.service import WorkerService
 from tests.helpers import running, wait_for

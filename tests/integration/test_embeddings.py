@@ -37,7 +37,7 @@ def st():
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from polyserve.worker.engines.encoder_text import resolve_model_dir
+    from polyserve.core.encoder_text import resolve_model_dir
 
     torch.set_num_threads(1)
     model = SentenceTransformer(str(resolve_model_dir()), device="cpu")

@@ -6,11 +6,11 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from polyserve.gpu_agent.config import GpuAgentSettings
 from polyserve.gpu_agent.gpu import SimulatedGpu
 from polyserve.gpu_agent.service import GpuAgentService
 from polyserve.proto import AgentReply, Completed, EnergyReport, Heartbeat, StartWorker
-
 from tests.helpers import running, wait_for
 
 pytestmark = pytest.mark.integration

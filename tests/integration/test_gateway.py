@@ -3,14 +3,12 @@ in front of real predictor, dispatcher and sim worker services on real NATS/Redi
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import openai
 import pytest
 
 from polyserve.proto import AnyEvent
-from polyserve.shared.bus import decode
 from tests.helpers import wait_for
 from tests.integration.conftest import MODEL
 

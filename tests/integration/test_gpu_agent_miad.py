@@ -7,12 +7,12 @@ import time
 from pathlib import Path
 
 import pytest
+
 from polyserve.gpu_agent.config import GpuAgentSettings
 from polyserve.gpu_agent.frequency import clock_subject
 from polyserve.gpu_agent.miad import DOWN, UP, ClockDecision
 from polyserve.gpu_agent.service import GpuAgentService
 from polyserve.proto import AgentReply, Completed, Deployment, ScalerPolicy, StartWorker
-
 from tests.helpers import running, wait_for
 
 pytestmark = pytest.mark.integration

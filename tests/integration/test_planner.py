@@ -7,8 +7,18 @@ import pytest
 
 from polyserve.planner.config import PlannerSettings
 from polyserve.planner.service import NO_AGENT, PlannerService
-from polyserve.proto import (AgentInfo, AgentReply, Completed, Deployment, Heartbeat, ScaleDecision,
-                             ScalerPolicy, ScaleSignal, StartWorker, StopWorker)
+from polyserve.proto import (
+    AgentInfo,
+    AgentReply,
+    Completed,
+    Deployment,
+    Heartbeat,
+    ScaleDecision,
+    ScalerPolicy,
+    ScaleSignal,
+    StartWorker,
+    StopWorker,
+)
 from tests.helpers import running, wait_for
 
 pytestmark = pytest.mark.integration

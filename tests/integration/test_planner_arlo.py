@@ -6,13 +6,13 @@ with the runtimes the ILP chose."""
 import collections
 
 import pytest
+
 from polyserve.gpu_agent.config import GpuAgentSettings
 from polyserve.gpu_agent.service import GpuAgentService
 from polyserve.planner import arlo_live
 from polyserve.planner.config import PlannerSettings
 from polyserve.planner.service import PlannerService
 from polyserve.proto import AgentReply, Completed, Deployment, RuntimePlan, ScalerPolicy, StartWorker
-
 from tests.helpers import running, wait_for
 
 pytestmark = pytest.mark.integration

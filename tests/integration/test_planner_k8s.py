@@ -4,11 +4,11 @@ comes from the Deployment's scale and the decision is patched back."""
 import time
 
 import pytest
+
 from polyserve.planner.config import PlannerSettings
 from polyserve.planner.k8s import KubernetesActuator
 from polyserve.planner.service import PlannerService
 from polyserve.proto import Heartbeat
-
 from tests.helpers import running, wait_for
 from tests.integration.test_planner import THRESHOLD_MS, deployment, publish_completed
 

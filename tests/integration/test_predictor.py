@@ -7,7 +7,7 @@ import pytest
 
 from polyserve.predictor.config import PredictorSettings
 from polyserve.predictor.service import PredictorService
-from polyserve.proto import Completed, Keys, PredictRequest, Prediction
+from polyserve.proto import Completed, Keys, Prediction, PredictRequest
 from polyserve.shared import infra
 from polyserve.shared.bus import BusError
 from tests.helpers import running, wait_for

@@ -6,8 +6,16 @@ import asyncio
 
 import pytest
 
-from polyserve.proto import (CancelRequest, GenerateAccepted, GenerateRequest, Heartbeat, SamplingParams,
-                             TokenChunk, WorkerDown, WorkerUp)
+from polyserve.proto import (
+    CancelRequest,
+    GenerateAccepted,
+    GenerateRequest,
+    Heartbeat,
+    SamplingParams,
+    TokenChunk,
+    WorkerDown,
+    WorkerUp,
+)
 from polyserve.shared.bus import BusError, decode
 from polyserve.worker.config import WorkerSettings
 from polyserve.worker.service import WorkerService

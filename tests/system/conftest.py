@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from polyserve import launcher
+from polyserve.cli import launcher
 from polyserve.shared import infra
 
 SYSTEM_ENV = {

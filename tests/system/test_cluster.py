@@ -14,7 +14,7 @@ import nats
 import openai
 import pytest
 
-from polyserve.status import cluster_status
+from polyserve.cli.status import cluster_status
 
 pytestmark = pytest.mark.system
 

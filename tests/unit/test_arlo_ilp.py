@@ -5,6 +5,7 @@ import math
 import random
 
 import pytest
+
 from polyserve.planner import arlo_ilp as arlo
 from polyserve.planner.arlo_ilp import Replacement, RuntimeProfile
 

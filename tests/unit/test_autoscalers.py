@@ -1,5 +1,6 @@
 """The pure autoscaling policies: per-token / request HPA, Arlo target tracking, µ-Serve."""
 import pytest
+
 from polyserve.planner import autoscalers as A
 from polyserve.planner import policy
 from polyserve.planner.autoscalers import ClockSignal, Observation, Sample, WorkerLoad

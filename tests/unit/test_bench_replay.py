@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from polyserve import bench_replay as br
 from polyserve import cli
+from polyserve.bench import replay as br
 
 pytestmark = pytest.mark.unit
 
@@ -77,7 +77,7 @@ def test_cli_reports_bad_flags(tmp_path, capsys):
 def test_fidelity_calibration_recovers_a_known_step_overhead():
     import json
 
-    from polyserve import bench_fidelity as bf
+    from polyserve.bench import fidelity as bf
     from polyserve.simulator import simulate_requests
 
     raw = json.loads(bf.ENGINE_PROFILES["sim"].read_text())

@@ -11,11 +11,11 @@ import random
 from dataclasses import replace
 
 import pytest
+
+from polyserve.core.perf import BGMV, MBGMV, PerfModel, WorkerPerf
 from polyserve.dispatcher import index as ix
 from polyserve.dispatcher import index_models as ixm
 from polyserve.dispatcher import policy as p
-from polyserve.dispatcher.perf_models import BGMV, MBGMV, WorkerPerf
-from polyserve.worker.policy import PerfModel
 
 pytestmark = pytest.mark.unit
 

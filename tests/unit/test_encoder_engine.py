@@ -11,13 +11,13 @@ pytest.importorskip("sentence_transformers")
 
 import torch  # noqa: E402
 
+from polyserve.core.encoder_text import truncate_ids  # noqa: E402
 from polyserve.dispatcher.policy import WorkerView  # noqa: E402
 from polyserve.dispatcher.policy_arlo import capacity  # noqa: E402
 from polyserve.proto import EncoderProfile  # noqa: E402
 from polyserve.worker.engine import EngineError, EngineOverloaded, EngineRequest  # noqa: E402
 from polyserve.worker.engines.encoder import EncoderConfig, EncoderEngine, capacity_within_slo, replay_ms  # noqa: E402
 from polyserve.worker.engines.encoder_runtime import Runtime, load_encoder  # noqa: E402
-from polyserve.worker.engines.encoder_text import truncate_ids  # noqa: E402
 
 pytestmark = pytest.mark.unit
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -6,7 +6,6 @@ from polyserve.gpu_agent.energy import Done, EnergyMeter, energy_source, split_e
 from polyserve.gpu_agent.gpu import NvmlGpu, SimulatedGpu
 from polyserve.gpu_agent.gpu_model import GAMMA
 from polyserve.proto import Completed
-
 from tests.unit.test_gpu import Clock, fake_nvml
 
 pytestmark = pytest.mark.unit

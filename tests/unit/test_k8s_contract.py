@@ -16,6 +16,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
+
 from polyserve.planner.k8s import MERGE_PATCH, ActuatorError, KubernetesActuator, k8s_name
 
 kubernetes = pytest.importorskip("kubernetes", reason="contract tests need the kubernetes client")

@@ -5,6 +5,7 @@ import types
 from pathlib import Path
 
 import pytest
+
 from polyserve.gpu_agent import gpu_model as gm
 from polyserve.gpu_agent import miad
 from polyserve.gpu_agent.clock_control import NvmlLockedClocks, SimulatedClock, choose_actuator

@@ -6,10 +6,9 @@ import random
 
 import pytest
 
+from polyserve.core.perf import PerfModel, WorkerPerf
 from polyserve.dispatcher import policy as p
 from polyserve.dispatcher import policy_aladdin as a
-from polyserve.dispatcher.perf_models import WorkerPerf
-from polyserve.worker.policy import PerfModel
 
 pytestmark = pytest.mark.unit
 
@@ -176,7 +175,7 @@ def test_heartbeat_only_views_still_work():
 
 
 def test_perf_models_are_fitted_online_from_the_profile_and_report_their_error():
-    from polyserve.dispatcher.perf_models import PerfFitter
+    from polyserve.core.perf import PerfFitter
 
     fit = PerfFitter(PERF)
     assert fit.current().base == PERF.base  # starts from the profile

@@ -6,10 +6,9 @@ import random
 
 import pytest
 
+from polyserve.core.perf import BGMV, LORA_DEFAULTS, MBGMV, PerfModel, WorkerPerf
 from polyserve.dispatcher import policy as p
 from polyserve.dispatcher import policy_caraserve as c
-from polyserve.dispatcher.perf_models import BGMV, LORA_DEFAULTS, MBGMV, WorkerPerf
-from polyserve.worker.policy import PerfModel
 
 pytestmark = pytest.mark.unit
 

@@ -5,8 +5,16 @@ from dataclasses import replace
 import pytest
 
 from polyserve.dispatcher.policy import PolicyState, RequestView, WorkerView
-from polyserve.dispatcher.policy_arlo import (ARLO_POLICIES, arlo_ig, arlo_ilb, arlo_mlq, capacity, congestion,
-                                              levels, make_arlo_mlq)
+from polyserve.dispatcher.policy_arlo import (
+    ARLO_POLICIES,
+    arlo_ig,
+    arlo_ilb,
+    arlo_mlq,
+    capacity,
+    congestion,
+    levels,
+    make_arlo_mlq,
+)
 
 pytestmark = pytest.mark.unit
 RNG = random.Random(0)
@@ -133,7 +141,7 @@ def _toy_profile():
 
 
 def test_workload_allocation_and_simulator():
-    from polyserve import bench_embeddings_sim as bsim
+    from polyserve.simulator import encoder as bsim
 
     rng = random.Random(1)
     xs = sorted(bsim.twitter_like(rng) for _ in range(20000))

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from polyserve.worker import profile_fit
+from polyserve.core import profile_fit
 from polyserve.worker.engines.sim import DEFAULT_PROFILE, load_profile
 from tests.conftest import DATASETS
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from polyserve.core.perf import PerfModel
 from polyserve.profiler import bench_batching, cli, fit
 from polyserve.profiler.grid import GridRunner, GridSpec, PromptMaker, rank_mixes
 from polyserve.worker.config import WorkerSettings
 from polyserve.worker.engines import make_engine
 from polyserve.worker.engines.sim import SimEngine, SimProfile, count_words_as_tokens, load_profile
-from polyserve.worker.policy import PerfModel
 from tests.conftest import DATASETS
 
 pytestmark = pytest.mark.unit

@@ -15,7 +15,6 @@ from polyserve.predictor.proxy import artifact, encoder, infer, train  # noqa: E
 from polyserve.predictor.proxy import model as M  # noqa: E402
 from polyserve.predictor.proxy.infer import ProxyPredictor  # noqa: E402
 from polyserve.shared.settings import SettingsError, load  # noqa: E402
-
 from tests.unit.test_proxy_train import tiny_dataset  # noqa: E402
 
 pytestmark = pytest.mark.unit

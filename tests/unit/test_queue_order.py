@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from polyserve.worker import policy as wp
+from polyserve.core import queue_order as wp
 
 pytestmark = pytest.mark.unit
 

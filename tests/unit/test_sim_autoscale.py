@@ -10,14 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from polyserve.dispatcher.perf_models import WorkerPerf
+from polyserve.core.perf import PerfModel, WorkerPerf
 from polyserve.planner.autoscalers import HpaScaler, MuServeScaler, TargetTracking
 from polyserve.simulator import report
 from polyserve.simulator.autoscale import auto_thresholds, load_rise
 from polyserve.simulator.cli import main as cli_main
 from polyserve.simulator.cluster import SimConfig, simulate
 from polyserve.simulator.trace import from_requests
-from polyserve.worker.policy import PerfModel
 
 pytestmark = pytest.mark.unit
 

@@ -9,16 +9,17 @@ import time
 
 import pytest
 
+from polyserve.core import perf as core_perf
+from polyserve.core import queue_order as policy
 from polyserve.proto import SamplingParams
-from polyserve.worker import policy
+from polyserve.worker.config import WorkerSettings
 from polyserve.worker.engine import Delta, EngineError, EngineOverloaded, EngineRequest, Finished
 from polyserve.worker.engines import make_engine
 from polyserve.worker.engines.sim import DEFAULT_PROFILE, SimEngine, SimProfile, load_profile
-from polyserve.worker.config import WorkerSettings
 
 pytestmark = pytest.mark.unit
 
-PERF = policy.PerfModel(k1=1.0, c1=10.0, k2=0.5, c2=2.0, c3=5.0)
+PERF = core_perf.PerfModel(k1=1.0, c1=10.0, k2=0.5, c2=2.0, c3=5.0)
 
 
 def profile(median: int = 100_000, sigma: float = 0.0, kv: int = 1_000_000) -> SimProfile:
@@ -109,7 +110,7 @@ async def test_cancel_frees_the_slot_and_kv_and_ends_cancelled():
         b = e.generate(req("b", max_tokens=5))
         first = await a.__anext__()
         assert isinstance(first, Delta)
-        demand_a = policy.kv_demand(PERF, 13, 100_000)
+        demand_a = core_perf.kv_demand(PERF, 13, 100_000)
         assert e.load().running == 1 and e.load().waiting == 1 and e.load().kv_used == demand_a
         assert e.cancel("a") is True
         assert e.load().running == 0 and e.load().kv_used == 0
@@ -256,5 +257,5 @@ def test_policy_admission_is_head_of_line_and_orders_are_pure():
     assert policy.fcfs([a, b, c]) == [b, c, a]
     assert policy.priority_fcfs([a, b, c]) == [c, a, b]
     assert policy.find_stop("hello world", ["wor", "lo"]) == 3
-    assert policy.decode_ms(PERF, 10.0, 0) == 0.0 and policy.prefill_ms(PERF, 0) == 0.0
-    assert policy.kv_demand(PERF, 10, 5, n=2) == 30
+    assert core_perf.decode_ms(PERF, 10.0, 0) == 0.0 and core_perf.prefill_ms(PERF, 0) == 0.0
+    assert core_perf.kv_demand(PERF, 10, 5, n=2) == 30

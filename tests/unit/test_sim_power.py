@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from polyserve.dispatcher.perf_models import WorkerPerf
+from polyserve.core.perf import PerfModel, WorkerPerf
+from polyserve.core.queue_order import ORDER_KEYS
 from polyserve.gpu_agent import gpu_model
 from polyserve.simulator import report
 from polyserve.simulator.cli import main as cli_main
 from polyserve.simulator.cluster import SimConfig, simulate
 from polyserve.simulator.engine import SimRequest, SimWorker, WorkerConfig
 from polyserve.simulator.trace import from_requests
-from polyserve.worker.policy import ORDER_KEYS, PerfModel
 
 pytestmark = pytest.mark.unit
 

@@ -10,15 +10,21 @@ import math
 import numpy as np
 import pytest
 
-from polyserve.dispatcher.perf_models import WorkerPerf
+from polyserve.core.perf import PerfModel, WorkerPerf
 from polyserve.gpu_agent import gpu_model
 from polyserve.simulator import power as pw
 from polyserve.simulator import report
 from polyserve.simulator.cli import main as cli_main
 from polyserve.simulator.cluster import SimConfig, simulate
-from polyserve.simulator.trace import (from_requests, load_azure_llm, load_trace, parse_synthetic, synthetic_step,
-                                       window, write_azure_csv)
-from polyserve.worker.policy import PerfModel
+from polyserve.simulator.trace import (
+    from_requests,
+    load_azure_llm,
+    load_trace,
+    parse_synthetic,
+    synthetic_step,
+    window,
+    write_azure_csv,
+)
 
 pytestmark = pytest.mark.unit
 

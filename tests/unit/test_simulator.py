@@ -9,14 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from polyserve.core.perf import PerfModel, WorkerPerf
 from polyserve.dispatcher import policy as dispatch_policy
-from polyserve.dispatcher.perf_models import WorkerPerf
 from polyserve.simulator import cluster, simulate_requests
 from polyserve.simulator.cli import main as cli_main
 from polyserve.simulator.engine import WorkerConfig
 from polyserve.simulator.predictor import ConditionalMean, LengthPredictor, percentile_bounds
 from polyserve.simulator.trace import from_requests, load_azure_llm, make_adapters, window
-from polyserve.worker.policy import PerfModel
 
 pytestmark = pytest.mark.unit
 

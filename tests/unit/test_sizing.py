@@ -4,6 +4,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from polyserve.planner import sizing
 from polyserve.planner.sizing import Cusum, SizingState, TpCandidate
 

@@ -16,6 +16,7 @@ whether it is the one the artifact was trained with.
 from __future__ import annotations
 
 import json
+from importlib import resources
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,4 +138,4 @@ def size_bytes(path: str | Path) -> int:
 
 def default_dir() -> Path:
     """The artifact shipped with polyserve (trained by `polyserve predictor train`, see its meta.json)."""
-    return Path(__file__).resolve().parents[1] / "artifacts" / "proxy-minilm"
+    return Path(str(resources.files("polyserve.predictor") / "artifacts" / "proxy-minilm"))

@@ -11,7 +11,7 @@ import hashlib
 from functools import lru_cache
 from pathlib import Path
 
-from polyserve.worker.engines.encoder_text import EncoderNotFound, resolve_model_dir  # noqa: F401
+from polyserve.core.encoder_text import EncoderNotFound, resolve_model_dir  # noqa: F401
 
 DEFAULT_ENCODER = "sentence-transformers/all-MiniLM-L6-v2"
 """Name recorded in artifacts for the packaged default encoder."""

@@ -29,7 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from polyserve.predictor.proxy import artifact, encoder as enc_mod, model as M
+from polyserve.predictor.proxy import artifact
+from polyserve.predictor.proxy import encoder as enc_mod
+from polyserve.predictor.proxy import model as M
 from polyserve.predictor.proxy.buckets import bucket_length
 
 logger = logging.getLogger(__name__)

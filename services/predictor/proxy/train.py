@@ -29,7 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from polyserve.predictor.proxy import artifact, data, encoder as enc_mod, labels, model as M
+from polyserve.predictor.proxy import artifact, data, labels
+from polyserve.predictor.proxy import encoder as enc_mod
+from polyserve.predictor.proxy import model as M
 
 logger = logging.getLogger(__name__)
 

@@ -247,7 +247,7 @@ class EncoderEngine(Engine):
                 if not truncate:
                     raise EngineError(f"input {i} has {len(r)} tokens; this runtime takes at most "
                                       f"{self.max_length} (set truncate to cut it)", 400)
-                from polyserve.worker.engines.encoder_text import truncate_ids
+                from polyserve.core.encoder_text import truncate_ids
 
                 r = truncate_ids(r, self.max_length, sep)
                 truncated += 1

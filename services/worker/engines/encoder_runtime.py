@@ -35,8 +35,14 @@ from pathlib import Path
 
 import torch
 
-from polyserve.worker.engines.encoder_text import (DEFAULT_MODEL, EncoderNotFound, TextTokenizer,
-                                                    load_text_tokenizer, resolve_model_dir, truncate_ids)
+from polyserve.core.encoder_text import (
+    DEFAULT_MODEL,
+    EncoderNotFound,
+    TextTokenizer,
+    load_text_tokenizer,
+    resolve_model_dir,
+    truncate_ids,
+)
 
 logger = logging.getLogger(__name__)
 

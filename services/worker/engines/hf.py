@@ -37,11 +37,22 @@ from typing import Any
 
 import msgspec
 
+from polyserve.core import queue_order
 from polyserve.proto import AdapterInfo
-
-from polyserve.worker import policy as worker_policy
-from polyserve.worker.engine import (Delta, Engine, EngineError, EngineLoad, EngineOverloaded, EngineRequest,
-                                     Finished, Withdrawn, check_request, free_adapter, make_stats, relay)
+from polyserve.worker.engine import (
+    Delta,
+    Engine,
+    EngineError,
+    EngineLoad,
+    EngineOverloaded,
+    EngineRequest,
+    Finished,
+    Withdrawn,
+    check_request,
+    free_adapter,
+    make_stats,
+    relay,
+)
 from polyserve.worker.engines.hf_batch import LAYOUTS, Batch, Row
 from polyserve.worker.engines.hf_lora import COLD_START, AdapterManager  # noqa: F401 (COLD_START re-exported)
 from polyserve.worker.lora_cache import HOST
@@ -50,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 OrderKey = Callable[[EngineRequest], Any]
 # Queue orders as sort keys (fcfs, priority, ssjf): the same code the sim engine and the simulator use.
-ORDERS: dict[str, OrderKey] = {k: v for k, v in worker_policy.ORDER_KEYS.items() if k != "sjf_oracle"}
+ORDERS: dict[str, OrderKey] = {k: v for k, v in queue_order.ORDER_KEYS.items() if k != "sjf_oracle"}
 
 
 class _Active:

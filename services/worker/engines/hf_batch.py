@@ -51,7 +51,6 @@ import torch
 import torch.nn.functional as F
 
 from polyserve.proto import SamplingParams
-
 from polyserve.worker.engine import Delta
 from polyserve.worker.engines.hf_text import IncrementalDetokenizer, StopMatcher
 

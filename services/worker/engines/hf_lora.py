@@ -32,11 +32,21 @@ import torch
 import torch.nn.functional as F
 
 from polyserve.proto import AdapterInfo
-
 from polyserve.worker.engine import EngineError
-from polyserve.worker.lora import (AdapterError, AdapterRegistry, AdapterSpec, HostLora, check_fits, check_name,
-                                   copy_to_device, load_host_lora, lora_config, read_adapter, weight_bytes)
-from polyserve.worker.lora_cache import DEVICE, DISK, HOST, AdapterCache, CachePolicy, CacheError
+from polyserve.worker.lora import (
+    AdapterError,
+    AdapterRegistry,
+    AdapterSpec,
+    HostLora,
+    check_fits,
+    check_name,
+    copy_to_device,
+    load_host_lora,
+    lora_config,
+    read_adapter,
+    weight_bytes,
+)
+from polyserve.worker.lora_cache import DEVICE, DISK, HOST, AdapterCache, CacheError, CachePolicy
 
 logger = logging.getLogger(__name__)
 

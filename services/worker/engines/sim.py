@@ -5,8 +5,8 @@ waiting queue, admission bounded by batch slots and a KV budget, and per
 iteration one prefill of the newly admitted requests (which samples their first
 token) and one decode step of everything already running (one token per
 sequence) — and each iteration lasts what Aladdin's models (§3, see
-`polyserve.worker.policy`) say for a profile fitted from measurements
-(`polyserve.worker.profile_fit`), multiplied by `time_scale`.
+`polyserve.core.queue_order`) say for a profile fitted from measurements
+(`polyserve.core.profile_fit`), multiplied by `time_scale`.
 
 Everything it produces is labelled simulated. Its tokenizer is a stand-in:
 input tokens = ceil(1.3 × whitespace-separated words) (the usual words→tokens
@@ -30,16 +30,29 @@ from pathlib import Path
 
 import msgspec
 
+from polyserve.core import perf as core_perf
+from polyserve.core import profiles
+from polyserve.core import queue_order as policy
+from polyserve.core.profiles import profile_path
 from polyserve.proto import AdapterInfo
-from polyserve.worker import policy
+from polyserve.worker.engine import (
+    Delta,
+    Engine,
+    EngineError,
+    EngineLoad,
+    EngineOverloaded,
+    EngineRequest,
+    Finished,
+    Withdrawn,
+    free_adapter,
+    make_stats,
+)
 from polyserve.worker.lora import AdapterError, AdapterRegistry, read_adapter
-from polyserve.worker.engine import (Delta, Engine, EngineError, EngineLoad, EngineOverloaded,
-                                     EngineRequest, Finished, Withdrawn, free_adapter, make_stats)
 
 logger = logging.getLogger(__name__)
 
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
-DEFAULT_PROFILE = PROFILES_DIR / "sim-llama2-70b-h100-tp4.json"
+PROFILES_DIR = profiles.profiles_dir()
+DEFAULT_PROFILE = profile_path(profiles.DEFAULT_SIM)
 WORDS_TO_TOKENS = 1.3
 VOCAB = (
     "the", "a", "of", "and", "to", "in", "is", "that", "for", "it", "with", "as", "on", "this",
@@ -52,7 +65,7 @@ VOCAB = (
 class SimProfile:
     """What the sim needs from a profile file (see profile_fit for how one is made)."""
 
-    perf: policy.PerfModel
+    perf: core_perf.PerfModel
     kv_capacity_tokens: int
     median_output_tokens: int = 129
     output_log_sigma: float = 0.86
@@ -64,7 +77,7 @@ def load_profile(path: str | Path = "") -> SimProfile:
     path = Path(path) if path else DEFAULT_PROFILE
     try:
         raw = json.loads(path.read_text())
-        perf = policy.PerfModel(k1=raw["k1"], c1=raw["c1"], k2=raw["k2"], c2=raw["c2"], c3=raw["c3"],
+        perf = core_perf.PerfModel(k1=raw["k1"], c1=raw["c1"], k2=raw["k2"], c2=raw["c2"], c3=raw["c3"],
                                 h=raw.get("h", 1.0), j=raw.get("j", 0.0))
         return SimProfile(perf=perf, kv_capacity_tokens=int(raw["kv_capacity_tokens"]),
                           median_output_tokens=int(raw.get("median_output_tokens", 129)),
@@ -252,7 +265,7 @@ class SimEngine(Engine):
             raise EngineError(f"prompt has {l_in} tokens; this worker accepts at most "
                               f"max_input_len={self.max_input_len} input tokens", 400)
         l_out = min(req.predicted_tokens, p.max_tokens) if req.predicted_tokens > 0 else p.max_tokens
-        demand = policy.kv_demand(self.profile.perf, l_in, l_out, p.n)
+        demand = core_perf.kv_demand(self.profile.perf, l_in, l_out, p.n)
         if demand > self.kv_capacity:
             raise EngineError(f"request needs {demand} KV tokens (n × (input + output)); this worker "
                               f"holds {self.kv_capacity}: lower max_tokens or n", 400)
@@ -309,7 +322,7 @@ class SimEngine(Engine):
                 for r in new:
                     r.start = now
                 total = sum(r.input_tokens for r in new)
-                await self._spend(Iteration("prefill", total, 0.0, policy.prefill_ms(self.profile.perf, total)))
+                await self._spend(Iteration("prefill", total, 0.0, core_perf.prefill_ms(self.profile.perf, total)))
                 for r in new:
                     if not r.done:
                         r.prefilled = True
@@ -319,7 +332,7 @@ class SimEngine(Engine):
                 ctx = [r.input_tokens + c.generated for r in old for c in r.choices if c.finish_reason is None]
                 l_avg = sum(ctx) / len(ctx)
                 await self._spend(Iteration("decode", len(ctx), l_avg,
-                                            policy.decode_ms(self.profile.perf, l_avg, len(ctx))))
+                                            core_perf.decode_ms(self.profile.perf, l_avg, len(ctx))))
                 for r in old:
                     if not r.done:
                         self._step(r)

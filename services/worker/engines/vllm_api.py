@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from polyserve.proto import SamplingParams as ProtoSamplingParams
-
 from polyserve.worker.engine import EngineError
 
 logger = logging.getLogger(__name__)

@@ -57,9 +57,20 @@ from typing import Any
 import msgspec
 
 from polyserve.proto import AdapterInfo
-
-from polyserve.worker.engine import (Delta, Engine, EngineError, EngineLoad, EngineOverloaded, EngineRequest,
-                                     Finished, Withdrawn, check_request, free_adapter, make_stats, relay)
+from polyserve.worker.engine import (
+    Delta,
+    Engine,
+    EngineError,
+    EngineLoad,
+    EngineOverloaded,
+    EngineRequest,
+    Finished,
+    Withdrawn,
+    check_request,
+    free_adapter,
+    make_stats,
+    relay,
+)
 from polyserve.worker.engines import vllm_api
 from polyserve.worker.lora import AdapterError, AdapterRegistry, check_name, read_adapter
 

@@ -2,11 +2,11 @@
 
 The shipped default profile was made with::
 
-    python -m polyserve.worker.profile_fit \\
+    python -m polyserve.core.profile_fit \\
         --splitwise ../shared/datasets/profiles/splitwise_llama2_70b_bloom_176b_a100_h100.csv \\
         --model llama2-70b --hardware h100-80gb --tp 4 \\
         --output-trace ../shared/datasets/traces/azure_llm_2023_conv.csv \\
-        --out services/worker/profiles/sim-llama2-70b-h100-tp4.json
+        --out services/core/profiles/sim-llama2-70b-h100-tp4.json
 
 Fits (least squares, `numpy.linalg.lstsq`) on the rows of one model, hardware
 and tensor-parallel degree of the Splitwise profile (times in ms):
@@ -170,7 +170,7 @@ def _quality(fit: Fit) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: fit, print a summary, write the JSON profile."""
-    ap = argparse.ArgumentParser(prog="python -m polyserve.worker.profile_fit", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m polyserve.core.profile_fit", description=__doc__.split("\n")[0])
     ap.add_argument("--splitwise", required=True, help="splitwise_llama2_70b_bloom_176b_a100_h100.csv")
     ap.add_argument("--model", default="llama2-70b", choices=sorted(MODELS))
     ap.add_argument("--hardware", default="h100-80gb", choices=sorted(GPU_MEM_BYTES))
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as exc:
         print(f"profile_fit: {exc}", file=sys.stderr)
         return 2
-    prof["command"] = "python -m polyserve.worker.profile_fit " + " ".join(
+    prof["command"] = "python -m polyserve.core.profile_fit " + " ".join(
         sys.argv[1:] if argv is None else argv)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(prof, indent=2) + "\n")

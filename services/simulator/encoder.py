@@ -27,13 +27,13 @@ from pathlib import Path
 from polyserve.dispatcher.policy import POLICIES, PolicyState, RequestView, WorkerView
 from polyserve.dispatcher.policy_arlo import ARLO_POLICIES
 from polyserve.proto import EncoderProfile, RuntimeProfile
+from polyserve.shared.paths import datasets_dir
 from polyserve.worker.engines.encoder import replay_ms
 
 TWITTER_MU = math.log(21.0)
 TWITTER_SIGMA = (math.log(72.0) - math.log(21.0)) / 2.0537  # P98 of a standard normal
 TWITTER_MAX = 125
-AZURE_CODE = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "traces" / \
-    "azure_llm_2023_code.csv"
+AZURE_CODE = datasets_dir() / "traces" / "azure_llm_2023_code.csv"
 
 
 def twitter_like(rng: random.Random, max_length: int = 512, scale: float = 1.0) -> int:

@@ -2,7 +2,8 @@
 
 Models (times in ms, KV in tokens when h = 1, j = 0):
 
-* Aladdin §3 (the very functions of `polyserve.worker.policy`):
+* Aladdin §3 (`PerfModel`, `prefill_ms`, `decode_ms`, `kv_demand` below; Eq. 1-3 of
+  `../shared/papers/aladdin-joint-placement-scaling.txt`):
   prefill ``t = k1·Σl_in + c1``; decode step ``t = (k2·l_avg + c2)·b + c3``;
   KV per sequence ``kv = h·(l_in + l_out) + j``.
 * CaraServe §5, the LoRA share of a decode step, linear in
@@ -35,7 +36,38 @@ from pathlib import Path
 
 import numpy as np
 
-from polyserve.worker import policy as wp
+
+@dataclass(frozen=True)
+class PerfModel:
+    """Coefficients of Aladdin's models; times in ms, KV in tokens when h=1, j=0."""
+
+    k1: float
+    c1: float
+    k2: float
+    c2: float
+    c3: float
+    h: float = 1.0
+    j: float = 0.0
+
+
+def prefill_ms(model: PerfModel, total_input_tokens: int) -> float:
+    """Time of one prefill batch whose prompts hold `total_input_tokens` tokens (Eq. 2)."""
+    if total_input_tokens <= 0:
+        return 0.0
+    return max(0.0, model.k1 * total_input_tokens + model.c1)
+
+
+def decode_ms(model: PerfModel, l_avg: float, batch: int) -> float:
+    """Time of one decode step of `batch` sequences of mean context length `l_avg` (Eq. 3)."""
+    if batch <= 0:
+        return 0.0
+    return max(0.0, (model.k2 * l_avg + model.c2) * batch + model.c3)
+
+
+def kv_demand(model: PerfModel, l_in: int, l_out: int, n: int = 1) -> int:
+    """Peak KV demand of a request with `n` independent sequences (Eq. 1), rounded up."""
+    return n * math.ceil(model.h * (l_in + l_out) + model.j)
+
 
 BGMV, MBGMV = "bgmv", "mbgmv"
 KERNELS = (BGMV, MBGMV)
@@ -47,17 +79,17 @@ LORA_DEFAULTS = {BGMV: (1.0 / 256.0, 0.0), MBGMV: (0.6 / 256.0, 1.7)}
 class WorkerPerf:
     """A worker's models: Aladdin's base model plus the LoRA cost of each kernel."""
 
-    base: wp.PerfModel
+    base: PerfModel
     lora: Mapping[str, tuple[float, float]] = field(default_factory=lambda: dict(LORA_DEFAULTS))
     label: str = ""
 
     def prefill_ms(self, total_input_tokens: int) -> float:
         """One prefill batch of `total_input_tokens` (Eq. 2)."""
-        return wp.prefill_ms(self.base, total_input_tokens)
+        return prefill_ms(self.base, total_input_tokens)
 
     def decode_ms(self, l_avg: float, batch: int) -> float:
         """One decode step of `batch` sequences of mean context `l_avg` (Eq. 3), without LoRA."""
-        return wp.decode_ms(self.base, l_avg, batch)
+        return decode_ms(self.base, l_avg, batch)
 
     def kv(self, tokens: float) -> float:
         """KV footprint of one sequence holding `tokens` tokens (Eq. 1)."""
@@ -82,8 +114,8 @@ class WorkerPerf:
 
 
 def perf_from_dict(raw: Mapping, label: str = "") -> WorkerPerf:
-    """WorkerPerf from a profile dict (the JSON that `polyserve.worker.profile_fit` writes)."""
-    base = wp.PerfModel(k1=float(raw["k1"]), c1=float(raw["c1"]), k2=float(raw["k2"]), c2=float(raw["c2"]),
+    """WorkerPerf from a profile dict (the JSON that `polyserve.core.profile_fit` writes)."""
+    base = PerfModel(k1=float(raw["k1"]), c1=float(raw["c1"]), k2=float(raw["k2"]), c2=float(raw["c2"]),
                         c3=float(raw["c3"]), h=float(raw.get("h", 1.0)), j=float(raw.get("j", 0.0)))
     lora = dict(LORA_DEFAULTS)
     for k in KERNELS:

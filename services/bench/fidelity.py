@@ -2,7 +2,7 @@
 
 Starts polyserve itself (nats-server, redis-server, the services, `--workers` workers of
 `--engine` sim or hf, in a temporary run dir), replays a trace slice open-loop through the
-gateway (`bench_replay`), runs the very same requests — their send times and the token
+gateway (`bench.replay`), runs the very same requests — their send times and the token
 counts the engine reported — through `polyserve.simulator.simulate_requests` with that
 engine's profile and the live workers' settings (worker count, max_batch, KV reserved at
 admission, a 256-request waiting queue, least_outstanding placement), and prints the
@@ -30,12 +30,14 @@ from pathlib import Path
 
 import numpy as np
 
-from polyserve import bench_replay as br
-from polyserve import launcher
+from polyserve.bench import replay as br
+from polyserve.cli import launcher
+from polyserve.core import profiles
+from polyserve.core.profiles import profile_path
 from polyserve.shared import infra
 
-PROFILES = Path(__file__).resolve().parent / "worker" / "profiles"
-ENGINE_PROFILES = {"sim": PROFILES / "sim-llama2-70b-h100-tp4.json", "hf": PROFILES / "hf-tiny-llama-random-cpu.json"}
+PROFILES = profiles.profiles_dir()
+ENGINE_PROFILES = {"sim": profile_path(profiles.DEFAULT_SIM), "hf": profile_path(profiles.HF_CPU)}
 ENGINE_MODELS = {"sim": "fidelity-sim", "hf": "tiny-llama-random"}
 ENGINE_CAPS = {"sim": (4000, 4000), "hf": (3000, 1000)}  # (input, output) tokens the engine accepts
 METRICS = (("ttft_ms", "mean"), ("ttft_ms", "p98"), ("e2e_ms", "mean"), ("e2e_ms", "p98"), ("atgt_ms", "mean"),
@@ -222,6 +224,7 @@ def decomposition_table(d: dict) -> str:
 
 def _wait_workers(state: launcher.ClusterState, n: int, timeout: float = 120.0) -> None:
     import redis
+
     from polyserve.proto import Keys
 
     r = redis.Redis.from_url(state.redis_url)

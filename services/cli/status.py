@@ -8,7 +8,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from polyserve.launcher import ClusterState
+from polyserve.cli.launcher import ClusterState
 from polyserve.proto import Keys
 from polyserve.shared import infra
 

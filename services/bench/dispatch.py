@@ -1,8 +1,8 @@
-"""`polyserve bench-dispatch`: decision latency of every dispatch policy, pure scan vs index.
+"""`polyserve bench dispatch`: decision latency of every dispatch policy, pure scan vs index.
 
 Builds one deployment's worker view the way the dispatcher holds it — 1,200 workers by
 default, heartbeat-like `WorkerView`s with the perf models of a profile
-(`services/worker/profiles/sim-llama2-70b-h100-tp4.json`), LoRA adapters of ranks 8–64
+(`services/core/profiles/sim-llama2-70b-h100-tp4.json`), LoRA adapters of ranks 8–64
 (resident sets with full slots, Zipf popularity), request sizes from the Azure LLM 2023
 conversation trace; for the Arlo policies 1,200 encoder instances over 12 static-length
 runtimes with Twitter-like input lengths — then, per policy:
@@ -19,7 +19,7 @@ the indexed one (`polyserve.dispatcher.index`) run in lockstep on the same reque
 rng and cluster state for the first `--pure-decisions` steps, and their decisions are
 compared (they must be identical); the index then runs alone to `--decisions`.
 
-    polyserve bench-dispatch [--workers 1200 --runtimes 12 --outstanding 2400 \\
+    polyserve bench dispatch [--workers 1200 --runtimes 12 --outstanding 2400 \\
                               --decisions 5000 --policy all] [--json]
 
 ``--baseline-index FILE`` also runs each policy with another copy of `dispatcher/index.py`
@@ -46,13 +46,15 @@ from bisect import bisect_left
 from dataclasses import replace
 from pathlib import Path
 
+from polyserve.core import profiles
+from polyserve.core.perf import BGMV, KERNELS, MBGMV, WorkerPerf, load_perf
+from polyserve.core.profiles import profile_path
 from polyserve.dispatcher import index as ix
-from polyserve.dispatcher.perf_models import BGMV, KERNELS, MBGMV, WorkerPerf, load_perf
 from polyserve.dispatcher.policy import PolicyState, RequestView, WorkerView
+from polyserve.shared.paths import datasets_dir
 
-REPO = Path(__file__).resolve().parents[1]
-PROFILE = REPO / "services" / "worker" / "profiles" / "sim-llama2-70b-h100-tp4.json"
-TRACE = REPO.parent / "shared" / "datasets" / "traces" / "azure_llm_2023_conv.csv"
+PROFILE = profile_path(profiles.DEFAULT_SIM)
+TRACE = datasets_dir() / "traces" / "azure_llm_2023_conv.csv"
 ARLO_BASE = 512  # the longest runtime (BERT-like encoders)
 ARLO_PAPER_BURST_MS = 0.737  # Arlo: 2,400 requests over 1,200 instances, C++
 ALL = list(ix.FAST_POLICIES)
@@ -106,8 +108,8 @@ class Workload:
         self.cum = [sum(weights[:i + 1]) for i in range(len(weights))]
         self.runtimes = arlo_runtimes(args.runtimes)
         self.n = 0
-        if encoder:  # Twitter-like input lengths, as `polyserve bench-embeddings` uses
-            from polyserve.bench_embeddings_sim import twitter_like
+        if encoder:  # Twitter-like input lengths, as `polyserve bench embeddings` uses
+            from polyserve.simulator.encoder import twitter_like
 
             self._twitter_like = twitter_like
 
@@ -332,7 +334,7 @@ async def _live_run(name: str, index: bool, args: argparse.Namespace) -> dict:
 def live_main(names: list[str], args: argparse.Namespace) -> int:
     import asyncio
 
-    _say(f"bench-dispatch --live: DispatchHandlers in process, {args.workers} workers, {args.outstanding} "
+    _say(f"bench dispatch --live: DispatchHandlers in process, {args.workers} workers, {args.outstanding} "
          f"outstanding, {args.live_decisions} dispatches per policy after a completed event each; CPU µs; "
          f"load {os.getloadavg()[0]:.2f}")
     _say(f"{'policy':18} {'scan p50':>9} {'scan p99':>9} {'index p50':>9} {'index p99':>9} {'x p50':>6} "
@@ -354,7 +356,7 @@ def live_main(names: list[str], args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ CLI
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="polyserve bench-dispatch", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="polyserve bench dispatch", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=1200)
     ap.add_argument("--runtimes", type=int, default=12, help="Arlo static-length runtimes (encoder policies)")
@@ -417,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
             "loadavg_start": os.getloadavg(), "args": {k: v for k, v in vars(args).items()}}
     if not args.json:
-        _say(f"bench-dispatch: {args.workers} workers, {args.outstanding} outstanding, {args.decisions} decisions "
+        _say(f"bench dispatch: {args.workers} workers, {args.outstanding} outstanding, {args.decisions} decisions "
              f"per policy ({args.pure_decisions} also by the pure scan); Python {meta['python']}, "
              f"load {meta['loadavg_start'][0]:.2f}")
         _say(f"{'':18} {'CPU µs per decision (+ its update)':^50} {'wall µs':>10} {f'{args.outstanding}-burst, ms':^23}")

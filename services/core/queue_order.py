@@ -1,50 +1,11 @@
-"""Pure scheduling and cost models of the worker (no I/O): the sim engine, the tests
-and any offline simulator call this very code.
-
-Performance models are Aladdin §3 (`../shared/papers/aladdin-joint-placement-scaling.txt`):
-
-* KV cache (Eq. 1):      kv  = h·(l_in + l_out) + j            per sequence
-* prefill (Eq. 2):       t_p = k1·Σl_in + c1                    ms, one prefill batch
-* decode step (Eq. 3):   t_d = (k2·l_avg + c2)·b + c3           ms, b sequences of mean context l_avg
+"""Queue orders a worker (and the simulator) applies to its waiting requests, and the
+head-of-line admission check (no I/O): the sim and hf engines, the simulator and the
+tests call this very code. The performance models live in `polyserve.core.perf`.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol, TypeVar
-
-
-@dataclass(frozen=True)
-class PerfModel:
-    """Coefficients of Aladdin's models; times in ms, KV in tokens when h=1, j=0."""
-
-    k1: float
-    c1: float
-    k2: float
-    c2: float
-    c3: float
-    h: float = 1.0
-    j: float = 0.0
-
-
-def prefill_ms(model: PerfModel, total_input_tokens: int) -> float:
-    """Time of one prefill batch whose prompts hold `total_input_tokens` tokens (Eq. 2)."""
-    if total_input_tokens <= 0:
-        return 0.0
-    return max(0.0, model.k1 * total_input_tokens + model.c1)
-
-
-def decode_ms(model: PerfModel, l_avg: float, batch: int) -> float:
-    """Time of one decode step of `batch` sequences of mean context length `l_avg` (Eq. 3)."""
-    if batch <= 0:
-        return 0.0
-    return max(0.0, (model.k2 * l_avg + model.c2) * batch + model.c3)
-
-
-def kv_demand(model: PerfModel, l_in: int, l_out: int, n: int = 1) -> int:
-    """Peak KV demand of a request with `n` independent sequences (Eq. 1), rounded up."""
-    return n * math.ceil(model.h * (l_in + l_out) + model.j)
 
 
 # ------------------------------------------------------------------ queue order

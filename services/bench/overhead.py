@@ -1,5 +1,4 @@
-"""`polyserve bench overhead`: the control plane's own cost (`bench replay` and
-`bench fidelity` live in `bench_replay.py` and `bench_fidelity.py`).
+"""`polyserve bench overhead`: the control plane's own cost.
 
 Runs, side by side in one invocation, (a) a bare FastAPI endpoint returning the
 same body and (b) the full path gateway -> predictor -> dispatcher -> worker
@@ -23,7 +22,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from polyserve import launcher
+from polyserve.cli import launcher
 from polyserve.shared import infra
 
 
@@ -103,10 +102,11 @@ def _wait_http(url: str, timeout: float = 20) -> None:
     raise RuntimeError(f"{url} not up within {timeout}s")
 
 
-def overhead(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace) -> int:
+    """`polyserve bench overhead`."""
     run_dir = Path(tempfile.mkdtemp(prefix="ps-bench-"))
     bare_port = infra.free_port()
-    bare = subprocess.Popen([sys.executable, "-m", "polyserve.bench_bare", "--port", str(bare_port),
+    bare = subprocess.Popen([sys.executable, "-m", "polyserve.bench.bare", "--port", str(bare_port),
                              "--tokens", str(args.tokens)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     spec = launcher.ClusterSpec(run_dir=run_dir, engine="sim", model="bench-sim", port=infra.free_port(),
                                 nats_port=0, redis_port=0, prefix="polyserve", min_replicas=1, max_replicas=1,
@@ -149,24 +149,10 @@ def overhead(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub) -> None:
-    b = sub.add_parser("bench", help="benchmarks")
-    bsub = b.add_subparsers(dest="bench", required=True)
-    o = bsub.add_parser("overhead", help="control-plane cost vs a bare FastAPI endpoint")
+def add_arguments(o) -> None:
     o.add_argument("--requests", type=int, default=500)
     o.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     o.add_argument("--tokens", type=int, default=16)
     o.add_argument("--json", help="also write the figures to this file")
     o.add_argument("--with-model", action="store_true",
                    help="predict with the BERT proxy model (default: the historical mean, i.e. the control plane alone)")
-    o.set_defaults(fn=overhead)
-    r = bsub.add_parser("replay", help="open-loop replay of a request trace against a running gateway")
-    from polyserve import bench_replay
-
-    bench_replay.add_arguments(r)
-    r.set_defaults(fn=bench_replay.main)
-    f = bsub.add_parser("fidelity", help="the same trace slice through a live cluster and the simulator")
-    from polyserve import bench_fidelity
-
-    bench_fidelity.add_arguments(f)
-    f.set_defaults(fn=bench_fidelity.main)

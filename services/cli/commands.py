@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from polyserve import launcher
+from polyserve.cli import launcher
 
 
 def _say(msg: str) -> None:
@@ -47,7 +47,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from polyserve.status import cluster_status, render_status
+    from polyserve.cli.status import cluster_status, render_status
 
     state = launcher.ClusterState.load(Path(args.run_dir))
     if state is None:
@@ -106,10 +106,10 @@ DELEGATED = {
     "predictor": ("polyserve.predictor.cli", "train / evaluate the output-length predictor"),
     "profile": ("polyserve.profiler.cli", "profile an engine and fit its performance models"),
     "simulate": ("polyserve.simulator.cli", "trace-driven cluster simulation"),
-    "bench-embeddings": ("polyserve.bench_embeddings", "Arlo polymorphing experiment (ST vs DT vs MLQ)"),
-    "bench-lora": ("polyserve.bench_lora", "LoRA TTFT: cold on-demand vs CPU-assisted vs cached (CaraServe)"),
-    "bench-dispatch": ("polyserve.bench_dispatch", "dispatch decision latency per policy: O(n) scan vs index"),
+    "bench": ("polyserve.bench", "benchmarks: overhead, replay, fidelity, dispatch, embeddings, lora"),
 }
+RENAMED = {"bench-dispatch": "dispatch", "bench-embeddings": "embeddings", "bench-lora": "lora"}
+"""Old spellings (`polyserve bench-lora`) of what is now `polyserve bench lora`."""
 
 
 def run_delegated(name: str, argv: list[str]) -> int:
@@ -160,9 +160,6 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--seconds", type=float, default=0, help="stop after this long")
     ev.set_defaults(fn=cmd_events)
 
-    from polyserve import bench
-
-    bench.add_parser(sub)
     for name, (_, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return p
@@ -173,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # `polyserve [--run-dir D] <delegated> ...`: hand the rest to that module
     for i, arg in enumerate(argv):
+        if arg in RENAMED:
+            print(f"note: `polyserve {arg}` is now `polyserve bench {RENAMED[arg]}`", file=sys.stderr)
+            return run_delegated("bench", [RENAMED[arg], *argv[i + 1:]])
         if arg in DELEGATED:
             return run_delegated(arg, argv[i + 1:])
         if not arg.startswith("-") and (i == 0 or argv[i - 1] != "--run-dir"):

@@ -24,7 +24,7 @@ Parts (all by default; pick with `--parts`):
 Prints mean / P50 / P98 latency per run, writes `results.json` and `latency_cdf.png`
 under `--out`.
 
-    python -m polyserve.bench_embeddings --profile services/worker/profiles/encoder-minilm-l6-cpu.json
+    python -m polyserve.bench.embeddings --profile services/core/profiles/encoder-minilm-l6-cpu.json
 """
 from __future__ import annotations
 
@@ -43,11 +43,13 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from polyserve import bench_embeddings_sim as bsim
+from polyserve.core import profiles
+from polyserve.core.profiles import profile_path
 from polyserve.proto import Deployment, EncoderProfile, ScalerPolicy
+from polyserve.simulator import encoder as bsim
 
 logger = logging.getLogger(__name__)
-DEFAULT_PROFILE = Path(__file__).resolve().parent / "worker" / "profiles" / "encoder-minilm-l6-cpu.json"
+DEFAULT_PROFILE = profile_path(profiles.ENCODER_CPU)
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
 
@@ -67,9 +69,9 @@ async def live_run(infra_urls: tuple[str, str], profile_path: str, profile: Enco
     from polyserve.gateway.config import GatewaySettings
     from polyserve.gateway.embeddings import add_embedding_routes
     from polyserve.gateway.service import GatewayService
+    from polyserve.proto import Keys
     from polyserve.shared import settings as settings_mod
     from polyserve.shared.state import State, connect
-    from polyserve.proto import Keys
     from polyserve.worker.config import WorkerSettings
     from polyserve.worker.engines.encoder import EncoderConfig, EncoderEngine
     from polyserve.worker.service import WorkerService

@@ -1,4 +1,4 @@
-"""`polyserve bench-lora`: time to first token of a LoRA request, cold vs cached (CaraServe §4, §7.2).
+"""`polyserve bench lora`: time to first token of a LoRA request, cold vs cached (CaraServe §4, §7.2).
 
 For each adapter rank, the same request (a `--prompt-tokens` prompt, greedy, one output
 token) runs through the `hf` engine in three states of its adapter:
@@ -19,7 +19,7 @@ and PEFT's install, so the CPU figures show the mechanism's overheads, not a PCI
 `--sim-link-gb-s X` adds the time a host -> device link of X GB/s would take to every
 device copy (a sleep in the copy thread); figures made with it are labelled SIMULATED.
 
-    polyserve bench-lora --ranks 8,16,32,64 --trials 5 --json /tmp/bench-lora.json
+    polyserve bench lora --ranks 8,16,32,64 --trials 5 --json /tmp/bench-lora.json
 """
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ async def run(args) -> dict:
 
 def render(result: dict) -> str:
     sim = result["simulated_link_gb_s"]
-    lines = [f"bench-lora on {result['device']}" + (f"  [SIMULATED host->device link: {sim} GB/s]" if sim else ""),
+    lines = [f"bench lora on {result['device']}" + (f"  [SIMULATED host->device link: {sim} GB/s]" if sim else ""),
              f"model {result['model']} {result['arch'] or ''} {result['dtype']}, targets {','.join(result['targets'])}, "
              f"prompt {result['prompt_tokens']} tokens, {result['trials']} trials, TTFT medians in ms "
              f"(base model without adapter: {result['base_ttft_ms']:.1f} ms)",
@@ -164,7 +164,7 @@ def render(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="polyserve bench-lora", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="polyserve bench lora", description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", default="8,16,32,64", help="comma-separated adapter ranks")
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--prompt-tokens", type=int, default=128)

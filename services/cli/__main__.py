@@ -1,0 +1,5 @@
+import sys
+
+from polyserve.cli import main
+
+sys.exit(main())
