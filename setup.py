@@ -9,5 +9,5 @@ for name, folder in ROOTS.items():
 setup(
     packages=packages,
     package_dir=ROOTS,
-    package_data={"polyserve.proto": ["v1/*.json", "README.md"], "polyserve": ["core/profiles/*.json", "predictor/artifacts/*/*"]},
+    package_data={"polyserve.proto": ["v1/*.json", "README.md"], "polyserve": ["core/profiles/*.json", "predictor/artifacts/*/*", "worker/engines/*.json"]},
 )

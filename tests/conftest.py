@@ -1,6 +1,9 @@
 """Session fixtures: a real nats-server and a real redis-server (started with the
 same code as `polyserve up`), a fresh subject/key prefix per test, and helpers to
-run services in-process or as processes."""
+run services in-process or as processes.
+
+The tiers are enforced here (tests/tiers.py): each test gets its folder's tier marker,
+and a unit test that requests one of the server fixtures below fails before they start."""
 from __future__ import annotations
 
 import contextlib
@@ -21,6 +24,7 @@ from polyserve.shared import settings as settings_mod
 from polyserve.shared.bus import Bus
 from polyserve.shared.state import State, connect
 from polyserve.shared.telemetry import make_tracer
+from tests.tiers import pytest_collection_modifyitems, pytest_configure, pytest_runtest_setup  # noqa: F401
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 DATASETS = Path(__file__).resolve().parents[2] / "shared" / "datasets"

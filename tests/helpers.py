@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
 
 from polyserve.shared.lifecycle import ServiceBase
 
@@ -40,3 +42,27 @@ async def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05, wha
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(interval)
+
+
+def wait_until(predicate: Callable, timeout: float = 20.0, interval: float = 0.05, what: str = "condition",
+               changed: threading.Condition | None = None):
+    """`wait_for` for synchronous code (system tests: processes, threads): the predicate's first
+    truthy value, or AssertionError naming `what` after `timeout`.
+
+    With `changed`, a Condition notified whenever what the predicate reads changes, it waits on
+    that condition (checked under its lock, so no change is missed) instead of polling; without,
+    it polls every `interval` (e.g. Redis or HTTP, which cannot notify)."""
+    if changed is not None:
+        with changed:
+            value = changed.wait_for(predicate, timeout)
+        if not value:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        return value
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)

@@ -46,6 +46,7 @@ from bisect import bisect_left
 from dataclasses import replace
 from pathlib import Path
 
+from polyserve.bench import dispatch_lockstep as lockstep
 from polyserve.core import profiles
 from polyserve.core.perf import BGMV, KERNELS, MBGMV, WorkerPerf, load_perf
 from polyserve.core.profiles import profile_path
@@ -170,99 +171,25 @@ class Workload:
 
 # ------------------------------------------------------------------ one policy
 def run_policy(name: str, args: argparse.Namespace) -> dict:
+    """Burst, then steady state, of policy `name` (module docstring); one result row."""
     encoder = name.startswith("arlo")
     wl = Workload(args, encoder)
     base = wl.views()
     track = not encoder
-    fast_fn, pure_fn = ix.FAST_POLICIES[name], ix.PURE_POLICIES[name]
     fast, pure = ix.WorkerIndex(policies=(name,), track_requests=track), ix.WorkerIndex(track_requests=track)
     for v in base:
         fast.upsert(v)
         pure.upsert(v)
     seed = args.seed + 1
-    frng, prng = random.Random(seed), random.Random(seed)
-    fstate = pstate = PolicyState()
+    state = PolicyState()
+    run = lockstep.Lockstep(name, wl, base, track, fast, pure, random.Random(seed), random.Random(seed), state, state)
     gc.collect()
-
-    # 1. burst on the idle cluster
-    reqs = [wl.request() for _ in range(args.outstanding)]
-    outstanding: list[tuple[str, str]] = []
-    t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-    for r in reqs:
-        d = fast_fn(fast, r, fstate, frng)
-        fstate = d.state
-        fast.placed(d.worker_id, r)
-    burst_fast_cpu_ms = (time.thread_time_ns() - c0) / 1e6
-    burst_fast_ms = (time.perf_counter_ns() - t0) / 1e6
-    burst_pure_ms = burst_pure_cpu_ms = None
-    if args.pure_burst:
-        pl = pure._order  # the dispatcher's list of views (kept current by the index)
-        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-        for r in reqs:
-            d = pure_fn(pl, r, pstate, prng)
-            pstate = d.state
-            pure.placed(d.worker_id, r)
-            outstanding.append((d.worker_id, r.request_id))
-        burst_pure_cpu_ms = (time.thread_time_ns() - c0) / 1e6
-        burst_pure_ms = (time.perf_counter_ns() - t0) / 1e6
-    else:  # the pure side starts from the index's state
-        pure = ix.WorkerIndex(track_requests=track)
-        for v in fast.views():
-            pure.upsert(v)
-        prng.setstate(frng.getstate())
-        pstate = fstate
-    bursts_equal = sorted(v.worker_id + str(v.outstanding) for v in fast.views()) == \
-        sorted(v.worker_id + str(v.outstanding) for v in pure.views())
-    if not outstanding:  # rebuild the outstanding list from the views (pure burst skipped)
-        for w in fast.views():
-            outstanding += [(w.worker_id, r.request_id) for r in w.requests] if track else \
-                [(w.worker_id, "")] * w.outstanding
-
-    # 2. steady state: heartbeat, completion, decision (+ its update)
-    fast_us, pure_us, hb_us, fin_us, fast_cpu, pure_cpu = [], [], [], [], [], []
-    pc, tt = time.perf_counter_ns, time.thread_time_ns
-    same = compared = 0
-    gc.collect()
-    for i in range(args.decisions):
-        lock = i < args.pure_decisions
-        wid = wl.rng.choice(base).worker_id
-        hb = wl.heartbeat(fast.get(wid))
-        t0 = time.perf_counter_ns()
-        fast.upsert(hb)
-        hb_us.append((time.perf_counter_ns() - t0) / 1e3)
-        if lock:
-            pure.upsert(hb)
-        if outstanding:
-            k = wl.rng.randrange(len(outstanding))
-            outstanding[k], outstanding[-1] = outstanding[-1], outstanding[k]
-            owid, rid = outstanding.pop()
-            t0 = time.perf_counter_ns()
-            fast.finished(owid, rid)
-            fin_us.append((time.perf_counter_ns() - t0) / 1e3)
-            if lock:
-                pure.finished(owid, rid)
-        r = wl.request()
-        if lock:
-            t0, c0 = pc(), tt()
-            pd = pure_fn(pure._order, r, pstate, prng)
-            pure.placed(pd.worker_id, r)
-            c1, t1 = tt(), pc()
-            pure_us.append((t1 - t0) / 1e3)
-            pure_cpu.append((c1 - c0) / 1e3)
-            pstate = pd.state
-        t0, c0 = pc(), tt()
-        d = fast_fn(fast, r, fstate, frng)
-        fast.placed(d.worker_id, r)
-        c1, t1 = tt(), pc()
-        fast_us.append((t1 - t0) / 1e3)
-        fast_cpu.append((c1 - c0) / 1e3)
-        fstate = d.state
-        outstanding.append((d.worker_id, r.request_id))
-        if lock:
-            compared += 1
-            same += pd == d
+    burst = lockstep.burst(run, args, ix)
+    steady = lockstep.steady(run, args, ix)
+    fast_us, pure_us, fast_cpu, pure_cpu = steady["fast_us"], steady["pure_us"], steady["fast_cpu"], steady["pure_cpu"]
+    hb_us, fin_us = steady["hb_us"], steady["fin_us"]
     res = {
-        "policy": name, "workers": len(base), "outstanding": len(outstanding),
+        "policy": name, "workers": len(base), "outstanding": len(run.outstanding),
         "runtimes": len({v.max_input_len for v in base}) if encoder else None,
         "pure_p50_us": pct(pure_us, 50), "pure_p99_us": pct(pure_us, 99),
         "fast_p50_us": pct(fast_us, 50), "fast_p99_us": pct(fast_us, 99), "fast_max_us": max(fast_us),
@@ -270,12 +197,12 @@ def run_policy(name: str, args: argparse.Namespace) -> dict:
         "fast_cpu_p50_us": pct(fast_cpu, 50), "fast_cpu_p99_us": pct(fast_cpu, 99),
         "speedup_p50": pct(pure_cpu, 50) / pct(fast_cpu, 50) if pure_cpu else None,  # CPU time
         "speedup_p99": pct(pure_cpu, 99) / pct(fast_cpu, 99) if pure_cpu else None,
-        "burst_fast_ms": burst_fast_ms, "burst_pure_ms": burst_pure_ms,
-        "burst_fast_cpu_ms": burst_fast_cpu_ms, "burst_pure_cpu_ms": burst_pure_cpu_ms, "burst_same_placements": bursts_equal,
+        **burst,
         "heartbeat_upsert_p50_us": pct(hb_us, 50), "heartbeat_upsert_p99_us": pct(hb_us, 99),
         "finished_p50_us": pct(fin_us, 50), "finished_p99_us": pct(fin_us, 99),
-        "decisions": len(fast_us), "compared": compared, "identical": same,
-        "meets_50us_p99": pct(fast_us, 99) <= 50.0, "meets_50us_p99_cpu": pct(fast_cpu, 99) <= 50.0, "sizes": wl.sizes_source if not encoder else "twitter-like",
+        "decisions": len(fast_us), "compared": steady["compared"], "identical": steady["same"],
+        "meets_50us_p99": pct(fast_us, 99) <= 50.0, "meets_50us_p99_cpu": pct(fast_cpu, 99) <= 50.0,
+        "sizes": wl.sizes_source if not encoder else "twitter-like",
     }
     return res
 
@@ -284,15 +211,16 @@ def run_policy(name: str, args: argparse.Namespace) -> dict:
 async def _live_run(name: str, index: bool, args: argparse.Namespace) -> dict:
     from polyserve.dispatcher.config import DispatcherSettings
     from polyserve.dispatcher.handlers import DispatchHandlers
-    from polyserve.dispatcher.registry import DeploymentCache, Outstanding, WorkerRegistry
+    from polyserve.dispatcher.liveview import LiveView
+    from polyserve.dispatcher.registry import DeploymentCache, Outstanding
     from polyserve.proto import AdapterInfo, Completed, Deployment, DispatchRequest, Heartbeat, Subjects
     from polyserve.shared.settings import load
 
     settings = load(DispatcherSettings, "dispatcher", [], environ={}, index=index, seed=args.seed)
     cache = DeploymentCache(None, ttl_s=math.inf, timeout_s=1.0, retry_s=1.0)  # type: ignore[arg-type]
     cache._cache["d"] = (Deployment(id="d", model="m", policy=name), time.monotonic())
-    h = DispatchHandlers(settings, Subjects("bench"), cache, WorkerRegistry(), Outstanding(10**6, 1e9),
-                         random.Random(args.seed))
+    view = LiveView(settings, random.Random(args.seed), outstanding=Outstanding(10**6, 1e9))
+    h = DispatchHandlers(settings, view, cache, Subjects("bench"))
     encoder = name.startswith("arlo")
     wl = Workload(args, encoder)
     profile = Path(args.profile).stem if Path(args.profile).parent == PROFILE.parent else args.profile
@@ -328,7 +256,7 @@ async def _live_run(name: str, index: bool, args: argparse.Namespace) -> dict:
         cpu.append((tt() - c1) / 1e3)
     return {"policy": name, "index": index, "dispatch_cpu_p50_us": pct(cpu, 50), "dispatch_cpu_p99_us": pct(cpu, 99),
             "completed_cpu_p50_us": pct(fin, 50), "completed_cpu_p99_us": pct(fin, 99),
-            "indexed_decisions": h.indexed_decisions, "dispatches": h.placed}
+            "indexed_decisions": view.indexed_decisions, "dispatches": view.placed}
 
 
 def live_main(names: list[str], args: argparse.Namespace) -> int:

@@ -10,7 +10,8 @@ Parts (all by default; pick with `--parts`):
 * ``live``: real compute on this CPU (one torch thread per worker, G = `--workers`,
   default 2 = the cores here): ST (every worker a static 512 runtime, JSQ), DT (every
   worker the dynamic runtime, JSQ) and polymorphing + Arlo MLQ (runtimes from the
-  profile, instances by `allocate`) at increasing rates (fractions of ST's capacity).
+  profile, instances per runtime by the planner's §3.3 ILP, `simulator.encoder.allocate`)
+  at increasing rates (fractions of ST's capacity).
 * ``replay``: the same schemes (at 0.5x and 1.5x ST's capacity) and the MLQ / ILB /
   IG comparison under a bursty pattern (at 0.85x polymorphing's capacity), through
   the same live control plane, with workers that replay the measured profile's
@@ -62,12 +63,9 @@ async def live_run(infra_urls: tuple[str, str], profile_path: str, profile: Enco
                    fleet: list[tuple[str, int, int]], policy: str, trace: list[bsim.Arrival], *,
                    replay: bool, backend: str, time_scale: float = 1.0) -> list[float]:
     """Start dispatcher + gateway + one worker per fleet entry, replay `trace`, stop; latencies (ms)."""
-    from polyserve.dispatcher import policy as dpolicy
     from polyserve.dispatcher.config import DispatcherSettings
-    from polyserve.dispatcher.policy_arlo import ARLO_POLICIES
     from polyserve.dispatcher.service import DispatcherService
     from polyserve.gateway.config import GatewaySettings
-    from polyserve.gateway.embeddings import add_embedding_routes
     from polyserve.gateway.service import GatewayService
     from polyserve.proto import Keys
     from polyserve.shared import settings as settings_mod
@@ -76,8 +74,6 @@ async def live_run(infra_urls: tuple[str, str], profile_path: str, profile: Enco
     from polyserve.worker.engines.encoder import EncoderConfig, EncoderEngine
     from polyserve.worker.service import WorkerService
 
-    for name, fn in ARLO_POLICIES.items():
-        dpolicy.POLICIES.setdefault(name, fn)
     nats_url, redis_url = infra_urls
     prefix = "be" + uuid.uuid4().hex[:8]
 
@@ -105,8 +101,6 @@ async def live_run(infra_urls: tuple[str, str], profile_path: str, profile: Enco
     dispatcher = DispatcherService(cfg(DispatcherSettings, "dispatcher"))
     gateway = GatewayService(cfg(GatewaySettings, "gateway", port=0, max_inflight=100_000,
                                  first_token_timeout_s=120.0))
-    if not any(getattr(r, "path", "") == "/v1/embeddings" for r in gateway.app.routes):
-        add_embedding_routes(gateway.app, gateway)
     services = [dispatcher, *workers, gateway]
     tasks = []
     try:
@@ -211,7 +205,7 @@ async def run_all(args) -> dict:
             for frac in (args.loads if replay else args.live_loads):
                 rate = frac * st_cap
                 trace = bsim.arrivals(rate, args.duration, random.Random(args.seed), lengths=dist)
-                fl = bsim.fleets(profile, workers, sample, rate * scale, args.allocation)
+                fl = bsim.fleets(profile, workers, sample, rate * scale)
                 _say(f" rate {rate:.1f} req/s ({frac:.0%} of ST capacity), {len(trace)} requests; polymorphing "
                      f"runtimes {[n for _, n, _ in fl['polymorphing']]}")
                 for scheme, policy in (("ST", "least_outstanding"), ("DT", "least_outstanding"),
@@ -224,7 +218,7 @@ async def run_all(args) -> dict:
             if replay and "bursty" in args.parts:
                 rate = args.bursty_load * bsim.poly_capacity(profile, sample, workers) / scale
                 trace = bsim.arrivals(rate, args.duration, random.Random(args.seed + 1), bursty=True, lengths=dist)
-                fl = bsim.fleets(profile, workers, sample, rate * scale, args.allocation)["polymorphing"]
+                fl = bsim.fleets(profile, workers, sample, rate * scale)["polymorphing"]
                 _say(f" bursty (MMPP, short bursts) {rate:.1f} req/s mean ({args.bursty_load:.0%} of polymorphing's "
                      f"capacity), {len(trace)} requests, runtimes "
                      f"{[n for _, n, _ in fl]}")
@@ -255,7 +249,7 @@ def sim_part(args, profile: EncoderProfile, sample: list[int], dist, results: di
     for frac in args.loads:
         rate = frac * st_cap
         trace = bsim.arrivals(rate, args.sim_duration, random.Random(args.seed), lengths=dist)
-        fl = bsim.fleets(profile, g, sample, rate, args.allocation)
+        fl = bsim.fleets(profile, g, sample, rate)
         for scheme, policy in (("ST", "least_outstanding"), ("DT", "least_outstanding"),
                                ("polymorphing", "arlo_mlq")):
             lat = bsim.simulate(profile, fl[scheme], policy, trace)
@@ -264,7 +258,7 @@ def sim_part(args, profile: EncoderProfile, sample: list[int], dist, results: di
             results["cdf"][label] = _cdf(lat)
     rate = args.bursty_load * bsim.poly_capacity(profile, sample, g)
     trace = bsim.arrivals(rate, args.sim_duration, random.Random(args.seed + 1), bursty=True, lengths=dist)
-    fl = bsim.fleets(profile, g, sample, rate, args.allocation)["polymorphing"]
+    fl = bsim.fleets(profile, g, sample, rate)["polymorphing"]
     for policy in ("arlo_mlq", "arlo_ilb", "arlo_ig"):
         lat = bsim.simulate(profile, fl, policy, trace)
         label = f"sim bursty {policy} {g}w @{rate:.0f}/s"
@@ -334,9 +328,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--duration", type=float, default=12.0, help="seconds of arrivals per live run")
     ap.add_argument("--sim-duration", type=float, default=60.0, help="seconds of simulated arrivals")
     ap.add_argument("--backend", default="jit", choices=("jit", "compile", "eager"))
-    ap.add_argument("--allocation", default="greedy", choices=("greedy", "ilp"),
-                    help="instances per runtime: the M/D/c greedy here, or the planner's §3.3 MILP "
-                         "(polyserve.planner.arlo_ilp)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default="/tmp/polyserve-bench-embeddings")
     return ap

@@ -1,6 +1,8 @@
 """dispatcher: answers `polyserve.v1.dispatch` with a Placement on a live worker.
 
-It keeps a live view of workers (heartbeats, TTL expiry, WorkerDown) plus its own
-accounting of what it placed and what finished, and applies the deployment's
-policy, a pure function from `policy.POLICIES`.
+Its state is one `liveview.LiveView`: a live view of workers (heartbeats, TTL expiry,
+WorkerDown), its own accounting of what it placed and what finished, the model book of
+aladdin/caraserve and per-deployment worker indexes. `handlers` feed it events and ask it
+for decisions with the deployment's policy, a pure function from `policy.POLICIES`
+(the data policies see is in `views`).
 """

@@ -22,9 +22,11 @@ class DispatcherSettings(CommonSettings, frozen=True, kw_only=True):
     seed: int = -1
     """Seed of the random policies (power_of_two, random); negative = from the OS."""
     ttft_slo_ms: float = 0.0
-    """TTFT SLO the aladdin policy places against; 0 = Aladdin Table 2 (1600 ms, Llama2-70B)."""
+    """Override, when > 0, of every deployment's TTFT SLO (aladdin places against it); 0 = each
+    deployment's own `Deployment.ttft_slo_ms` (default Aladdin Table 2, 1600 ms)."""
     atgt_slo_ms: float = 0.0
-    """Time-per-output-token SLO of aladdin and caraserve; 0 = Aladdin Table 2 (75 ms)."""
+    """Override, when > 0, of every deployment's time-per-output-token SLO (aladdin, caraserve);
+    0 = each deployment's own `Deployment.atgt_slo_ms` (default Aladdin Table 2, 75 ms)."""
     rebalance_s: float = 1.0
     """Aladdin Alg. 2: how often not-yet-started requests are moved on prediction error; 0 = never."""
     rebalance_max_moves: int = 8

@@ -8,7 +8,7 @@ at the few workers that can win. ``fast_<policy>(index, request, state, rng)`` r
 *same* `Decision` as ``<policy>(index.views(), request, state, rng)`` (ties, rng draws and
 policy state included); `tests/unit/test_dispatch_index.py` checks that on random clusters.
 The structures live in `index_structs` (sorted orders, first-fit, Arlo queues) and
-`index_models` (Aladdin limits and blocks, CaraServe cost groups).
+`index_models` (Aladdin limits and blocks, CaraServe cost groups, with how they stay exact).
 
 API (what the live dispatcher calls)::
 
@@ -56,32 +56,15 @@ What each structure costs per decision (n workers) and what it assumes:
   in one pass (O(its requests)); `placed` adds the new request to them in O(1) — the
   Σ(l_in + γ·l_out) that `capacity_norm` reads stays bit-identical because CPython's `sum`
   adds floats left to right (< 3.12; on 3.12+ `capacity_norm` itself is called).
-* caraserve: workers grouped by what `cost_of` reads besides their context (k2, c2, c3,
-  the kernel's LoRA coefficients — by value —, kernel, batch b, max rank, Σ rank under
-  MBGMV); within a group the cost grows with the mean context, so members sorted by
-  (context, id) make the first one with KV room the group's cheapest. Each group keeps its
-  members, its slot-free members and per adapter its holders, each sorted, and the groups
-  are visited in the order of a lower bound of their cost (their first member's cost for
-  an empty, rank-0 request) until the bound exceeds the best cost found; a group whose
-  bound plus what the request's rank and input add to every member's cost (exact: the cost
-  is separable) exceeds the best is skipped without evaluating it. A request for adapter A
-  looks at the slot-free members and A's holders only (so the resident-first tie-break is
-  exact). Needs k2 >= 0 and LoRA α >= 0 (otherwise that group is always scanned, still
-  exact). With no candidate at all (no KV room or adapter slot anywhere) every worker
-  competes, as in the pure policy. Exactness rests on float costs being ordered like the
-  real-valued ones within a group (cost differences of >= k2·1 token, far above rounding)
-  and on the skip margin (1e-9 relative). Costs: an update moves the worker within one or
-  two groups (2 + its resident adapters sorted-list operations); a decision evaluates one
-  worker per group visited. When every worker has its own, different fit (per-worker
-  online fits) groups are single workers and more of them are visited (see
-  `polyserve bench dispatch --perf-spread`).
+* caraserve: cost groups of workers alike but for their context, visited in the order of
+  a lower bound of their cost (see `index_models`) — one worker evaluated per group visited.
 * arlo_mlq / arlo_ilb / arlo_ig: per runtime length, instances sorted by Alg. 1's head key
   (and by ILB's key); levels by length — O(L) for L runtimes.
 
 Not covered by the fast path (call the pure policy on a filtered `views()`): a request
 with ``exclude`` (retries) and workers filtered out by max_outstanding / max_input_len
 (for Arlo the levels logic already handles max_input_len, but the dispatcher answers 503
-where the policy would fall back to the longest runtime). `dispatcher.handlers` does
+where the policy would fall back to the longest runtime). `dispatcher.liveview` does
 exactly that: one index per deployment, the scan for those requests. Sorted lists are plain Python
 lists kept with `bisect` (`sortedcontainers` is not installed): O(log n) comparisons plus
 a memmove, which is well under a microsecond at n in the thousands.
@@ -90,8 +73,9 @@ from __future__ import annotations
 
 import random as _random
 from bisect import bisect_left, bisect_right, insort
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
+from types import MappingProxyType
 
 from polyserve.dispatcher import policy as P
 from polyserve.dispatcher import policy_aladdin as AL
@@ -99,7 +83,7 @@ from polyserve.dispatcher import policy_arlo as AR
 from polyserve.dispatcher import policy_caraserve as CS
 from polyserve.dispatcher.index_models import _Aladdin, _Cara
 from polyserve.dispatcher.index_structs import _Arlo, _FirstFit, _KeyOrder, _Struct, _tokens_key, _with_load
-from polyserve.dispatcher.policy import Decision, PolicyState, RequestView, WorkerView
+from polyserve.dispatcher.views import Decision, PolicyState, RequestView, WorkerView
 
 # ------------------------------------------------------------------ the index
 _NEEDS: dict[str, tuple[str, ...]] = {
@@ -141,7 +125,7 @@ class WorkerIndex:
         if name == "tokens":
             return _KeyOrder(_tokens_key)
         if name == "first_fit":
-            return _FirstFit(self)
+            return _FirstFit(self._ids, self._views)
         if name == "caraserve":
             return _Cara(self._views)
         if name == "arlo":
@@ -320,9 +304,9 @@ def fast_aladdin(index: WorkerIndex, request: RequestView, state: PolicyState, r
         return AL.aladdin_best_fit(index.views(), request, state, rng)
     views = index._views
     check = AL.check
-    need_in = request.input_tokens
-    need_w = need_in + cfg.gamma * max(1, request.predicted_tokens)
-    need_t = need_in + max(1, request.predicted_tokens)
+    need_in, out = request.input_tokens, AL.new_output(request)
+    need_w = need_in + cfg.gamma * out
+    need_t = need_in + out
     for key in s.live.first(need_in, need_w, need_t):
         if need_in > key[2] or need_w > key[3] or need_t > key[4]:
             continue  # fails a constraint for sure: no need to run `check`
@@ -336,7 +320,7 @@ def fast_aladdin(index: WorkerIndex, request: RequestView, state: PolicyState, r
 
 def fast_caraserve(index: WorkerIndex, request: RequestView, state: PolicyState, rng) -> Decision:
     index._require()
-    cfg = CS.DEFAULT if request.atgt_slo_ms <= 0 else CS.CaraConfig(atgt_slo_ms=request.atgt_slo_ms)
+    cfg = CS.config_for(request)
     s: _Cara = index._struct("caraserve")
     need = request.input_tokens + request.predicted_tokens
     best = s.best(request, cfg, need, True)
@@ -385,7 +369,7 @@ def fast_arlo_ig(index: WorkerIndex, request: RequestView, state: PolicyState, r
 
 FastPolicy = Callable[[WorkerIndex, RequestView, PolicyState, _random.Random], Decision]
 
-FAST_POLICIES: dict[str, FastPolicy] = {
+FAST_POLICIES: Mapping[str, FastPolicy] = MappingProxyType({
     "round_robin": fast_round_robin,
     "least_outstanding": fast_least_outstanding,
     "power_of_two": fast_power_of_two,
@@ -397,16 +381,11 @@ FAST_POLICIES: dict[str, FastPolicy] = {
     "arlo_mlq": fast_arlo_mlq,
     "arlo_ilb": fast_arlo_ilb,
     "arlo_ig": fast_arlo_ig,
-}
-"""Policy name (as in `policy.POLICIES`) -> its indexed twin."""
+})
+"""Policy name (every name of `policy.POLICIES`) -> its indexed twin, read-only."""
 
-PURE_POLICIES: dict[str, P.Policy] = {
-    "round_robin": P.round_robin, "least_outstanding": P.least_outstanding,
-    "power_of_two": P.power_of_two, "random": P.random_choice, "least_loaded": P.least_loaded,
-    "first_fit": P.first_fit, "aladdin": AL.aladdin_best_fit, "caraserve": CS.caraserve_rank_aware,
-    "arlo_mlq": AR.arlo_mlq, "arlo_ilb": AR.arlo_ilb, "arlo_ig": AR.arlo_ig,
-}
-"""The pure function each fast policy reproduces."""
+PURE_POLICIES: Mapping[str, P.Policy] = P.POLICIES
+"""The pure function each fast policy reproduces (`policy.POLICIES` itself)."""
 
 
 def choose_fast(policy_name: str, index: WorkerIndex, request: RequestView, state: PolicyState,

@@ -1,5 +1,26 @@
 """The model-driven structures of `dispatcher.index`: Aladdin's limits and blocks, CaraServe's
-cost groups (split from index.py; see its docstring)."""
+cost groups (split from index.py; see its docstring for Aladdin's).
+
+* caraserve: workers grouped by what `cost_of` reads besides their context (k2, c2, c3,
+  the kernel's LoRA coefficients — by value —, kernel, batch b, max rank, Σ rank under
+  MBGMV); within a group the cost grows with the mean context, so members sorted by
+  (context, id) make the first one with KV room the group's cheapest. Each group keeps its
+  members, its slot-free members and per adapter its holders, each sorted, and the groups
+  are visited in the order of a lower bound of their cost (their first member's cost for
+  an empty, rank-0 request) until the bound exceeds the best cost found; a group whose
+  bound plus what the request's rank and input add to every member's cost (exact: the cost
+  is separable) exceeds the best is skipped without evaluating it. A request for adapter A
+  looks at the slot-free members and A's holders only (so the resident-first tie-break is
+  exact). Needs k2 >= 0 and LoRA α >= 0 (otherwise that group is always scanned, still
+  exact). With no candidate at all (no KV room or adapter slot anywhere) every worker
+  competes, as in the pure policy. Exactness rests on float costs being ordered like the
+  real-valued ones within a group (cost differences of >= k2·1 token, far above rounding)
+  and on the skip margin (1e-9 relative). Costs: an update moves the worker within one or
+  two groups (2 + its resident adapters sorted-list operations); a decision evaluates one
+  worker per group visited. When every worker has its own, different fit (per-worker
+  online fits) groups are single workers and more of them are visited (see
+  `polyserve bench dispatch --perf-spread`).
+"""
 from __future__ import annotations
 
 from bisect import bisect_left, insort
@@ -8,7 +29,7 @@ from polyserve.core.perf import BGMV, LORA_DEFAULTS, MBGMV
 from polyserve.dispatcher import policy_aladdin as AL
 from polyserve.dispatcher import policy_caraserve as CS
 from polyserve.dispatcher.index_structs import _INF, _Blocked, _Sorted, _Struct
-from polyserve.dispatcher.policy import RequestView, WorkerView
+from polyserve.dispatcher.views import RequestView, WorkerView
 
 # ------------------------------------------------------------------ aladdin
 _EMPTY_REQ = RequestView(input_tokens=0, predicted_tokens=0)

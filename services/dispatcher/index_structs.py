@@ -8,14 +8,10 @@ from bisect import bisect_left, insort
 from collections.abc import Callable
 from dataclasses import fields
 from operator import attrgetter, itemgetter
-from typing import TYPE_CHECKING
 
 from polyserve.dispatcher import policy as P
 from polyserve.dispatcher import policy_arlo as AR
-from polyserve.dispatcher.policy import WorkerView
-
-if TYPE_CHECKING:
-    from polyserve.dispatcher.index import WorkerIndex
+from polyserve.dispatcher.views import WorkerView
 
 _INF = math.inf
 _FIELDS = [f.name for f in fields(WorkerView)]
@@ -181,10 +177,11 @@ def _free_kv(w: WorkerView) -> float:
 
 
 class _FirstFit(_Struct):
-    """Max segment tree over `_free_kv` of the workers in worker_id order."""
+    """Max segment tree over `_free_kv` of the workers in worker_id order: `ids` and `views`
+    are the index's own sorted id list and id -> view dict (kept up to date by the index)."""
 
-    def __init__(self, index: WorkerIndex):
-        self.index = index
+    def __init__(self, ids: list[str], views: dict[str, WorkerView]):
+        self.ids, self.views = ids, views
         self.dirty = True
         self.size = 1
         self.tree: list[float] = []
@@ -193,7 +190,7 @@ class _FirstFit(_Struct):
         self.dirty = True
 
     def _rebuild(self) -> None:
-        ids, views = self.index._ids, self.index._views
+        ids, views = self.ids, self.views
         size = 1
         while size < max(1, len(ids)):
             size *= 2
@@ -208,7 +205,7 @@ class _FirstFit(_Struct):
         if self.dirty or old is None or new is None:
             self.dirty = True  # a worker joined or left: positions move
             return
-        i = bisect_left(self.index._ids, new.worker_id) + self.size
+        i = bisect_left(self.ids, new.worker_id) + self.size
         t = self.tree
         v = _free_kv(new)
         if t[i] == v:
@@ -231,7 +228,7 @@ class _FirstFit(_Struct):
         i, size = 1, self.size
         while i < size:
             i = 2 * i if t[2 * i] >= need else 2 * i + 1
-        return self.index._ids[i - size]
+        return self.ids[i - size]
 
 
 

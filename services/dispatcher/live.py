@@ -3,56 +3,124 @@
 The pure policies reason over `WorkerView.requests` (what each worker holds, with lengths)
 and `WorkerView.perf` (its performance models). In the live dispatcher those come from:
 
-* `RequestBook` (policy_aladdin): every placement, then `first_token` / `completed` /
-  `failed` events; tokens generated so far are estimated from the time since the first
-  token and the worker's modelled decode step;
+* `RequestBook`: every placement, then `first_token` / `completed` / `failed` events;
+  tokens generated so far are estimated from the time since the first token and the
+  worker's modelled decode step (never more than the request's `max_tokens`);
 * a `PerfFitter` per worker, started from the engine profile its heartbeat names
-  (`Heartbeat.profile`: a file in `polyserve/core/profiles/` or a path) and refitted
-  online from every `completed` event (prefill from TTFT − queue; decode step from ATGT
-  with the batch and context the book saw on that worker). `errors()` reports each
-  fit's current out-of-sample error.
+  (`Heartbeat.profile`: a shipped profile name or a path, `core.profiles.profile_path`)
+  and refitted online from every `completed` event (prefill from TTFT − queue; decode
+  step from ATGT with the batch and context the book saw on that worker). `errors()`
+  reports each fit's current out-of-sample error.
 
-It also decides when an Aladdin/CaraServe "no feasible worker" becomes a `ScaleSignal`
-(at most one per deployment per `signal_interval_s`) and carries out Alg. 2 moves.
+`ModelBook` also decides when an Aladdin/CaraServe "no feasible worker" becomes a
+`ScaleSignal` (at most one per deployment per `signal_interval_s`) and carries out Alg. 2
+moves.
 """
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass, replace
 
 from polyserve.core import profiles
 from polyserve.core.perf import PerfFitter, WorkerPerf, load_perf
-from polyserve.dispatcher.policy import RequestView
-from polyserve.dispatcher.policy_aladdin import ATGT_SLO_MS, RequestBook
-from polyserve.proto import Completed, Failed, FirstToken, Heartbeat
+from polyserve.dispatcher.policy_aladdin import ErrorLedger, as_new
+from polyserve.dispatcher.views import RequestView, RunningRequest
+from polyserve.proto import ATGT_SLO_MS, Completed, Failed, FirstToken, Heartbeat
 
 logger = logging.getLogger(__name__)
 
-PROFILES_DIR = profiles.profiles_dir()
-MODEL_POLICIES = frozenset({"aladdin", "caraserve"})
-"""Policies that need per-request bookkeeping and performance models."""
+
+@dataclass
+class _Entry:
+    worker_id: str
+    req: RunningRequest
+    first_token: float | None = None  # seconds
 
 
-def resolve_profile(ref: str, profiles_dir: Path = PROFILES_DIR) -> Path | None:
-    """A heartbeat's profile reference as a file: a shipped profile name or a path."""
-    if not ref:
-        return None
-    for cand in (profiles_dir / f"{ref}.json", profiles_dir / ref, Path(ref)):
-        if cand.is_file():
-            return cand
-    return None
+class RequestBook:
+    """What Aladdin and CaraServe need of each placed request, for the live dispatcher:
+    fed by placements and `first_token` / `completed` / `failed` events; `requests()` gives a
+    worker's `WorkerView.requests`, estimating tokens generated so far as decode time so far
+    divided by the worker's current modelled decode step. Bounded by `max_tracked`."""
+
+    def __init__(self, max_tracked: int = 100_000):
+        self.max_tracked = max_tracked
+        self._by_id: dict[str, _Entry] = {}
+        self._by_worker: dict[str, dict[str, _Entry]] = {}
+        self.ledger = ErrorLedger()
+
+    def place(self, worker_id: str, req: RequestView) -> None:
+        self.finish(req.request_id, None, 0.0)
+        if len(self._by_id) >= self.max_tracked:
+            self.finish(next(iter(self._by_id)), None, 0.0)
+        e = _Entry(worker_id, as_new(req))
+        self._by_id[req.request_id] = e
+        self._by_worker.setdefault(worker_id, {})[req.request_id] = e
+
+    def move(self, request_id: str, worker_id: str) -> bool:
+        """A not-yet-started request now waits on `worker_id` (an Alg. 2 move)."""
+        e = self._by_id.get(request_id)
+        if e is None:
+            return False
+        self._by_worker.get(e.worker_id, {}).pop(request_id, None)
+        e.worker_id = worker_id
+        self._by_worker.setdefault(worker_id, {})[request_id] = e
+        return True
+
+    def tracked(self, worker_id: str) -> int:
+        """Requests the book holds for a worker."""
+        return len(self._by_worker.get(worker_id, ()))
+
+    def first_token(self, request_id: str, now: float) -> None:
+        e = self._by_id.get(request_id)
+        if e is not None and e.first_token is None:
+            e.first_token = now
+            e.req = replace(e.req, started=True, generated=1)
+
+    def finish(self, request_id: str, output_tokens: int | None, now: float, step_ms: float = ATGT_SLO_MS) -> None:
+        """A request ended (`output_tokens` None when it failed); early finishes go to the ledger."""
+        e = self._by_id.pop(request_id, None)
+        if e is None:
+            return
+        self._by_worker.get(e.worker_id, {}).pop(request_id, None)
+        if output_tokens is not None and e.req.predicted_tokens:
+            self.ledger.finished(e.worker_id, e.req.predicted_tokens, output_tokens, now, step_ms)
+
+    def forget_worker(self, worker_id: str) -> None:
+        for rid in list(self._by_worker.pop(worker_id, {})):
+            self._by_id.pop(rid, None)
+        self.ledger.forget(worker_id)
+
+    def requests(self, worker_id: str, now: float, perf: WorkerPerf | None) -> tuple[RunningRequest, ...]:
+        """The worker's `WorkerView.requests` at `now` (generated tokens estimated)."""
+        entries = list(self._by_worker.get(worker_id, {}).values())
+        started = [e for e in entries if e.first_token is not None]
+        step = ATGT_SLO_MS
+        if perf is not None and started:
+            ctx = sum(e.req.input_tokens for e in started) / len(started)
+            step = max(1e-3, perf.decode_ms(ctx, len(started)))
+        out = []
+        for e in entries:
+            if e.first_token is None:
+                out.append(e.req)
+                continue
+            dec = max(0.0, (now - e.first_token) * 1000.0)
+            generated = 1 + int(dec / step)
+            if e.req.max_tokens > 0:  # it cannot have generated more than its cap
+                generated = min(generated, max(1, e.req.max_tokens))
+            out.append(replace(e.req, decode_ms=dec, generated=generated))
+        return tuple(out)
 
 
 class ModelBook:
     """Requests and fitted models of every worker this dispatcher places on."""
 
     def __init__(self, max_tracked: int = 100_000, *, signal_interval_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic, profiles_dir: Path = PROFILES_DIR):
+                 clock: Callable[[], float] = time.monotonic):
         self.requests = RequestBook(max_tracked)
         self.clock = clock
-        self.profiles_dir = profiles_dir
         self.signal_interval_s = signal_interval_s
         self._fits: dict[str, PerfFitter] = {}
         self._perf: dict[str, WorkerPerf] = {}  # current() of each fit, until its next observation
@@ -64,15 +132,17 @@ class ModelBook:
     # ---------------------------------------------------------------- models
     def _profile(self, ref: str) -> WorkerPerf | None:
         if ref not in self._profiles:
-            path = resolve_profile(ref, self.profiles_dir)
             perf = None
-            if path is not None:
+            if ref:
                 try:
-                    perf = load_perf(path)[0]
-                except (OSError, ValueError, KeyError) as exc:
-                    logger.warning("dispatcher: cannot read profile %s (%s); fitting without it", path, exc)
-            elif ref:
-                logger.warning("dispatcher: profile %r named by a worker is not found", ref)
+                    path = profiles.profile_path(ref)
+                except FileNotFoundError:
+                    logger.warning("dispatcher: profile %r named by a worker is not found", ref)
+                else:
+                    try:
+                        perf = load_perf(path)[0]
+                    except (OSError, ValueError, KeyError) as exc:
+                        logger.warning("dispatcher: cannot read profile %s (%s); fitting without it", path, exc)
             self._profiles[ref] = perf
         return self._profiles[ref]
 

@@ -1,109 +1,40 @@
-"""Dispatch policies as pure functions (no I/O): data in, decision out.
+"""Dispatch policies as pure functions (no I/O): data in, decision out, and `POLICIES`,
+the one registry of them.
 
-Every policy has the signature of `Policy`::
-
-    policy(workers, request, state, rng) -> Decision
-
-* ``workers``: the candidate workers (non-empty, already filtered to the
-  deployment, live, not excluded), as immutable `WorkerView`s;
-* ``request``: what is known of the request (`RequestView`);
-* ``state``: the policy's own state for this deployment, passed in and returned
-  in the `Decision` (round-robin's position) so the caller keeps it, not the
-  function;
-* ``rng``: a `random.Random` for randomised policies (seed it to replay).
-
-The gateway validates a deployment's policy name against `POLICIES`; the
-simulator and the dispatcher call the very same functions.
+The signature every policy has (`Policy`) and the views it reads (`WorkerView`,
+`RequestView`, `PolicyState`, `Decision`) are in `views` and re-exported here. This
+module holds the simple policies; Aladdin best-fit, CaraServe rank-aware and Arlo's
+scheduler live in `policy_aladdin`, `policy_caraserve` and `policy_arlo`, which import
+`views` only: `POLICIES` below imports all three explicitly and is frozen (a
+`MappingProxyType`), its names exactly `polyserve.core.names.DISPATCH_POLICIES`. The
+gateway validates a deployment's policy against those names; the simulator and the
+dispatcher call the very same functions.
 """
 from __future__ import annotations
 
 import random as _random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from types import MappingProxyType
 
-if TYPE_CHECKING:  # annotation only: policy.py stays import-light
-    from polyserve.core.perf import WorkerPerf
+from polyserve.core.names import DEFAULT_POLICY, DISPATCH_POLICIES
+from polyserve.dispatcher import policy_aladdin, policy_arlo, policy_caraserve
+from polyserve.dispatcher.views import (
+    Decision,
+    Policy,
+    PolicyState,
+    RequestView,
+    RunningRequest,
+    WorkerView,
+    load_key,
+    require_workers,
+)
 
-
-@dataclass(frozen=True, slots=True)
-class RunningRequest:
-    """One request placed on a worker and not finished, as the dispatcher tracks it
-    (Aladdin Table 1: l_in, l_pred, l_out so far, t_dec so far; CaraServe: its rank)."""
-
-    request_id: str = ""
-    input_tokens: int = 0
-    predicted_tokens: int = 0  # l_pred (0 = unknown)
-    generated: int = 0  # output tokens so far (l_out in Aladdin's Table 1)
-    decode_ms: float = 0.0  # time spent in the decode phase so far (t_dec)
-    started: bool = True  # False: placed but not yet prefilled (Aladdin's "new" requests)
-    adapter: str | None = None
-    rank: int = 0  # LoRA rank of its adapter (0 = base model)
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerView:
-    """What the dispatcher knows of one worker: its last heartbeat plus its own accounting."""
-
-    worker_id: str
-    outstanding: int = 0  # placed by this dispatcher and not yet completed/failed
-    running: int = 0  # engine-reported, from the heartbeat
-    waiting: int = 0
-    kv_used: int = 0
-    kv_capacity: int = 0
-    max_input_len: int = 0  # 0 = no limit
-    gpu_id: str = ""
-    adapters: tuple[str, ...] = ()
-    # --- used by Aladdin, CaraServe, least_loaded and first_fit (all optional) ---
-    adapter_ranks: tuple[int, ...] = ()  # rank of each entry of `adapters`, same order
-    max_adapters: int = 0  # adapter slots on the GPU; 0 = no limit
-    kernel: str = "bgmv"  # LoRA kernel: "bgmv" (batch x max rank) | "mbgmv" (sum of ranks)
-    max_batch: int = 0  # engine batch limit; 0 = unknown
-    requests: tuple[RunningRequest, ...] = ()  # placed and unfinished, with lengths
-    perf: WorkerPerf | None = None  # the worker's (fitted) performance models; None = unknown
-    len_error: float = 0.0  # Aladdin Alg. 2 l^e from requests that finished before their prediction
-    batch_error: float = 0.0  # Aladdin Alg. 2 b^e, same source
-
-    @property
-    def kv_free_fraction(self) -> float:
-        """Free share of the KV cache (1.0 when the capacity is unknown)."""
-        if self.kv_capacity <= 0:
-            return 1.0
-        return max(0.0, 1.0 - self.kv_used / self.kv_capacity)
-
-
-@dataclass(frozen=True, slots=True)
-class RequestView:
-    """What policies may use of a request."""
-
-    request_id: str = ""
-    input_tokens: int = 0
-    predicted_tokens: int = 0
-    length_class: int = -1
-    adapter: str | None = None
-    priority: int = 0
-    adapter_rank: int = 0  # LoRA rank of `adapter` (0 = base model or unknown)
-    ttft_slo_ms: float = 0.0  # 0 = the policy's default (Aladdin Table 2)
-    atgt_slo_ms: float = 0.0  # time per output token SLO; 0 = the policy's default
-
-
-@dataclass(frozen=True, slots=True)
-class PolicyState:
-    """Per-deployment state a policy carries between calls."""
-
-    last_worker: str = ""  # round-robin: the worker chosen last time
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """The chosen worker and the state to pass to the next call."""
-
-    worker_id: str
-    state: PolicyState
-    scale_out: bool = False  # no worker met the policy's constraints: one more worker is wanted
-
-
-Policy = Callable[[Sequence[WorkerView], RequestView, PolicyState, _random.Random], Decision]
+__all__ = [
+    "DEFAULT_POLICY", "POLICIES", "Decision", "Policy", "PolicyState", "RequestView", "RunningRequest",
+    "UnknownPolicy", "WorkerView", "choose", "first_fit", "get_policy", "least_loaded", "least_outstanding",
+    "load_key", "power_of_two", "random_choice", "round_robin",
+]
 
 
 class UnknownPolicy(ValueError):
@@ -114,21 +45,10 @@ class UnknownPolicy(ValueError):
         self.name = name
 
 
-def load_key(w: WorkerView) -> tuple[int, int, float, str]:
-    """Join-the-shortest-queue order: own outstanding + engine waiting, then running,
-    then fuller KV cache last, then worker_id (deterministic tie-break)."""
-    return (w.outstanding + w.waiting, w.running, -w.kv_free_fraction, w.worker_id)
-
-
-def _require(workers: Sequence[WorkerView]) -> None:
-    if not workers:
-        raise ValueError("a dispatch policy needs at least one candidate worker")
-
-
 def round_robin(workers: Sequence[WorkerView], request: RequestView, state: PolicyState,
                 rng: _random.Random) -> Decision:
     """The next worker after the last one chosen, in worker_id order (stable when workers come and go)."""
-    _require(workers)
+    require_workers(workers)
     ids = sorted(w.worker_id for w in workers)
     chosen = next((i for i in ids if i > state.last_worker), ids[0])
     return Decision(chosen, replace(state, last_worker=chosen))
@@ -137,14 +57,14 @@ def round_robin(workers: Sequence[WorkerView], request: RequestView, state: Poli
 def least_outstanding(workers: Sequence[WorkerView], request: RequestView, state: PolicyState,
                       rng: _random.Random) -> Decision:
     """JSQ: the worker with the fewest outstanding + waiting requests (ties: `load_key`)."""
-    _require(workers)
+    require_workers(workers)
     return Decision(min(workers, key=load_key).worker_id, state)
 
 
 def power_of_two(workers: Sequence[WorkerView], request: RequestView, state: PolicyState,
                  rng: _random.Random) -> Decision:
     """Power of two choices (Mitzenmacher): two workers at random, the less loaded of them."""
-    _require(workers)
+    require_workers(workers)
     if len(workers) == 1:
         return Decision(workers[0].worker_id, state)
     a, b = rng.sample(list(workers), 2)
@@ -154,7 +74,7 @@ def power_of_two(workers: Sequence[WorkerView], request: RequestView, state: Pol
 def random_choice(workers: Sequence[WorkerView], request: RequestView, state: PolicyState,
                   rng: _random.Random) -> Decision:
     """Uniformly random worker (baseline)."""
-    _require(workers)
+    require_workers(workers)
     return Decision(rng.choice(list(workers)).worker_id, state)
 
 
@@ -176,7 +96,7 @@ def least_loaded(workers: Sequence[WorkerView], request: RequestView, state: Pol
                  rng: _random.Random) -> Decision:
     """MostIdle (CaraServe §7.5 baseline): the worker with the least work in tokens
     (`_token_load`), ties by requests in flight, then worker_id."""
-    _require(workers)
+    require_workers(workers)
     return Decision(min(workers, key=lambda w: (_token_load(w), _in_flight(w), w.worker_id)).worker_id, state)
 
 
@@ -188,7 +108,7 @@ def first_fit(workers: Sequence[WorkerView], request: RequestView, state: Policy
     """First-fit bin packing (Punica, CaraServe §7.5 baseline): the first worker in worker_id
     order with a free batch slot and room in its KV cache for the request's input + predicted
     output; when none has room, the least loaded (`load_key`)."""
-    _require(workers)
+    require_workers(workers)
     need = request.input_tokens + request.predicted_tokens
     for w in sorted(workers, key=lambda w: w.worker_id):
         slots = w.max_batch or FIRST_FIT_DEFAULT_BATCH
@@ -198,34 +118,27 @@ def first_fit(workers: Sequence[WorkerView], request: RequestView, state: Policy
     return Decision(min(workers, key=load_key).worker_id, state)
 
 
-POLICIES: dict[str, Policy] = {
-    "round_robin": round_robin,
-    "least_outstanding": least_outstanding,
-    "power_of_two": power_of_two,
-    "random": random_choice,
-    "least_loaded": least_loaded,
-    "first_fit": first_fit,
-}
-"""Policy name -> function. Deployment.policy must be one of these names."""
-
-DEFAULT_POLICY = "least_outstanding"
-
-
-def _register_model_policies() -> None:
-    """Aladdin best-fit and CaraServe rank-aware live in their own modules (they import
-    this one for the views); registered here so `POLICIES` names every policy. A module
-    already being imported (it imported us first) registers itself when it is done."""
-    import importlib
-    import sys
-
-    for module, name, attr in (("polyserve.dispatcher.policy_aladdin", "aladdin", "aladdin_best_fit"),
-                               ("polyserve.dispatcher.policy_caraserve", "caraserve", "caraserve_rank_aware"),
-                               ("polyserve.dispatcher.policy_arlo", "arlo_mlq", "arlo_mlq")):
-        if module not in sys.modules:
-            POLICIES.setdefault(name, getattr(importlib.import_module(module), attr))
+def _registry() -> Mapping[str, Policy]:
+    """Every policy by name, in `DISPATCH_POLICIES` order; refuses to build a registry
+    that names other policies than the vocabulary does."""
+    by_name: dict[str, Policy] = {
+        "round_robin": round_robin,
+        "least_outstanding": least_outstanding,
+        "power_of_two": power_of_two,
+        "random": random_choice,
+        "least_loaded": least_loaded,
+        "first_fit": first_fit,
+        "aladdin": policy_aladdin.aladdin_best_fit,
+        "caraserve": policy_caraserve.caraserve_rank_aware,
+        **policy_arlo.ARLO_POLICIES,
+    }
+    if set(by_name) != set(DISPATCH_POLICIES):
+        raise RuntimeError(f"dispatch policies {sorted(by_name)} differ from core.names.DISPATCH_POLICIES")
+    return MappingProxyType({name: by_name[name] for name in DISPATCH_POLICIES})
 
 
-_register_model_policies()
+POLICIES: Mapping[str, Policy] = _registry()
+"""Policy name -> function, read-only. Deployment.policy must be one of these names."""
 
 
 def get_policy(name: str) -> Policy:

@@ -34,13 +34,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from polyserve.core.perf import WorkerPerf
-from polyserve.dispatcher import policy as _policy
-from polyserve.dispatcher.policy import Decision, PolicyState, RequestView, RunningRequest, WorkerView
+from polyserve.dispatcher.views import Decision, PolicyState, RequestView, RunningRequest, WorkerView
+from polyserve.proto.messages import ATGT_SLO_MS, TTFT_SLO_MS  # Aladdin Table 2, Llama2-chat-70b
 
-TTFT_SLO_MS = 1600.0  # Aladdin Table 2, Llama2-chat-70b on A100
-ATGT_SLO_MS = 75.0
 Repredict = Callable[[int, int, int], int]  # (input_tokens, predicted, generated) -> new total output
 
 
@@ -79,17 +78,27 @@ class Placement:
 
 def planned_output(r: RunningRequest, cfg: AladdinConfig = DEFAULT) -> int:
     """The output length Aladdin plans with: the prediction, or a re-prediction once the
-    request has generated that many tokens."""
+    request has generated that many tokens; never more than the request's `max_tokens`
+    (its hard cap, when known)."""
     if r.predicted_tokens > r.generated:
-        return r.predicted_tokens
-    return max(r.generated + 1, cfg.repredict(r.input_tokens, r.predicted_tokens, r.generated))
+        out = r.predicted_tokens
+    else:
+        out = max(r.generated + 1, cfg.repredict(r.input_tokens, r.predicted_tokens, r.generated))
+    return min(out, r.max_tokens) if r.max_tokens > 0 else out
+
+
+def new_output(req: RequestView) -> int:
+    """The output Aladdin plans for a request being placed: its prediction (at least 1),
+    at most its `max_tokens` when known."""
+    n = max(1, req.predicted_tokens)
+    return min(n, req.max_tokens) if req.max_tokens > 0 else n
 
 
 def as_new(req: RequestView) -> RunningRequest:
     """A request being placed, as a not-yet-started entry of a worker."""
     return RunningRequest(request_id=req.request_id, input_tokens=req.input_tokens,
-                          predicted_tokens=max(1, req.predicted_tokens), started=False,
-                          adapter=req.adapter, rank=req.adapter_rank)
+                          predicted_tokens=new_output(req), started=False,
+                          adapter=req.adapter, rank=req.adapter_rank, max_tokens=req.max_tokens)
 
 
 def _perf(w: WorkerView, cfg: AladdinConfig) -> WorkerPerf | None:
@@ -223,11 +232,20 @@ def place(workers: Sequence[WorkerView], req: RequestView, cfg: AladdinConfig = 
 
 
 def config_for(req: RequestView, base: AladdinConfig = DEFAULT) -> AladdinConfig:
-    """`base` with the request's own SLOs, when it carries them."""
-    if req.ttft_slo_ms <= 0 and req.atgt_slo_ms <= 0:
+    """`base` with the request's own SLOs, where it carries them (> 0); the same object
+    for the same SLOs over `DEFAULT` (the live dispatcher sets them on every request)."""
+    ttft = req.ttft_slo_ms if req.ttft_slo_ms > 0 else base.ttft_slo_ms
+    atgt = req.atgt_slo_ms if req.atgt_slo_ms > 0 else base.atgt_slo_ms
+    if ttft == base.ttft_slo_ms and atgt == base.atgt_slo_ms:
         return base
-    return replace(base, ttft_slo_ms=req.ttft_slo_ms or base.ttft_slo_ms,
-                   atgt_slo_ms=req.atgt_slo_ms or base.atgt_slo_ms)
+    if base is DEFAULT:
+        return _slo_config(ttft, atgt)
+    return replace(base, ttft_slo_ms=ttft, atgt_slo_ms=atgt)
+
+
+@lru_cache(maxsize=64)
+def _slo_config(ttft_slo_ms: float, atgt_slo_ms: float) -> AladdinConfig:
+    return replace(DEFAULT, ttft_slo_ms=ttft_slo_ms, atgt_slo_ms=atgt_slo_ms)
 
 
 def fallback_key(w: WorkerView, req: RequestView, cfg: AladdinConfig = DEFAULT) -> tuple:
@@ -330,7 +348,7 @@ def rebalance(workers: Sequence[WorkerView], cfg: AladdinConfig = DEFAULT, max_m
                     if gain > 1e-12 and (best is None or gain > best[0]):
                         rv = RequestView(request_id=r.request_id, input_tokens=r.input_tokens,
                                          predicted_tokens=r.predicted_tokens, adapter=r.adapter,
-                                         adapter_rank=r.rank)
+                                         adapter_rank=r.rank, max_tokens=r.max_tokens)
                         if not check(views[dst], rv, cfg):
                             best = (gain, src, dst, r)
         if best is None:
@@ -372,85 +390,3 @@ class ErrorLedger:
 
     def forget(self, worker_id: str) -> None:
         self._entries.pop(worker_id, None)
-
-
-# ------------------------------------------------------------------ live-dispatcher bookkeeping
-@dataclass
-class _Entry:
-    worker_id: str
-    req: RunningRequest
-    first_token: float | None = None  # seconds
-
-
-class RequestBook:
-    """What Aladdin and CaraServe need of each placed request, for the live dispatcher:
-    fed by placements and `first_token` / `completed` / `failed` events; `requests()` gives a
-    worker's `WorkerView.requests`, estimating tokens generated so far as decode time so far
-    divided by the worker's current modelled decode step. Bounded by `max_tracked`."""
-
-    def __init__(self, max_tracked: int = 100_000):
-        self.max_tracked = max_tracked
-        self._by_id: dict[str, _Entry] = {}
-        self._by_worker: dict[str, dict[str, _Entry]] = {}
-        self.ledger = ErrorLedger()
-
-    def place(self, worker_id: str, req: RequestView) -> None:
-        self.finish(req.request_id, None, 0.0)
-        if len(self._by_id) >= self.max_tracked:
-            self.finish(next(iter(self._by_id)), None, 0.0)
-        e = _Entry(worker_id, as_new(req))
-        self._by_id[req.request_id] = e
-        self._by_worker.setdefault(worker_id, {})[req.request_id] = e
-
-    def move(self, request_id: str, worker_id: str) -> bool:
-        """A not-yet-started request now waits on `worker_id` (an Alg. 2 move)."""
-        e = self._by_id.get(request_id)
-        if e is None:
-            return False
-        self._by_worker.get(e.worker_id, {}).pop(request_id, None)
-        e.worker_id = worker_id
-        self._by_worker.setdefault(worker_id, {})[request_id] = e
-        return True
-
-    def tracked(self, worker_id: str) -> int:
-        """Requests the book holds for a worker."""
-        return len(self._by_worker.get(worker_id, ()))
-
-    def first_token(self, request_id: str, now: float) -> None:
-        e = self._by_id.get(request_id)
-        if e is not None and e.first_token is None:
-            e.first_token = now
-            e.req = replace(e.req, started=True, generated=1)
-
-    def finish(self, request_id: str, output_tokens: int | None, now: float, step_ms: float = ATGT_SLO_MS) -> None:
-        """A request ended (`output_tokens` None when it failed); early finishes go to the ledger."""
-        e = self._by_id.pop(request_id, None)
-        if e is None:
-            return
-        self._by_worker.get(e.worker_id, {}).pop(request_id, None)
-        if output_tokens is not None and e.req.predicted_tokens:
-            self.ledger.finished(e.worker_id, e.req.predicted_tokens, output_tokens, now, step_ms)
-
-    def forget_worker(self, worker_id: str) -> None:
-        for rid in list(self._by_worker.pop(worker_id, {})):
-            self._by_id.pop(rid, None)
-        self.ledger.forget(worker_id)
-
-    def requests(self, worker_id: str, now: float, perf: WorkerPerf | None) -> tuple[RunningRequest, ...]:
-        entries = list(self._by_worker.get(worker_id, {}).values())
-        started = [e for e in entries if e.first_token is not None]
-        step = ATGT_SLO_MS
-        if perf is not None and started:
-            ctx = sum(e.req.input_tokens for e in started) / len(started)
-            step = max(1e-3, perf.decode_ms(ctx, len(started)))
-        out = []
-        for e in entries:
-            if e.first_token is None:
-                out.append(e.req)
-                continue
-            dec = max(0.0, (now - e.first_token) * 1000.0)
-            out.append(replace(e.req, decode_ms=dec, generated=1 + int(dec / step)))
-        return tuple(out)
-
-
-_policy.POLICIES.setdefault("aladdin", aladdin_best_fit)

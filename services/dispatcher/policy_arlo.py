@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import math
 import random as _random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
-from polyserve.dispatcher import policy as _policy
-from polyserve.dispatcher.policy import Decision, Policy, PolicyState, RequestView, WorkerView
+from polyserve.dispatcher.views import Decision, Policy, PolicyState, RequestView, WorkerView
 
 DEFAULT_LAMBDA = 0.85
 DEFAULT_ALPHA = 0.9
@@ -126,8 +126,6 @@ def arlo_ig(workers: Sequence[WorkerView], request: RequestView, state: PolicySt
     return Decision(best.worker_id, state)
 
 
-ARLO_POLICIES: dict[str, Policy] = {"arlo_mlq": arlo_mlq, "arlo_ilb": arlo_ilb, "arlo_ig": arlo_ig}
-"""Name -> policy, for `polyserve.dispatcher.policy.POLICIES`."""
-
-for _name, _fn in ARLO_POLICIES.items():  # registered on import, like policy_aladdin / policy_caraserve
-    _policy.POLICIES.setdefault(_name, _fn)
+ARLO_POLICIES: Mapping[str, Policy] = MappingProxyType({"arlo_mlq": arlo_mlq, "arlo_ilb": arlo_ilb,
+                                                         "arlo_ig": arlo_ig})
+"""Name -> policy, read-only; `polyserve.dispatcher.policy.POLICIES` includes them."""

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from polyserve.core.perf import LORA_DEFAULTS, PerfModel, WorkerPerf
-from polyserve.dispatcher import policy as _policy
-from polyserve.dispatcher.policy import Decision, PolicyState, RequestView, WorkerView
+from polyserve.dispatcher.views import Decision, PolicyState, RequestView, WorkerView, require_workers
+from polyserve.proto.messages import ATGT_SLO_MS  # time-per-token SLO default (Aladdin Table 2, Llama2-70B)
 
-ATGT_SLO_MS = 75.0  # time-per-token SLO default (Aladdin Table 2, Llama2-70B)
 PENALTY = 1e6  # ms added to a candidate that would break the SLO
 _LORA_ONLY = WorkerPerf(base=PerfModel(k1=0.0, c1=0.0, k2=0.0, c2=0.0, c3=0.0), lora=dict(LORA_DEFAULTS),
                         label="lora-only")
@@ -43,6 +43,18 @@ class CaraConfig:
 
 
 DEFAULT = CaraConfig()
+
+
+def config_for(req: RequestView) -> CaraConfig:
+    """`DEFAULT` with the request's own time-per-token SLO, when it carries one (> 0)."""
+    if req.atgt_slo_ms <= 0 or req.atgt_slo_ms == DEFAULT.atgt_slo_ms:
+        return DEFAULT
+    return _slo_config(req.atgt_slo_ms)
+
+
+@lru_cache(maxsize=64)
+def _slo_config(atgt_slo_ms: float) -> CaraConfig:
+    return CaraConfig(atgt_slo_ms=atgt_slo_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,11 +125,6 @@ def rank_aware(workers: Sequence[WorkerView], req: RequestView, cfg: CaraConfig 
 def caraserve_rank_aware(workers: Sequence[WorkerView], request: RequestView, state: PolicyState,
                          rng) -> Decision:
     """`POLICIES["caraserve"]`: CaraServe §5 rank-aware placement."""
-    if not workers:
-        raise ValueError("a dispatch policy needs at least one candidate worker")
-    cfg = DEFAULT if request.atgt_slo_ms <= 0 else CaraConfig(atgt_slo_ms=request.atgt_slo_ms)
-    best = rank_aware(workers, request, cfg)
+    require_workers(workers)
+    best = rank_aware(workers, request, config_for(request))
     return Decision(best.worker_id, state, scale_out=best.violates)
-
-
-_policy.POLICIES.setdefault("caraserve", caraserve_rank_aware)

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from typing import Any
 
 from polyserve.dispatcher.config import DispatcherSettings
 from polyserve.dispatcher.handlers import DispatchHandlers
-from polyserve.dispatcher.registry import DeploymentCache, Outstanding, WorkerRegistry
+from polyserve.dispatcher.liveview import LiveView
+from polyserve.dispatcher.registry import DeploymentCache
 from polyserve.proto import Completed, DispatchRequest, Failed, FirstToken, Heartbeat, Keys, WithdrawReply, WorkerDown
 from polyserve.shared.lifecycle import ServiceBase
 
@@ -19,15 +19,15 @@ FITS_EVERY_S = 5.0
 
 
 class DispatcherService(ServiceBase):
-    """Places requests on workers with the deployment's policy (`policy.POLICIES`)."""
+    """Places requests on workers with the deployment's policy (`policy.POLICIES`); its
+    state is one `LiveView`, its NATS handlers `DispatchHandlers` over it."""
 
     name = "dispatcher"
     settings: DispatcherSettings
 
     def __init__(self, settings: DispatcherSettings, **kw: Any):
         super().__init__(settings, **kw)
-        self.registry = WorkerRegistry()
-        self.outstanding = Outstanding(settings.max_tracked, settings.placement_ttl_s)
+        self.view = LiveView(settings)
         self.handlers: DispatchHandlers = None  # type: ignore[assignment]  # set in on_start
 
     async def on_start(self) -> None:
@@ -35,9 +35,7 @@ class DispatcherService(ServiceBase):
         s = self.settings
         deployments = DeploymentCache(self.state, ttl_s=s.deployment_cache_s, timeout_s=s.redis_timeout_s,
                                       retry_s=s.redis_retry_s)
-        rng = random.Random(s.seed) if s.seed >= 0 else random.Random()
-        self.handlers = h = DispatchHandlers(s, self.subjects, deployments, self.registry,
-                                             self.outstanding, rng, publish=self.bus.publish)
+        self.handlers = h = DispatchHandlers(s, self.view, deployments, self.subjects, publish=self.bus.publish)
         # Events first, so nothing between the Redis seed and serving is missed.
         # No queue group: every dispatcher needs every heartbeat and every outcome.
         await self.bus.listen(self.subjects.worker_event("heartbeat"), Heartbeat, h.on_heartbeat)
@@ -60,17 +58,13 @@ class DispatcherService(ServiceBase):
             logger.warning("dispatcher: cannot read live workers from Redis (%s: %s); waiting for heartbeats",
                            type(exc).__name__, exc)
             return
-        n = 0
-        for hb in beats:
-            if hb.worker_id not in {w.worker_id for w in self.registry.live(hb.deployment)}:
-                n += self.registry.heartbeat(hb, seeded=True)
-        logger.info("dispatcher: seeded %d live workers from Redis", n)
+        logger.info("dispatcher: seeded %d live workers from Redis", self.view.seed(beats))
 
     async def _sweep_loop(self) -> None:
         while not self.stop_event.is_set():
             await asyncio.sleep(self.settings.sweep_s)
             try:
-                self.handlers.sweep()
+                self.view.sweep()
             except Exception:
                 logger.exception("dispatcher: sweep failed")
 
@@ -79,7 +73,7 @@ class DispatcherService(ServiceBase):
         keys = Keys(self.settings.prefix)
         while not self.stop_event.is_set():
             await asyncio.sleep(FITS_EVERY_S)
-            for wid, rep in self.handlers.models.report().items():
+            for wid, rep in self.view.models.report().items():
                 try:
                     await self.state.put_json(keys.perf_fit(wid), rep, ttl=6 * FITS_EVERY_S)
                 except Exception as exc:  # Redis down: the next round retries

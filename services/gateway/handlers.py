@@ -1,6 +1,6 @@
-"""One request's path through the control plane: admit -> predict -> dispatch ->
-generate on the worker -> relay chunks. Exactly one terminal event (completed or
-failed) is published per admitted request, whatever happens."""
+"""One completion's path through the control plane after admission (admission.py):
+predict -> dispatch -> generate on the worker -> relay chunks. Exactly one terminal
+event (completed or failed) is published per admitted request, whatever happens."""
 from __future__ import annotations
 
 import asyncio
@@ -10,9 +10,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from polyserve.proto import (
+    AdapterSpec,
     Admitted,
     CancelRequest,
     Completed,
@@ -24,7 +24,6 @@ from polyserve.proto import (
     GenerateAccepted,
     GenerateRequest,
     Placement,
-    Predicted,
     Prediction,
     PredictRequest,
     SamplingParams,
@@ -32,32 +31,12 @@ from polyserve.proto import (
 )
 from polyserve.shared.bus import BusError, decode, error_of
 
+from . import admission
+from .context import GatewayState
+from .errors import GatewayError, status_of
 from .policy import estimate_tokens
 
-if TYPE_CHECKING:
-    from .service import GatewayService
-
 logger = logging.getLogger(__name__)
-
-
-class GatewayError(Exception):
-    """Ends a request with an HTTP status and a message for the client."""
-
-    def __init__(self, status: int, message: str, retry_after: float | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.retry_after = retry_after
-
-
-def _status_of(exc: BusError, what: str) -> GatewayError:
-    if exc.code == 504:
-        return GatewayError(504, f"{what} did not answer in time: {exc.description}")
-    if exc.code == 503:
-        return GatewayError(503, f"{what} unavailable: {exc.description}", retry_after=1)
-    if exc.code == 429:
-        return GatewayError(429, exc.description, retry_after=1)
-    return GatewayError(exc.code if 400 <= exc.code < 600 else 502, exc.description)
 
 
 @dataclass
@@ -71,16 +50,14 @@ class Outcome:
 
 @dataclass
 class RequestRun:
-    """State of one admitted request; use `start()` then iterate `chunks()`."""
+    """State of one admitted completion; use `start()` then iterate `chunks()`."""
 
-    gw: "GatewayService"
+    gs: GatewayState
     deployment: Deployment
     prompt: str
     params: SamplingParams
     stream: bool
-    adapter: str | None = None
-    adapter_path: str = ""
-    adapter_rank: int = 0
+    adapter: AdapterSpec | None = None  # the LoRA adapter the request runs with
     priority: int = 0
     request_id: str = field(default_factory=lambda: "cmpl-" + uuid.uuid4().hex[:24])
     t0: float = field(default_factory=time.monotonic)
@@ -104,17 +81,14 @@ class RequestRun:
         return {"request_id": self.request_id, "deployment": self.deployment.id, "model": self.deployment.model}
 
     async def _event(self, kind: str, event) -> None:
-        try:
-            await self.gw.bus.publish(self.gw.subjects.event(kind), event)
-        except Exception:  # events are best effort; the request goes on
-            logger.warning("could not publish %s for %s", kind, self.request_id)
+        await self.gs.event(kind, event)  # best effort; the request goes on
 
     async def fail(self, status: int, reason: str) -> None:
         """Publish the one `failed` event (idempotent)."""
         if self.terminal:
             return
         self.terminal = True
-        self.gw.metrics.finished(self.deployment.id, status)
+        self.gs.metrics.finished(self.deployment.id, status)
         await self._event("failed", Failed(**self._base(), reason=reason, status=status,
                                            worker_id=self.placement.worker_id if self.placement else "",
                                            e2e_ms=self._ms()))
@@ -134,31 +108,23 @@ class RequestRun:
             raise
 
     async def _start(self) -> None:
-        gw, s = self.gw, self.gw.settings
+        gs, s = self.gs, self.gs.settings
         self.input_tokens = estimate_tokens(self.prompt)
         await self._event("admitted", Admitted(**self._base(), input_tokens=self.input_tokens,
                                                max_tokens=self.params.max_tokens, stream=self.stream,
                                                n=self.params.n))
-        t = time.monotonic()
-        try:
-            self.prediction = await gw.bus.request(
-                gw.subjects.predict, PredictRequest(request_id=self.request_id, model=self.deployment.model,
-                                                    prompt=self.prompt, input_tokens=self.input_tokens),
-                Prediction, timeout=s.predict_timeout_s, span_name="predict")
-        except BusError as exc:
-            raise _status_of(exc, "predictor") from exc
-        p = self.prediction
-        await self._event("predicted", Predicted(**self._base(), length_class=p.length_class,
-                                                 tokens_estimate=p.tokens_estimate, source=p.source,
-                                                 latency_ms=(time.monotonic() - t) * 1e3))
-        self._inbox, self._queue = await self._exit.enter_async_context(gw.bus.inbox())
-        inbox = self._inbox
+        # max_tokens is per sequence (each of the n choices stops there); the predictor
+        # clamps its estimate to it, so the gateway passes the estimate on as it is.
+        self.prediction = await admission.predict(
+            gs, PredictRequest(request_id=self.request_id, model=self.deployment.model, prompt=self.prompt,
+                               input_tokens=self.input_tokens, max_tokens=self.params.max_tokens), self._base())
+        self._inbox, self._queue = await self._exit.enter_async_context(gs.bus.inbox())
         excluded: list[str] = []
         for attempt in range(s.dispatch_retries + 1):
             self.placement = await self._dispatch(excluded)
             try:
-                await gw.bus.request(self.placement.generate_subject, self._generate(inbox), GenerateAccepted,
-                                     timeout=s.accept_timeout_s, span_name="generate")
+                await gs.bus.request(self.placement.generate_subject, self._generate(self._inbox),
+                                     GenerateAccepted, timeout=s.accept_timeout_s, span_name="generate")
                 self._sent_at = time.monotonic()
                 return
             except BusError as exc:
@@ -167,39 +133,28 @@ class RequestRun:
                                    self.placement.worker_id, self.request_id, exc.description)
                     excluded.append(self.placement.worker_id)
                     continue
-                raise _status_of(exc, f"worker {self.placement.worker_id}") from exc
+                raise status_of(exc, f"worker {self.placement.worker_id}") from exc
 
     async def _dispatch(self, excluded: list[str]) -> Placement:
-        gw, p = self.gw, self.prediction
-        t = time.monotonic()
-        try:
-            placement = await gw.bus.request(
-                gw.subjects.dispatch,
-                DispatchRequest(request_id=self.request_id, deployment=self.deployment.id,
-                                model=self.deployment.model, input_tokens=self.input_tokens,
-                                predicted_tokens=p.tokens_estimate if p else 0,
-                                length_class=p.length_class if p else -1, adapter=self.adapter,
-                                priority=self.priority, exclude=excluded, adapter_rank=self.adapter_rank),
-                Placement, timeout=gw.settings.dispatch_timeout_s, span_name="dispatch")
-        except BusError as exc:
-            raise _status_of(exc, "dispatcher") from exc
-        await self._event("dispatched", Dispatched(**self._base(), worker_id=placement.worker_id,
-                                                   policy=placement.policy,
-                                                   latency_ms=(time.monotonic() - t) * 1e3))
-        return placement
+        p, a = self.prediction, self.adapter
+        return await admission.place(self.gs, DispatchRequest(
+            request_id=self.request_id, deployment=self.deployment.id, model=self.deployment.model,
+            input_tokens=self.input_tokens, predicted_tokens=p.tokens_estimate if p else 0,
+            length_class=p.length_class if p else -1, adapter=a.name if a else None, priority=self.priority,
+            exclude=excluded, adapter_rank=a.rank if a else 0, max_tokens=self.params.max_tokens), self._base())
 
     def _generate(self, inbox: str) -> GenerateRequest:
-        p = self.prediction
+        p, a = self.prediction, self.adapter
         return GenerateRequest(request_id=self.request_id, deployment=self.deployment.id,
                                model=self.deployment.model, prompt=self.prompt, input_tokens=self.input_tokens,
-                               params=self.params, stream_to=inbox, adapter=self.adapter,
-                               adapter_path=self.adapter_path, priority=self.priority,
+                               params=self.params, stream_to=inbox, adapter=a.name if a else None,
+                               adapter_path=a.path if a else "", priority=self.priority,
                                predicted_tokens=p.tokens_estimate if p else 0,
                                length_class=p.length_class if p else -1)
 
     async def _next(self, first: bool) -> TokenChunk:
         """The next chunk, failing fast if the worker is gone or silent too long."""
-        s = self.gw.settings
+        s = self.gs.settings
         limit = s.first_token_timeout_s if first else s.idle_timeout_s
         deadline = time.monotonic() + limit
         worker = self.placement.worker_id
@@ -207,7 +162,7 @@ class RequestRun:
             try:
                 msg = await asyncio.wait_for(self._queue.get(), timeout=0.25)
             except asyncio.TimeoutError:
-                gone = self.gw.worker_gone(worker, since=self.t0)
+                gone = self.gs.worker_gone(worker, since=self.t0)
                 if gone:
                     raise GatewayError(502, f"worker {worker} failed mid-request: {gone}")
                 if time.monotonic() > deadline:
@@ -236,7 +191,7 @@ class RequestRun:
                     first = False
                     await self._event("first_token", FirstToken(**self._base(), worker_id=self.placement.worker_id,
                                                                 ttft_ms=self._ms()))
-                    self.gw.metrics.ttft(self.deployment.id, self._ms() / 1e3)
+                    self.gs.metrics.ttft(self.deployment.id, self._ms() / 1e3)
                 if chunk.done:
                     # The terminal event first: a consumer may stop iterating at the done chunk.
                     await self._completed(chunk)
@@ -249,15 +204,15 @@ class RequestRun:
         except (asyncio.CancelledError, GeneratorExit):
             # The client went away. The surrounding scope may cancel every further
             # await, so the clean-up runs as a task of its own.
-            self.gw.spawn(self.cancel("client disconnected"))
+            self.gs.spawn(self.cancel("client disconnected"))
             raise
         finally:
-            self.gw.spawn(self.close())
+            self.gs.spawn(self.close())
 
     async def _redirect(self, placement: Placement) -> None:
         """The worker gave the request back before starting it (dispatcher re-balancing):
         send it to the new placement; if that worker refuses, dispatch it afresh."""
-        gw, s = self.gw, self.gw.settings
+        gs, s = self.gs, self.gs.settings
         old = self.placement.worker_id if self.placement else ""
         now = time.monotonic()
         self._moved_ms += (now - (self._sent_at or now)) * 1e3
@@ -267,11 +222,11 @@ class RequestRun:
         target = placement
         for attempt in range(s.dispatch_retries + 1):
             try:
-                await gw.bus.request(target.generate_subject, self._generate(self._inbox), GenerateAccepted,
+                await gs.bus.request(target.generate_subject, self._generate(self._inbox), GenerateAccepted,
                                      timeout=s.accept_timeout_s, span_name="generate (moved)")
             except BusError as exc:
                 if attempt >= s.dispatch_retries:
-                    raise _status_of(exc, f"worker {target.worker_id}") from exc
+                    raise status_of(exc, f"worker {target.worker_id}") from exc
                 logger.warning("worker %s did not take moved request %s (%s); re-dispatching",
                                target.worker_id, self.request_id, exc.description)
                 target = await self._dispatch([old, target.worker_id])
@@ -290,7 +245,7 @@ class RequestRun:
         self.terminal = True
         st = chunk.stats
         e2e = self._ms()
-        self.gw.metrics.finished(self.deployment.id, 200, e2e / 1e3)
+        self.gs.metrics.finished(self.deployment.id, 200, e2e / 1e3)
         await self._event("completed", Completed(
             **self._base(), worker_id=self.placement.worker_id,
             input_tokens=st.input_tokens if st else self.input_tokens,
@@ -306,7 +261,7 @@ class RequestRun:
         """Cancel at the worker (frees its slot at once) and record the failure."""
         if self.placement is not None and not self.terminal:
             with contextlib.suppress(Exception):
-                await self.gw.bus.publish(self.placement.cancel_subject,
+                await self.gs.bus.publish(self.placement.cancel_subject,
                                           CancelRequest(request_id=self.request_id, reason=reason))
         await self.fail(499, reason)
         await self.close()

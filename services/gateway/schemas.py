@@ -1,10 +1,13 @@
 """OpenAI-compatible request bodies (pydantic, as FastAPI validates them) and
-the management API's deployment body (thesis §6.2)."""
+the management API's deployment and adapter bodies (thesis §6.2)."""
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from polyserve.core.names import DEFAULT_SCALER, canonical_scaler
+from polyserve.proto import ATGT_SLO_MS, TTFT_SLO_MS
 
 
 class StreamOptions(BaseModel):
@@ -51,14 +54,21 @@ class ChatBody(_Sampling):
 class ScalerBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["pertoken", "request", "aladdin", "caraserve", "muserve", "signal"] = "pertoken"
+    type: str = DEFAULT_SCALER  # a name of polyserve.core.names.SCALERS (aliases accepted, stored canonical)
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(4, ge=1)
     window_s: float = Field(30.0, gt=0)
     threshold_ms: float = Field(50.0, gt=0)
 
+    @field_validator("type")
+    @classmethod
+    def _known_scaler(cls, value: str) -> str:
+        return canonical_scaler(value)  # UnknownName (a ValueError) lists the choices
+
 
 class DeploymentBody(BaseModel):
+    """A deployment to create; the SLOs default to Aladdin Table 2 (proto TTFT_SLO_MS / ATGT_SLO_MS)."""
+
     model_config = ConfigDict(extra="forbid")
 
     id: str | None = Field(None, pattern=r"^[A-Za-z0-9_\-]{1,64}$")
@@ -66,6 +76,8 @@ class DeploymentBody(BaseModel):
     engine: Literal["sim", "hf", "vllm", "encoder"] = "sim"
     policy: str = "least_outstanding"
     scaler: ScalerBody = ScalerBody()
+    ttft_slo_ms: float = Field(TTFT_SLO_MS, gt=0)  # time-to-first-token SLO
+    atgt_slo_ms: float = Field(ATGT_SLO_MS, gt=0)  # average time-per-generated-token SLO
 
 
 class AdapterBody(BaseModel):

@@ -46,7 +46,6 @@ CLI: `python -m polyserve.planner.arlo_ilp bench` prints solve times at
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import time
@@ -173,6 +172,107 @@ def evaluate(counts: Sequence[int], demand: Sequence[float], profiles: Sequence[
     return total, served, demoted
 
 
+@dataclass
+class _Milp:
+    """The MILP of `solve`: variables N[0:I], C[I:2I], R[2I:3I], z[3I:4I], t[4I:5I]."""
+
+    I: int
+    lo: np.ndarray
+    hi: np.ndarray
+    integrality: np.ndarray
+    rows: list[np.ndarray] = field(default_factory=list)
+    rlo: list[float] = field(default_factory=list)
+    rhi: list[float] = field(default_factory=list)
+
+    @property
+    def nv(self) -> int:
+        return 5 * self.I
+
+    def row(self, coef: Mapping[int, float], low: float, high: float) -> None:
+        r = np.zeros(self.nv)
+        for k, v in coef.items():
+            r[k] += v
+        self.rows.append(r)
+        self.rlo.append(low)
+        self.rhi.append(high)
+
+
+def _check(G: int, demand: Sequence[float], profiles: Sequence[RuntimeProfile]) -> None:
+    if len(profiles) == 0 or len(demand) != len(profiles):
+        raise ValueError("need one demand figure per runtime and at least one runtime")
+    if any(b.max_len > a.max_len for a, b in zip(profiles[1:], profiles)):
+        raise ValueError("runtimes must be sorted by max_len")
+    if G < 1:
+        raise ValueError("G must be >= 1 (Eq. 7 needs one instance of the longest runtime)")
+
+
+def _build(G: int, q: Sequence[float], profiles: Sequence[RuntimeProfile], models: Sequence[CostModel],
+           lb: Sequence[int], greedy: bool) -> _Milp:
+    """Bounds and rows of Eqs. 2–7 with the exact linearisation (module docstring)."""
+    I = len(profiles)
+    nN, nC, nR, nz, nt = 0, I, 2 * I, 3 * I, 4 * I
+    m = _Milp(I, np.zeros(5 * I), np.full(5 * I, np.inf), np.zeros(5 * I))
+    total_q = sum(q)
+    cum_q = list(itertools.accumulate(q))
+    for i in range(I):
+        m.lo[nN + i], m.hi[nN + i], m.integrality[nN + i] = lb[i], G, 1
+        m.hi[nC + i] = total_q
+        m.hi[nR + i] = cum_q[i] if i < I - 1 else 0.0
+        m.hi[nz + i] = 1.0 if (greedy and i < I - 1) else 0.0
+        m.integrality[nz + i] = 1
+    m.row({nN + i: 1.0 for i in range(I)}, G, G)  # Eq. 2
+    for i, p in enumerate(profiles):
+        flow = {nC + i: 1.0}
+        if i < I - 1:
+            flow[nR + i] = 1.0
+        if i > 0:
+            flow[nR + i - 1] = -1.0
+        m.row(flow, q[i], q[i])  # Eqs. 4–5: served + demoted = demand + demoted from below
+        if i < I - 1:
+            m.row({nC + i: 1.0, nN + i: -p.capacity}, -np.inf, 0.0)  # C_i <= M_i N_i
+            if greedy:
+                m.row({nR + i: 1.0, nz + i: -cum_q[i]}, -np.inf, 0.0)  # R_i <= U_i z_i
+                big = p.capacity * G
+                m.row({nC + i: 1.0, nN + i: -p.capacity, nz + i: -big}, -big, np.inf)  # C_i >= M_i N_i - V_i(1-z_i)
+        for a, b in zip(models[i].slopes, models[i].intercepts):
+            m.row({nt + i: 1.0, nC + i: -a, nN + i: -b}, 0.0, np.inf)  # t_i >= a C_i + b N_i
+    return m
+
+
+def _options(time_limit_s: float, mip_rel_gap: float) -> dict[str, Any]:
+    return {"time_limit": time_limit_s, "mip_rel_gap": mip_rel_gap, "disp": False}
+
+
+def _fewest_moves(m: _Milp, G: int, prefer: Sequence[int], optimum: float, tolerance: float,
+                  options: dict[str, Any]) -> np.ndarray | None:
+    """Stage 2 of `solve`: within `tolerance` of `optimum`, minimise Σ max(0, prefer_i − N_i)
+    with one more variable d_i ≥ prefer_i − N_i, d_i ≥ 0 per runtime; the x of the MILP, or
+    None when the solver returns no point."""
+    I, nv, nt = m.I, m.nv, 4 * m.I
+    if len(prefer) != I or any(c < 0 for c in prefer):
+        raise ValueError("prefer needs one non-negative instance count per runtime")
+    A = np.hstack([np.array(m.rows), np.zeros((len(m.rows), I))])
+    extra, elo, ehi = [], [], []
+    bound = np.zeros(nv + I)
+    bound[nt:nt + I] = 1.0
+    extra.append(bound)  # Σ t_i <= optimum (1 + tolerance)
+    elo.append(-np.inf)
+    ehi.append(optimum * (1 + max(0.0, tolerance)) + 1e-7 * max(1.0, abs(optimum)))
+    for i in range(I):
+        r = np.zeros(nv + I)
+        r[i] = r[nv + i] = 1.0  # N_i + d_i >= prefer_i
+        extra.append(r)
+        elo.append(float(prefer[i]))
+        ehi.append(np.inf)
+    cost = np.zeros(nv + I)
+    cost[nv:] = 1.0
+    res = milp(cost, constraints=LinearConstraint(np.vstack([A, np.array(extra)]), m.rlo + elo, m.rhi + ehi),
+               integrality=np.concatenate([m.integrality, np.zeros(I)]),
+               bounds=Bounds(np.concatenate([m.lo, np.zeros(I)]), np.concatenate([m.hi, np.full(I, float(G))])),
+               options=options)
+    return res.x[:nv] if res.x is not None else None
+
+
 def solve(G: int, demand: Sequence[float], profiles: Sequence[RuntimeProfile], *, greedy: bool = True,
           time_limit_s: float = 10.0, mip_rel_gap: float = 1e-9, prefer: Sequence[int] | None = None,
           tolerance: float = 0.0) -> Allocation:
@@ -184,13 +284,8 @@ def solve(G: int, demand: Sequence[float], profiles: Sequence[RuntimeProfile], *
     Σ max(0, prefer_i − N_i), i.e. the fewest re-loads (§4). Many allocations tie when
     instances are under-loaded, so without it the solver's pick may move instances for
     nothing."""
+    _check(G, demand, profiles)
     I = len(profiles)
-    if I == 0 or len(demand) != I:
-        raise ValueError("need one demand figure per runtime and at least one runtime")
-    if any(b.max_len > a.max_len for a, b in zip(profiles[1:], profiles)):
-        raise ValueError("runtimes must be sorted by max_len")
-    if G < 1:
-        raise ValueError("G must be >= 1 (Eq. 7 needs one instance of the longest runtime)")
     q = [max(0.0, float(x)) for x in demand]
     models = [cost_model(p) for p in profiles]
     lb = floors(q, profiles)
@@ -198,88 +293,29 @@ def solve(G: int, demand: Sequence[float], profiles: Sequence[RuntimeProfile], *
     if not capacity_ok:  # Eq. 3 cannot hold: solve without it, flag it
         lb = [0] * (I - 1) + [1]
     t0 = time.perf_counter()
-    # variable layout: N[0:I], C[I:2I], R[2I:3I], z[3I:4I], t[4I:5I]
-    nN, nC, nR, nz, nt = 0, I, 2 * I, 3 * I, 4 * I
-    nv = 5 * I
-    lo, hi = np.zeros(nv), np.full(nv, np.inf)
-    integrality = np.zeros(nv)
-    total_q = sum(q)
-    cum_q = list(itertools.accumulate(q))
-    for i, p in enumerate(profiles):
-        lo[nN + i], hi[nN + i], integrality[nN + i] = lb[i], G, 1
-        hi[nC + i] = total_q
-        hi[nR + i] = cum_q[i] if i < I - 1 else 0.0
-        hi[nz + i] = 1.0 if (greedy and i < I - 1) else 0.0
-        integrality[nz + i] = 1
-    rows: list[np.ndarray] = []
-    rlo: list[float] = []
-    rhi: list[float] = []
-
-    def row(coef: Mapping[int, float], low: float, high: float) -> None:
-        r = np.zeros(nv)
-        for k, v in coef.items():
-            r[k] += v
-        rows.append(r)
-        rlo.append(low)
-        rhi.append(high)
-
-    row({nN + i: 1.0 for i in range(I)}, G, G)  # Eq. 2
-    for i, p in enumerate(profiles):
-        flow = {nC + i: 1.0}
-        if i < I - 1:
-            flow[nR + i] = 1.0
-        if i > 0:
-            flow[nR + i - 1] = -1.0
-        row(flow, q[i], q[i])  # Eqs. 4–5: served + demoted = demand + demoted from below
-        if i < I - 1:
-            row({nC + i: 1.0, nN + i: -p.capacity}, -np.inf, 0.0)  # C_i <= M_i N_i
-            if greedy:
-                row({nR + i: 1.0, nz + i: -cum_q[i]}, -np.inf, 0.0)  # R_i <= U_i z_i
-                big = p.capacity * G
-                row({nC + i: 1.0, nN + i: -p.capacity, nz + i: -big}, -big, np.inf)  # C_i >= M_i N_i - V_i(1-z_i)
-        for a, b in zip(models[i].slopes, models[i].intercepts):
-            row({nt + i: 1.0, nC + i: -a, nN + i: -b}, 0.0, np.inf)  # t_i >= a C_i + b N_i
-    cost = np.zeros(nv)
-    cost[nt:nt + I] = 1.0
-    res = milp(cost, constraints=LinearConstraint(np.array(rows), rlo, rhi), integrality=integrality,
-               bounds=Bounds(lo, hi), options={"time_limit": time_limit_s, "mip_rel_gap": mip_rel_gap,
-                                               "disp": False})
+    m = _build(G, q, profiles, models, lb, greedy)
+    cost = np.zeros(m.nv)
+    cost[4 * I:5 * I] = 1.0
+    options = _options(time_limit_s, mip_rel_gap)
+    res = milp(cost, constraints=LinearConstraint(np.array(m.rows), m.rlo, m.rhi), integrality=m.integrality,
+               bounds=Bounds(m.lo, m.hi), options=options)
     if res.x is None:
         raise RuntimeError(f"Arlo allocation found no solution: {res.message}")
     x, optimum = res.x, None
     if prefer is not None:
-        if len(prefer) != I or any(c < 0 for c in prefer):
-            raise ValueError("prefer needs one non-negative instance count per runtime")
         optimum = float(res.fun)
-        A = np.hstack([np.array(rows), np.zeros((len(rows), I))])  # + d_i >= prefer_i - N_i, d_i >= 0
-        extra, elo, ehi = [], [], []
-        bound = np.zeros(nv + I)
-        bound[nt:nt + I] = 1.0
-        extra.append(bound)  # Σ t_i <= optimum (1 + tolerance)
-        elo.append(-np.inf)
-        ehi.append(optimum * (1 + max(0.0, tolerance)) + 1e-7 * max(1.0, abs(optimum)))
-        for i in range(I):
-            r = np.zeros(nv + I)
-            r[nN + i] = r[nv + i] = 1.0
-            extra.append(r)
-            elo.append(float(prefer[i]))
-            ehi.append(np.inf)
-        cost2 = np.zeros(nv + I)
-        cost2[nv:] = 1.0
-        res2 = milp(cost2, constraints=LinearConstraint(np.vstack([A, np.array(extra)]), rlo + elo, rhi + ehi),
-                    integrality=np.concatenate([integrality, np.zeros(I)]),
-                    bounds=Bounds(np.concatenate([lo, np.zeros(I)]), np.concatenate([hi, np.full(I, float(G))])),
-                    options={"time_limit": time_limit_s, "mip_rel_gap": mip_rel_gap, "disp": False})
-        if res2.x is not None:  # else keep the optimum (the stage-1 point is always feasible here)
-            x = res2.x[:nv]
+        x2 = _fewest_moves(m, G, prefer, optimum, tolerance, options)
+        if x2 is not None:  # else keep the optimum (the stage-1 point is always feasible here)
+            x = x2
     elapsed = time.perf_counter() - t0
-    counts = tuple(int(round(v)) for v in x[nN:nN + I])
+    counts = tuple(int(round(v)) for v in x[:I])
     obj, served, demoted = evaluate(counts, q, profiles, models)
+    total_q = sum(q)
     status = "optimal" if res.status == 0 else f"stopped: {res.message}"
     return Allocation(counts=counts, objective=obj, served=tuple(served), demoted=tuple(demoted),
                       mean_latency_ms=obj / total_q if total_q > 0 else 0.0, capacity_ok=capacity_ok,
                       status=status, solve_s=elapsed,
-                      convexified=tuple(p.name for p, m in zip(profiles, models) if m.convexified),
+                      convexified=tuple(p.name for p, cm in zip(profiles, models) if cm.convexified),
                       optimum=optimum)
 
 
@@ -395,65 +431,3 @@ def plan_period(current: Mapping[str, int], profiles: Sequence[RuntimeProfile], 
     demand = demand_per_slo(lengths, period_s, slo_s, [p.max_len for p in profiles])
     alloc = solve(len(current), demand, profiles)
     return alloc, replacement_plan(current, alloc.counts, load, batch_size)
-
-
-# --------------------------------------------------------------------------- benchmark
-def synthetic_instance(G: int, I: int, load: float = 0.8, seed: int = 0, step: int = 64,
-                       slo_ms: float = 400.0) -> tuple[list[float], list[RuntimeProfile]]:
-    """A BERT-like instance: runtimes every `step` tokens, latency rising with max length and
-    load, log-normal request lengths, demand such that the ideal runtimes alone would need
-    `load` × G GPUs (Σ Q_i/M_i = load·G). Synthetic, not a trace."""
-    rng = np.random.default_rng(seed)
-    profiles = []
-    for i in range(I):
-        max_len = step * (i + 1)
-        single = 2.0 + 0.04 * max_len * (1 + 0.05 * rng.standard_normal())  # ms, grows with padding
-        per_req = 0.35 * single
-        cap = max(1, int((slo_ms - single) // per_req) + 1)  # largest b with L(b) <= slo
-        lat = tuple((float(b), single + per_req * (b - 1)) for b in range(1, cap + 1))
-        profiles.append(RuntimeProfile(f"rt{max_len}", max_len, float(cap), lat))
-    lengths = np.clip(rng.lognormal(np.log(step * I / 5), 0.8, 20_000), 1, step * I).astype(int)
-    share = np.bincount([ideal_runtime(int(n), [p.max_len for p in profiles]) for n in lengths],
-                        minlength=I) / len(lengths)
-    gpus_per_request = float(np.dot(share, [1.0 / p.capacity for p in profiles]))
-    total = load * G / gpus_per_request  # Σ Q_i/M_i = load × G: the ideal runtimes alone need load × G GPUs
-    return [float(total * s) for s in share], profiles
-
-
-def bench(configs: Sequence[tuple[int, int]] = ((50, 8), (200, 12), (1000, 16)),
-          loads: Sequence[float] = (0.5, 0.8, 0.95), repeats: int = 5) -> list[dict]:
-    """Solve-time figures like Arlo's Table 2 (synthetic instances, this machine's CPU)."""
-    out = []
-    for G, I in configs:
-        times, gaps = [], []
-        for load in loads:
-            for seed in range(repeats):
-                demand, profiles = synthetic_instance(G, I, load, seed)
-                a = solve(G, demand, profiles)
-                times.append(a.solve_s)
-                gaps.append(a.status)
-        out.append({"gpus": G, "runtimes": I, "runs": len(times), "mean_s": float(np.mean(times)),
-                    "max_s": float(np.max(times)), "all_optimal": all(s == "optimal" for s in gaps)})
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m polyserve.planner.arlo_ilp",
-                                 description="Arlo runtime allocation (MILP, HiGHS)")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("bench", help="solve time at 50/200/1,000 GPUs with 8/12/16 runtimes")
-    b.add_argument("--repeats", type=int, default=5, help="seeds per load level")
-    b.add_argument("--loads", default="0.5,0.8,0.95", help="demand as a fraction of cluster capacity")
-    args = ap.parse_args(argv)
-    loads = tuple(float(x) for x in args.loads.split(","))
-    print("Arlo runtime allocation, scipy.optimize.milp (HiGHS), synthetic BERT-like instances")
-    print(f"{'GPUs':>6} {'runtimes':>9} {'runs':>5} {'mean s':>9} {'max s':>9} {'optimal':>8}  Arlo+Gurobi")
-    paper = {(50, 8): 0.156, (200, 12): 0.623, (1000, 16): 2.612}
-    for r in bench(loads=loads, repeats=args.repeats):
-        print(f"{r['gpus']:>6} {r['runtimes']:>9} {r['runs']:>5} {r['mean_s']:>9.4f} {r['max_s']:>9.4f} "
-              f"{r['all_optimal']!s:>8}  {paper.get((r['gpus'], r['runtimes']), float('nan')):.3f} s")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -21,9 +21,6 @@ every allocation optimal).
 """
 from __future__ import annotations
 
-import argparse
-import random
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,36 +139,3 @@ def compute_plan(deployment: str, current: Mapping[str, int], rt: Runtimes, leng
     return RuntimePlan(**base, counts=_by_name(alloc.counts, names), changes=steps.changes,
                        objective=alloc.objective, solve_ms=solve_ms,
                        reason=f"{why}; objective {cur_obj:.1f} -> {alloc.objective:.1f}"), steps
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m polyserve.planner.arlo_live`: plan time and re-loads of one period on a
-    profile, G instances all starting at the longest runtime, log-normal lengths."""
-    ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("--profile", default=str(SHIPPED_PROFILE))
-    ap.add_argument("--gpus", type=int, nargs="+", default=[3, 16, 64])
-    ap.add_argument("--rate-per-gpu", type=float, default=0.25, help="requests/s per instance over the period")
-    ap.add_argument("--period-s", type=float, default=120.0)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    rt = load_runtimes(args.profile)
-    print(f"profile {rt.path}: runtimes {rt.max_lens}, SLO {rt.slo_ms:g} ms")
-    for G in args.gpus:
-        rng = random.Random(args.seed)
-        lengths = [min(rt.max_lens[-1], max(3, int(rng.lognormvariate(4.0, 0.8))))
-                   for _ in range(int(args.rate_per_gpu * G * args.period_s))]
-        cur = {f"w{i}": len(rt.specs) - 1 for i in range(G)}
-        out = []
-        for fewest in (True, False):
-            t = time.perf_counter()
-            plan, _ = compute_plan("bench", cur, rt, lengths, args.period_s, fewest_moves=fewest)
-            out.append(((time.perf_counter() - t) * 1e3, plan))
-        (ms, plan), (ms_any, plan_any) = out
-        counts = ", ".join(f"l{s.max_length}:{plan.counts[s.name]}" for s in rt.specs if plan.counts[s.name])
-        print(f"G={G:4d} {len(lengths):6d} requests/{args.period_s:g}s: plan {ms:7.1f} ms, {plan.changes:3d} re-loads "
-              f"(solver's optimum as is: {ms_any:6.1f} ms, {plan_any.changes} re-loads); {counts}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

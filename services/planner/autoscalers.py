@@ -1,7 +1,11 @@
 """Autoscaling policies behind one interface, pure: `step(state, observation) -> (state, outcome)`.
 
 Time is passed in (`Observation.now`), state is returned, nothing does I/O, so the
-planner and the trace-driven simulator run the very same code.
+live planner (`planner.service`, one step per deployment per poll, state kept in
+`planner.state.PlannerState`) and the trace-driven simulator (`simulator.autoscale`)
+run the very same code. `from_policy` builds the scaler a deployment's
+`ScalerPolicy` names; `make_autoscaler` builds one by name with explicit settings.
+Names are `polyserve.core.names`'s (aliases accepted on input, never written).
 
 * `HpaScaler("pertoken" | "request")`: the thesis's HPA rule
   `ceil(current × metric / threshold)` on mean per-token latency or mean request
@@ -11,13 +15,20 @@ planner and the trace-driven simulator run the very same code.
   latency of recently completed requests reaches `up_at` (95%) of the SLO; remove the
   least busy worker when P98 stays below `down_below` (50%) of the SLO for `hold_s`
   (60 s), then the 60 s start again. A window with no completed request counts as
-  "below" only when no worker has outstanding work (an idle deployment), otherwise it
-  holds. Scale-out waits for workers still starting (`pending`), like the HPA.
+  "below" only when serving workers are known and none has outstanding work (an idle
+  deployment), otherwise it holds. Scale-out waits for workers still starting (`pending`), like the HPA.
+  Live, a `target_tracking` deployment's `threshold_ms` is the SLO of its P98
+  request latency.
 * `MuServeScaler` (µ-Serve §3.4): one more worker when a GPU hosting this
   deployment is already at its maximum clock and its MIAD controller still asks to go
   up (`ClockSignal.scale_out`, from `gpu_agent.miad`) for a worker of this deployment.
   µ-Serve defines no scale-in; `idle_release_s` (default off) removes the least
-  busy worker after that long with every worker idle.
+  busy worker after that long with every worker idle. (The live planner's µ-Serve
+  grows on MIAD `ScaleSignal`s as they arrive, see `SignalHold`.)
+* `SignalHold` (the live signal-driven scalers `aladdin`, `caraserve`, `muserve`,
+  `signal`): their growth comes from `ScaleSignal`s between polls
+  (`policy.signal_decision`); their periodic step only keeps the count within
+  [min_replicas, max_replicas] (`policy.hold_decision`).
 
 Percentiles are nearest-rank: P98 of n samples is the ⌈0.98·n⌉-th smallest.
 """
@@ -28,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from polyserve.core.names import SIGNAL_SCALERS, canonical_scaler
 from polyserve.planner import policy
 from polyserve.planner.policy import Sample
 from polyserve.proto import ScalerPolicy
@@ -143,7 +155,7 @@ class TargetTracking:
     hold_s: float = 60.0
     q: float = 98.0
     metric: str = "request"  # "request" (Arlo: request latency) | "pertoken"
-    name: str = "target-tracking"
+    name: str = "target_tracking"
 
     def initial(self) -> TrackingState:
         return TrackingState()
@@ -161,7 +173,7 @@ class TargetTracking:
             if cur >= hi:
                 return TrackingState(), Outcome(cur, f"{why}; at max_replicas={hi}", p, len(lat))
             return TrackingState(), Outcome(cur + 1, f"{why}: add one worker", p, len(lat))
-        idle = p is None and all(w.load <= 0 for w in obs.workers)
+        idle = p is None and bool(obs.workers) and all(w.load <= 0 for w in obs.workers)
         low = (p is not None and p < self.down_below * self.slo_ms) or idle
         if not low:
             why = "no completed request, work outstanding" if p is None else (
@@ -189,7 +201,7 @@ class MuServeScaler:
     min_replicas: int = 1
     max_replicas: int = 64
     idle_release_s: float = 0.0  # 0 = never scale in (µ-Serve defines no scale-in)
-    name: str = "museserve"
+    name: str = "muserve"
 
     def initial(self) -> MuServeState:
         return MuServeState()
@@ -217,17 +229,64 @@ class MuServeScaler:
         return MuServeState(), Outcome(cur, "no GPU at max clock missing its SLO; holding")
 
 
+# --------------------------------------------------------------------------- signal-driven (live)
+@dataclass(frozen=True)
+class SignalHold:
+    """The periodic step of a signal-driven scaler: `current` within [min, max]."""
+
+    kind: str = "signal"  # "aladdin" | "caraserve" | "muserve" | "signal"
+    min_replicas: int = 1
+    max_replicas: int = 4
+    threshold_ms: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.kind
+
+    def initial(self) -> None:
+        return None
+
+    def step(self, state: None, obs: Observation) -> tuple[None, Outcome]:
+        scaler = ScalerPolicy(type=self.kind, min_replicas=self.min_replicas, max_replicas=self.max_replicas,
+                              threshold_ms=self.threshold_ms)
+        d = policy.hold_decision(obs.current, scaler)
+        return None, Outcome(d.desired, d.reason)
+
+
 def make_autoscaler(kind: str, **kw: Any) -> Autoscaler:
-    """"pertoken" | "request" -> HpaScaler; "target_tracking"; "museserve"."""
+    """"pertoken" | "request" -> HpaScaler; "target_tracking" -> TargetTracking; "muserve" ->
+    MuServeScaler (the simulator's, on clock signals); "aladdin" | "caraserve" | "signal" ->
+    SignalHold. Aliases of `polyserve.core.names` are accepted; UnknownName (a ValueError)
+    otherwise."""
+    kind = canonical_scaler(kind)
     if kind in ("pertoken", "request"):
         return HpaScaler(kind=kind, **kw)
     if kind == "target_tracking":
         return TargetTracking(**kw)
-    if kind == "museserve":
+    if kind == "muserve":
         return MuServeScaler(**kw)
-    raise ValueError(f"unknown autoscaler {kind!r}; expected pertoken, request, target_tracking or museserve")
+    return SignalHold(kind=kind, **kw)
 
 
-AUTOSCALERS = ("pertoken", "request", "target_tracking", "museserve")
+def from_policy(sp: ScalerPolicy, *, stabilization_s: float = 0.0, tolerance: float = 0.0, max_step: int = 0,
+                hold_s: float = 60.0) -> Autoscaler:
+    """The scaler the live planner steps for a deployment's `ScalerPolicy` (the guards from
+    the planner's settings): HpaScaler, TargetTracking (P98 request latency against
+    `threshold_ms`, Arlo §4) or, for the signal-driven types, SignalHold."""
+    kind = canonical_scaler(sp.type)
+    lo, hi = sp.min_replicas, sp.max_replicas
+    if kind in ("pertoken", "request"):
+        return HpaScaler(kind=kind, threshold_ms=sp.threshold_ms, min_replicas=lo, max_replicas=hi,
+                         window_s=sp.window_s, stabilization_s=stabilization_s, tolerance=tolerance,
+                         max_step=max_step)
+    if kind == "target_tracking":
+        return TargetTracking(slo_ms=sp.threshold_ms, min_replicas=lo, max_replicas=hi, hold_s=hold_s,
+                              metric="request")
+    assert kind in SIGNAL_SCALERS
+    return SignalHold(kind=kind, min_replicas=lo, max_replicas=hi, threshold_ms=sp.threshold_ms)
+
+
+AUTOSCALERS = ("pertoken", "request", "target_tracking", "muserve")
+"""The scalers the simulator steps on its own observations (`simulator.autoscale`)."""
 __all__ = ["AUTOSCALERS", "Autoscaler", "ClockSignal", "HpaScaler", "MuServeScaler", "Observation", "Outcome",
-           "Sample", "TargetTracking", "WorkerLoad", "make_autoscaler", "percentile"]
+           "Sample", "SignalHold", "TargetTracking", "WorkerLoad", "from_policy", "make_autoscaler", "percentile"]

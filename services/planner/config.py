@@ -23,6 +23,8 @@ class PlannerSettings(CommonSettings, frozen=True, kw_only=True):
     reset_window_on_scale: after the planner scales a deployment, only samples
         received after that action count (older ones describe the old replica
         count and would make it overshoot).
+    tracking_hold_s: a `target_tracking` deployment removes a worker after its P98
+        latency stayed below half its SLO this long (Arlo §4: 60 s).
     stop_orphans: stop workers whose deployment no longer exists in Redis.
     max_samples: per-deployment bound of the sample window.
     actuator: "agents" (start/stop worker processes through the gpu-agents) or
@@ -35,7 +37,7 @@ class PlannerSettings(CommonSettings, frozen=True, kw_only=True):
 
     Scale signals (`ScaleSignal` on `<prefix>.v1.events.plan.signal.<deployment>`):
     honoured only by deployments whose scaler type is signal-driven
-    (`aladdin`, `caraserve`, `muserve` or `signal`, see `policy.SIGNAL_SCALERS`).
+    (`polyserve.core.names.SIGNAL_SCALERS`; their sources: `policy.SIGNAL_SOURCES`).
     signal_cooldown_s: after the planner acted on a signal of a deployment, further
         signals of it are dropped for this long (a burst starts one worker); signals
         are also dropped while a worker started earlier has not heartbeated yet
@@ -64,6 +66,7 @@ class PlannerSettings(CommonSettings, frozen=True, kw_only=True):
     tolerance: float = 0.0
     worker_start_grace_s: float = 180.0
     reset_window_on_scale: bool = True
+    tracking_hold_s: float = 60.0
     stop_orphans: bool = True
     max_samples: int = 10_000
     actuator: str = "agents"
@@ -83,8 +86,8 @@ class PlannerSettings(CommonSettings, frozen=True, kw_only=True):
         super().validate()
         if self.poll_interval_s <= 0:
             raise SettingsError("poll_interval_s must be > 0")
-        if self.scale_down_stabilization_s < 0 or self.worker_start_grace_s < 0:
-            raise SettingsError("scale_down_stabilization_s and worker_start_grace_s must be >= 0")
+        if min(self.scale_down_stabilization_s, self.worker_start_grace_s, self.tracking_hold_s) < 0:
+            raise SettingsError("scale_down_stabilization_s, worker_start_grace_s and tracking_hold_s must be >= 0")
         if self.max_step < 0:
             raise SettingsError("max_step must be >= 0 (0 = no limit)")
         if not 0 <= self.tolerance < 1:

@@ -24,13 +24,15 @@ Around that rule, three guards keep it from oscillating (each can be turned off)
   sent their first heartbeat yet (their capacity is not in the metric);
 * `max_step`: at most this many workers added or removed per decision.
 
-Signal-driven scalers (`aladdin`, `caraserve`, `muserve`, `signal`): the
+Signal-driven scalers (`aladdin`, `caraserve`, `muserve`, `signal`; the names are
+`polyserve.core.names`'s): the
 deployment grows by ONE worker per accepted `ScaleSignal` (the dispatcher's
 Aladdin/CaraServe policy found no feasible worker, or a gpu-agent's MIAD is at
 its maximum clock and still misses the SLO), see `signal_decision`; between
 signals the periodic reconcile only keeps the count within
 [min_replicas, max_replicas] (`hold_decision`): these papers define no
-latency-driven scale-in. `pertoken`/`request` deployments ignore signals.
+latency-driven scale-in. Metric-driven deployments (`pertoken`, `request`,
+`target_tracking`) ignore signals.
 
 Nothing here does I/O: the service passes in what it observed.
 """
@@ -41,22 +43,27 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from polyserve.core import names
 from polyserve.proto import ScalerPolicy
 
-SCALER_TYPES = ("pertoken", "request")  # the HPA metrics (thesis §5)
-# signal-driven scaler type -> the ScaleSignal sources it honours
-SIGNAL_SCALERS: dict[str, tuple[str, ...]] = {
+HPA_METRICS = ("pertoken", "request")  # the HPA metrics (thesis §5)
+# signal-driven scaler type (`polyserve.core.names.SIGNAL_SCALERS`) -> the ScaleSignal sources it honours
+SIGNAL_SOURCES: dict[str, tuple[str, ...]] = {
     "aladdin": ("aladdin",),
     "caraserve": ("caraserve",),
     "muserve": ("miad",),
     "signal": ("aladdin", "caraserve", "miad"),
 }
-ALL_SCALER_TYPES = SCALER_TYPES + tuple(SIGNAL_SCALERS)
+assert set(SIGNAL_SOURCES) == set(names.SIGNAL_SCALERS)
 
 
 def signal_sources(scaler_type: str) -> tuple[str, ...]:
-    """The ScaleSignal sources a scaler type honours (none for the HPA types)."""
-    return SIGNAL_SCALERS.get(scaler_type, ())
+    """The ScaleSignal sources a scaler type honours (none for the metric-driven types;
+    aliases of `polyserve.core.names` are folded, unknown names honour none)."""
+    try:
+        return SIGNAL_SOURCES.get(names.canonical_scaler(scaler_type), ())
+    except names.UnknownName:
+        return ()
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,7 @@ def window_metric(samples: Iterable[Sample], scaler_type: str) -> tuple[float | 
     elif scaler_type == "request":
         values = [s.e2e_ms for s in samples if s.e2e_ms >= 0]
     else:
-        raise ValueError(f"unknown scaler type {scaler_type!r}; expected one of {SCALER_TYPES}")
+        raise ValueError(f"unknown scaler type {scaler_type!r}; expected one of {HPA_METRICS}")
     if not values:
         return None, 0
     return sum(values) / len(values), len(values)

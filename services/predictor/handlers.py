@@ -189,7 +189,8 @@ class PredictHandlers:
         self.ignored = 0
 
     async def _from_model(self, req: PredictRequest) -> Prediction | None:
-        """The semantic cache's or the proxy model's answer; None to fall back to the history."""
+        """The semantic cache's or the proxy model's answer, capped at `req.max_tokens`
+        (its length class then follows the capped value); None to fall back to the history."""
         if self.runner is None or not req.prompt:
             return None
         from polyserve.predictor.proxy.runtime import Unavailable
@@ -211,13 +212,17 @@ class PredictHandlers:
             if hit is not None:
                 source, tokens = SOURCE_CACHE, max(1, hit.length)
                 length_class = int(classes.classes([hit.length])[0])
+        cap = policy.capped(tokens, req.max_tokens)  # never above the request's hard cap
+        if cap != tokens:
+            tokens, length_class = cap, int(classes.classes([cap])[0])
         logger.debug("predict %s model=%s -> %d tokens (class %d, %s, batch %d, %.1f ms)", req.request_id,
                      req.model, tokens, length_class, source, r.batch_size, r.infer_ms)
         return Prediction(request_id=req.request_id, model=req.model, length_class=length_class,
                           tokens_estimate=tokens, source=source, num_classes=classes.num_classes)
 
     async def predict(self, req: PredictRequest) -> Prediction:
-        """Estimate the output length of `req` (BusError 400 on invalid input)."""
+        """Estimate the output length of `req`, never above `req.max_tokens` when that is
+        set (> 0; the gateway validated it); BusError 400 on invalid input."""
         if not req.model:
             raise BusError(400, "model must be a non-empty model name")
         if req.input_tokens < 0:
@@ -228,7 +233,8 @@ class PredictHandlers:
             return answer
         stats = await self.stats.get(req.model)
         est = policy.estimate(stats, req.input_tokens, min_samples=self.settings.min_samples,
-                              prior_tokens=self.settings.prior_tokens, bounds=self.bounds)
+                              prior_tokens=self.settings.prior_tokens, bounds=self.bounds,
+                              max_tokens=req.max_tokens)
         self.answers[est.source] = self.answers.get(est.source, 0) + 1
         logger.debug("predict %s model=%s in=%d -> %d tokens (class %d, %s, bucket %d, n=%d)",
                      req.request_id, req.model, req.input_tokens, est.tokens, est.length_class,

@@ -22,9 +22,10 @@ them. The model-wide figures are the sums over buckets.
 
 Estimate (`estimate`): the bucket mean when the bucket has at least
 ``min_samples`` samples (source ``"history"``); else the model-wide mean when the
-model has that many (``"history"``); else the prior (``"prior"``). The default
-prior, 129 tokens, is the median output length of the Azure LLM inference trace
-2023, conversation workload (Azure/AzurePublicDataset,
+model has that many (``"history"``); else the prior (``"prior"``); never above the
+request's ``max_tokens`` when it is known (`capped`). The default prior, 129
+tokens, is the median output length of the Azure LLM inference trace 2023,
+conversation workload (Azure/AzurePublicDataset,
 ``AzureLLMInferenceTrace_conv.csv``, 19,366 requests; in
 ``../shared/datasets/traces/azure_llm_2023_conv.csv``).
 
@@ -186,15 +187,22 @@ class Estimate:
     samples: int  # how many observations the estimate rests on (0 for the prior)
 
 
+def capped(tokens: int, max_tokens: int) -> int:
+    """An output-length estimate within the request's hard cap `max_tokens` (0 = no cap known):
+    a request never generates more than max_tokens tokens, so no estimate says it will."""
+    return min(tokens, max_tokens) if max_tokens > 0 else tokens
+
+
 def estimate(stats: ModelStats | None, input_tokens: int, *, min_samples: int = DEFAULT_MIN_SAMPLES,
-             prior_tokens: int = PRIOR_TOKENS,
-             bounds: Sequence[int] = DEFAULT_CLASS_BOUNDS) -> Estimate:
-    """Aladdin's conditional mean for `input_tokens`: bucket mean, else model mean, else the prior."""
+             prior_tokens: int = PRIOR_TOKENS, bounds: Sequence[int] = DEFAULT_CLASS_BOUNDS,
+             max_tokens: int = 0) -> Estimate:
+    """Aladdin's conditional mean for `input_tokens`: bucket mean, else model mean, else the
+    prior; capped at `max_tokens` when > 0 (the length class is that of the capped estimate)."""
     b = bucket_of(input_tokens)
     stats = stats or ModelStats()
     for s in (stats.bucket(b), stats.overall):
         if s.count >= min_samples:
-            tokens = max(1, round(s.mean))
+            tokens = capped(max(1, round(s.mean)), max_tokens)
             return Estimate(tokens, length_class(tokens, bounds), len(bounds) + 1, SOURCE_HISTORY, b, s.count)
-    tokens = max(1, int(prior_tokens))
+    tokens = capped(max(1, int(prior_tokens)), max_tokens)
     return Estimate(tokens, length_class(tokens, bounds), len(bounds) + 1, SOURCE_PRIOR, b, 0)

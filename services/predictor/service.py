@@ -4,7 +4,9 @@ Sources, best first: the semantic cache (`cache`), µ-Serve's proxy model
 (`model`), Aladdin's historical mean (`history`), the prior (`prior`). The proxy
 model loads in a thread after the service is ready; until then, when it cannot
 be loaded (no artifact, no `hf` extra), or when a prediction misses its budget,
-the historical mean answers.
+the historical mean answers. Whatever the source, an estimate never exceeds the
+request's `max_tokens` (PredictRequest.max_tokens, when > 0): it is clamped once,
+here, and the gateway and dispatcher use it as it is.
 """
 from __future__ import annotations
 

@@ -5,10 +5,13 @@ the simulation — the requests completed in the last `window_s` (as
 `planner.policy.Sample`: finish time, end-to-end latency, output tokens, TTFT), the
 outstanding requests of each serving worker, the workers still cold-starting
 (`pending`) and µ-Serve's clock signals — and calls the scaler's own pure `step`
-(`planner.autoscalers`, imported, not copied). The cluster applies the outcome:
-new workers serve after the cold start, removed ones (the scaler's choice, else the
-least busy, starting workers first) stop taking requests, hand their queue back to
-the dispatcher and stop when their running requests end.
+(`planner.autoscalers`, imported, not copied: the live planner steps the same HPA and
+target_tracking objects each poll; its µ-Serve grows on MIAD scale signals instead).
+Scaler names are `polyserve.core.names`'s: ``pertoken``, ``request``,
+``target_tracking``, ``muserve`` (aliases such as ``tracking`` accepted). The cluster
+applies the outcome: new workers serve after the cold start, removed ones (the
+scaler's choice, else the least busy, starting workers first) stop taking requests,
+hand their queue back to the dispatcher and stop when their running requests end.
 
 With `live_pertoken` the per-token HPA also sees the requests still decoding, each as
 its per-token latency so far ((now − arrival) / tokens generated, those with at least
@@ -35,7 +38,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from polyserve.core.names import UnknownName, canonical_scaler
 from polyserve.planner.autoscalers import (
+    AUTOSCALERS,
     ClockSignal,
     HpaScaler,
     MuServeScaler,
@@ -46,12 +51,16 @@ from polyserve.planner.autoscalers import (
 )
 from polyserve.planner.policy import Sample
 
-SCALERS = ("pertoken", "request", "tracking", "muserve")
-_ALIASES = {"target_tracking": "tracking", "museserve": "muserve", "mu-serve": "muserve"}
+SCALERS = AUTOSCALERS
+"""The scalers the simulator runs: `polyserve.core.names`'s metric scalers and µ-Serve."""
 
 
 def canonical(name: str) -> str:
-    n = _ALIASES.get(name.strip().lower(), name.strip().lower())
+    """The one spelling of a simulated scaler (`polyserve.core.names`; aliases accepted)."""
+    try:
+        n = canonical_scaler(name)
+    except UnknownName:
+        n = ""
     if n not in SCALERS:
         raise ValueError(f"autoscaler {name!r} is unknown; choose from {', '.join(SCALERS)}")
     return n
@@ -77,14 +86,15 @@ def auto_thresholds(output_len: np.ndarray, ttft_slo_ms: float, atgt_slo_ms: flo
 def make_scaler(name: str, *, min_workers: int, max_workers: int, th: Thresholds, window_s: float = 30.0,
                 stabilization_s: float = 30.0, max_step: int = 0, tracking_metric: str = "pertoken", up_at: float = 0.95,
                 down_below: float = 0.5, hold_s: float = 60.0, muserve_idle_release_s: float = 60.0):
+    """The planner's scaler object for `name` with the simulator's figures."""
     n = canonical(name)
     if n in ("pertoken", "request"):
         return HpaScaler(kind=n, threshold_ms=th.pertoken_ms if n == "pertoken" else th.request_ms,
                          min_replicas=min_workers, max_replicas=max_workers, window_s=window_s,
                          stabilization_s=stabilization_s, max_step=max_step)
-    if n == "tracking":
+    if n == "target_tracking":
         if tracking_metric not in ("pertoken", "request"):
-            raise ValueError("tracking metric must be 'pertoken' or 'request'")
+            raise ValueError("target_tracking metric must be 'pertoken' or 'request'")
         return TargetTracking(slo_ms=th.tracking_slo_ms, min_replicas=min_workers, max_replicas=max_workers,
                               up_at=up_at, down_below=down_below, hold_s=hold_s, metric=tracking_metric)
     return MuServeScaler(min_replicas=min_workers, max_replicas=max_workers, idle_release_s=muserve_idle_release_s)

@@ -16,7 +16,7 @@ Examples::
     python -m polyserve.simulator.cli --adapters 1000 --kernel bgmv,mbgmv \\
         --policy caraserve,least_loaded,first_fit,random --workers 4 --out sim-out/lora
     # the planner's autoscalers (one run each), 60 s cold starts, up to 16 workers
-    python -m polyserve.simulator.cli --autoscaler pertoken,request,tracking,muserve \\
+    python -m polyserve.simulator.cli --autoscaler pertoken,request,target_tracking,muserve \\
         --cold-start-s 60 --max-workers 16 --rate-scale 0.5,1,1.5 --out sim-out/autoscale
     # a synthetic load step (1 -> 3 req/s at 300 s, lengths from the conv trace): first scale-out after it
     python -m polyserve.simulator.cli --trace synthetic:step:1:3:300:1200 --autoscaler pertoken,request \
@@ -31,7 +31,7 @@ import argparse
 import itertools
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from polyserve.core import profiles
@@ -56,6 +56,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="polyserve simulate", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     traces = datasets_dir() / "traces"
+    _add_workload_args(ap, traces)
+    _add_mode_args(ap)
+    _add_autoscaler_args(ap)
+    _add_clock_args(ap)
+    _add_cluster_args(ap)
+    _add_worker_args(ap, traces)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="simulate-out", help="output folder")
+    ap.add_argument("--no-plots", action="store_true")
+    return ap
+
+
+def _add_workload_args(ap: argparse.ArgumentParser, traces: Path) -> None:
+    """Traces, the profile and the grid's axes (policy x order x kernel x rate)."""
     ap.add_argument("--trace", action="append", default=None,
                     help=f"Azure LLM trace CSV or {SYNTHETIC_HELP}, repeatable "
                          f"(default {traces / 'azure_llm_2023_conv.csv'})")
@@ -68,14 +82,21 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rate-scale", default="1", help="comma list of rate multipliers (2 = twice the trace's rate)")
     ap.add_argument("--slice", default="", help="START:END seconds of the original trace (before rescaling)")
     ap.add_argument("--duration", type=float, default=None, help="simulate the first S seconds (after rescaling)")
+
+
+def _add_mode_args(ap: argparse.ArgumentParser) -> None:
+    """How the worker count is decided (exclusive): fixed, Aladdin's signal, a search, the planner's scalers."""
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--autoscale", action="store_true",
                       help="Aladdin's scale-out signal opens workers, idle ones are released (down to --workers)")
     mode.add_argument("--search-gpus", action="store_true",
                       help="per run, the fewest fixed workers with SLO attainment (both) >= --target")
     mode.add_argument("--autoscaler", default="",
-                      help="planner autoscalers, comma list of pertoken, request, tracking, muserve (one run each); "
-                           "--workers is the minimum and the start")
+                      help="planner autoscalers, comma list of pertoken, request, target_tracking, muserve (one "
+                           "run each); --workers is the minimum and the start")
+
+
+def _add_autoscaler_args(ap: argparse.ArgumentParser) -> None:
     sc = ap.add_argument_group("autoscalers (--autoscaler; defaults: simulator.autoscale)")
     sc.add_argument("--initial-workers", type=int, default=0,
                     help="workers at the start (0 = --workers, which stays the minimum)")
@@ -102,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep samples from before a scaling action (the planner drops them)")
     sc.add_argument("--rise-factor", type=float, default=1.25,
                     help="load rise: first planner period with rate >= this x the first minute's")
+
+
+def _add_clock_args(ap: argparse.ArgumentParser) -> None:
     ck = ap.add_argument_group("clocks and energy (simulated, gpu_agent.gpu_model)")
     ck.add_argument("--clock", default="", help="comma list of max, miad (one run each); none = fixed max clock")
     ck.add_argument("--gpu", default="", help="h100 | a100 | v100 (default: the profile's hardware)")
@@ -117,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="auto floor: percentile of the trace's prompt lengths (simulator.power.auto_floor_mhz)")
     ck.add_argument("--scale-out-after", type=int, default=4,
                     help="MIAD UP requests at max clock in a row before µ-Serve's scale-out signal")
+
+
+def _add_cluster_args(ap: argparse.ArgumentParser) -> None:
+    """SLOs, worker counts and Aladdin's parameters."""
     ap.add_argument("--slo-scale", default="1", help="comma list: multiply both SLOs (one run each)")
     ap.add_argument("--workers", type=int, default=1, help="fixed workers (minimum with --autoscale)")
     ap.add_argument("--max-workers", type=int, default=256)
@@ -128,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gamma", type=float, default=0.5)
     ap.add_argument("--theta", type=float, default=0.9)
     ap.add_argument("--slack", choices=("banked", "lifetime"), default="banked", help="Aladdin constraint (d)")
+
+
+def _add_worker_args(ap: argparse.ArgumentParser, traces: Path) -> None:
+    """The length predictor, LoRA adapters and each worker's engine."""
     ap.add_argument("--predictor", choices=MODES, default="confusion")
     ap.add_argument("--confusion", default=None, help="JSON confusion matrix (rows: true class)")
     ap.add_argument("--class-bounds", default="percentile", help="'percentile' (µ-Serve) or e.g. 32,128,256,512")
@@ -145,10 +177,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--aging-s", type=float, default=0.0, help="ssjf aging: seconds per length class (0 = default)")
     ap.add_argument("--max-input-len", type=int, default=0, help="reject longer prompts (0 = no limit)")
     ap.add_argument("--fit-online", action="store_true", help="policies use models fitted online from the steps")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="simulate-out", help="output folder")
-    ap.add_argument("--no-plots", action="store_true")
-    return ap
 
 
 def _search(trace, perf, cfg: SimConfig, target: float, max_workers: int, **kw):
@@ -192,13 +220,54 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+@dataclass
+class _Grid:
+    """The runs `polyserve simulate` makes: per trace x rate scale, every policy x order x
+    kernel x variant; a variant is (label suffix, SLO scale, SimConfig changes), one per
+    SLO scale x autoscaler (x HPA threshold factor x live per-token) x clock (x MIAD floor)."""
+
+    traces: list[str]
+    policies: list[str]
+    orders: list[str]
+    kernels: list[str]
+    scales: list[float]
+    start: float
+    end: float | None
+    confusion: object
+    bounds: tuple[int, ...] | None
+    factors: list[float]
+    variants: list[tuple[str, float, dict]] = field(default_factory=list)
+
+
+@dataclass
+class _Outputs:
+    rows: list[dict] = field(default_factory=list)
+    cdfs: dict = field(default_factory=dict)  # (trace, scale) -> label -> latencies
+    runs_meta: list[dict] = field(default_factory=list)
+    series: dict = field(default_factory=dict)  # (trace, scale, slo) -> arrivals and runs over time
+
+
 def _main(args) -> int:
     t_start = time.perf_counter()
     perf, raw = load_perf(args.profile)
     tp = int(raw.get("tensor_parallel", 1))
-    kv_cap = args.kv_capacity or int(raw.get("kv_capacity_tokens", 0))
+    grid = _grid(args)
+    base = _base_config(args, raw, tp, grid.factors[0])
+    for _, _, ch in grid.variants:
+        replace(base, **ch).validate()
+    out = _Outputs()
+    for tpath in grid.traces:
+        full = load_trace(tpath, args.synthetic_lengths, seed=args.seed)
+        for scale in grid.scales:
+            _run_scale(args, grid, base, perf, tpath, full, scale, out)
+    _write(args, raw, base, tp, out, t_start)
+    return 0
+
+
+def _grid(args) -> _Grid:
+    """The grid's axes from the comma lists (ValueError naming the flag at fault)."""
     traces = args.trace or [str(datasets_dir() / "traces" / "azure_llm_2023_conv.csv")]
-    policies, orders, kernels = _csv(args.policy), _csv(args.order), _csv(args.kernel)
+    kernels = _csv(args.kernel)
     for k in kernels:
         if k not in KERNELS:
             raise ValueError(f"kernel {k!r} is unknown; choose from {', '.join(KERNELS)}")
@@ -209,7 +278,7 @@ def _main(args) -> int:
         start, end = float(a or 0), (float(b) if b else None)
     confusion = load_confusion(args.confusion)
     bounds = None if args.class_bounds == "percentile" else tuple(_csv(args.class_bounds, int))
-    scalers = [a for a in _csv(args.autoscaler)] or [""]
+    scalers = _csv(args.autoscaler) or [""]
     clocks = _csv(args.clock) or [""]
     floors = [x if x == "auto" else int(x) for x in _csv(args.miad_min_mhz, str.lower)] or [0]
     lives = [{"off": False, "on": True}.get(x) for x in _csv(args.live_pertoken, str.lower)] or [False]
@@ -221,30 +290,17 @@ def _main(args) -> int:
     slo_scales = _csv(args.slo_scale, float)
     if any(x <= 0 for x in slo_scales):
         raise ValueError("--slo-scale values must be > 0")
-    base = SimConfig(workers=args.workers, autoscale=args.autoscale, max_workers=args.max_workers,
-                     idle_release_s=args.idle_release_s, cold_start_s=args.cold_start_s,
-                     ttft_slo_ms=args.ttft_slo_ms, atgt_slo_ms=args.atgt_slo_ms, gamma=args.gamma,
-                     theta=args.theta, slack=args.slack, max_input_len=args.max_input_len,
-                     fit_online=args.fit_online, seed=args.seed, aging_s=args.aging_s,
-                     worker=WorkerConfig(max_batch=args.max_batch, kv_capacity=kv_cap, kv_mode=args.kv_mode,
-                                         max_adapters=args.max_adapters, max_waiting=args.max_waiting,
-                                         max_prefill_tokens=args.max_prefill_tokens,
-                                         adapter_load_ms_per_rank=args.adapter_load_ms_per_rank, tp=tp),
-                     planner_period_s=args.planner_period_s, initial_workers=args.initial_workers,
-                     scaler_window_s=args.scaler_window_s,
-                     stabilization_s=args.stabilization_s, scaler_max_step=args.max_step,
-                     threshold_factor=factors[0], pertoken_threshold_ms=args.pertoken_threshold_ms,
-                     request_threshold_ms=args.request_threshold_ms, tracking_slo_ms=args.tracking_slo_ms,
-                     tracking_metric=args.tracking_metric, tracking_up_at=args.tracking_up_at,
-                     tracking_down_below=args.tracking_down_below, tracking_hold_s=args.tracking_hold_s,
-                     muserve_idle_release_s=args.muserve_idle_release_s,
-                     reset_window_on_scale=not args.no_reset_window, rise_factor=args.rise_factor,
-                     gpu=args.gpu or gpu_from_profile(raw), clock_period_s=args.clock_period_s,
-                     miad_step_mhz=args.miad_step_mhz, miad_threshold=args.miad_threshold,
-                     miad_window_s=args.miad_window_s, miad_quantile=args.miad_quantile,
-                     miad_floor_quantile=args.miad_floor_quantile,
-                     scale_out_after=args.scale_out_after)
-    variants = []  # (label suffix, SimConfig changes) per slo scale x autoscaler x clock (x MIAD floor)
+    grid = _Grid(traces, _csv(args.policy), _csv(args.order), kernels, scales, start, end, confusion, bounds,
+                 factors)
+    grid.variants = _variants(args, slo_scales, scalers, factors, lives, clocks, floors)
+    return grid
+
+
+def _variants(args, slo_scales: list[float], scalers: list[str], factors: list[float], lives: list[bool],
+              clocks: list[str], floors: list) -> list[tuple[str, float, dict]]:
+    """(label suffix, SLO scale, SimConfig changes) per SLO scale x autoscaler (x HPA threshold
+    factor x live per-token) x clock (x MIAD floor)."""
+    variants = []
     for slo in slo_scales:
         for a in scalers:
             hpa = bool(a) and a.strip().lower() in ("pertoken", "request")
@@ -261,118 +317,105 @@ def _main(args) -> int:
                                                        "threshold_factor": fac, "live_pertoken": lv,
                                                        "ttft_slo_ms": args.ttft_slo_ms * slo,
                                                        "atgt_slo_ms": args.atgt_slo_ms * slo}))
-    for _, _, ch in variants:
-        replace(base, **ch).validate()
-    rows, cdfs, runs_meta, series = [], {}, [], {}
-    for tpath in traces:
-        full = load_trace(tpath, args.synthetic_lengths, seed=args.seed)
-        for scale in scales:
-            tr = window(full, start_s=start, end_s=end, rate_scale=scale, duration_s=args.duration)
-            pred = LengthPredictor(args.predictor, full.output_len, bounds=bounds, confusion=confusion, seed=args.seed)
-            kw = {"predictor": pred}
-            if args.adapters:
-                ads = make_adapters(args.functions, args.adapters, _csv(args.ranks, int), seed=args.seed)
-                kw.update(adapters=ads, adapter_idx=assign_adapters(len(tr), ads, seed=args.seed))
-            for pol, order, kernel, (suffix, slo, ch) in itertools.product(policies, orders, kernels, variants):
-                        cfg = replace(base, policy=pol, order=order, worker=replace(base.worker, kernel=kernel), **ch)
-                        label = pol + (f"/{order}" if len(orders) > 1 else "") + \
-                            (f"/{kernel}" if len(kernels) > 1 or args.adapters else "") + suffix
-                        group = pol + (f"/{order}" if len(orders) > 1 else "") + \
-                            (f"/{kernel}" if len(kernels) > 1 or args.adapters else "") + \
-                            (f"/{ch['autoscaler']}" if ch["autoscaler"] else "") + \
-                            (f"@{ch['threshold_factor']:g}" if len(factors) > 1 and
-                             ch["autoscaler"].strip().lower() in ("pertoken", "request") else "") + \
-                            ("+live" if ch["live_pertoken"] else "")
-                        if args.search_gpus:
-                            res, m, n = _search(tr, perf, cfg, args.target, args.max_workers, **kw)
-                            m["workers"] = n
-                        else:
-                            res = simulate(tr, perf, cfg, **kw)
-                            m = report.metrics(res)
-                        m.update(label=label, load=round(tr.rate, 3), rate_scale=scale, trace=full.name, slo_scale=slo,
-                                 group=group)
-                        rows.append(m)
-                        cdfs.setdefault((full.name, scale), {})[label] = report.latencies(res)
-                        if cfg.autoscaler or cfg.clock:
-                            series.setdefault((full.name, scale, slo), {"arrivals": tr.arrival, "runs": {}})
-                            series[(full.name, scale, slo)]["runs"][label] = (res.timeline, res.extra, res.horizon_s,
-                                                                              cfg)
-                        print(report.table([m]).splitlines()[-1], f"  [{res.wall_s:.1f}s]", flush=True)
-                        runs_meta.append({"trace": tpath, "rate_scale": scale, "label": label, "config": res.config})
+    return variants
+
+
+def _base_config(args, raw: dict, tp: int, threshold_factor: float) -> SimConfig:
+    """The SimConfig every run starts from (the grid's axes replace some of its fields)."""
+    kv_cap = args.kv_capacity or int(raw.get("kv_capacity_tokens", 0))
+    return SimConfig(workers=args.workers, autoscale=args.autoscale, max_workers=args.max_workers,
+                     idle_release_s=args.idle_release_s, cold_start_s=args.cold_start_s,
+                     ttft_slo_ms=args.ttft_slo_ms, atgt_slo_ms=args.atgt_slo_ms, gamma=args.gamma,
+                     theta=args.theta, slack=args.slack, max_input_len=args.max_input_len,
+                     fit_online=args.fit_online, seed=args.seed, aging_s=args.aging_s,
+                     worker=WorkerConfig(max_batch=args.max_batch, kv_capacity=kv_cap, kv_mode=args.kv_mode,
+                                         max_adapters=args.max_adapters, max_waiting=args.max_waiting,
+                                         max_prefill_tokens=args.max_prefill_tokens,
+                                         adapter_load_ms_per_rank=args.adapter_load_ms_per_rank, tp=tp),
+                     planner_period_s=args.planner_period_s, initial_workers=args.initial_workers,
+                     scaler_window_s=args.scaler_window_s,
+                     stabilization_s=args.stabilization_s, scaler_max_step=args.max_step,
+                     threshold_factor=threshold_factor, pertoken_threshold_ms=args.pertoken_threshold_ms,
+                     request_threshold_ms=args.request_threshold_ms, tracking_slo_ms=args.tracking_slo_ms,
+                     tracking_metric=args.tracking_metric, tracking_up_at=args.tracking_up_at,
+                     tracking_down_below=args.tracking_down_below, tracking_hold_s=args.tracking_hold_s,
+                     muserve_idle_release_s=args.muserve_idle_release_s,
+                     reset_window_on_scale=not args.no_reset_window, rise_factor=args.rise_factor,
+                     gpu=args.gpu or gpu_from_profile(raw), clock_period_s=args.clock_period_s,
+                     miad_step_mhz=args.miad_step_mhz, miad_threshold=args.miad_threshold,
+                     miad_window_s=args.miad_window_s, miad_quantile=args.miad_quantile,
+                     miad_floor_quantile=args.miad_floor_quantile,
+                     scale_out_after=args.scale_out_after)
+
+
+def _run_scale(args, grid: _Grid, base: SimConfig, perf, tpath: str, full, scale: float, out: _Outputs) -> None:
+    """Every policy x order x kernel x variant on `full` at `scale` x its rate (one predictor for all)."""
+    tr = window(full, start_s=grid.start, end_s=grid.end, rate_scale=scale, duration_s=args.duration)
+    pred = LengthPredictor(args.predictor, full.output_len, bounds=grid.bounds, confusion=grid.confusion,
+                           seed=args.seed)
+    kw = {"predictor": pred}
+    if args.adapters:
+        ads = make_adapters(args.functions, args.adapters, _csv(args.ranks, int), seed=args.seed)
+        kw.update(adapters=ads, adapter_idx=assign_adapters(len(tr), ads, seed=args.seed))
+    for pol, order, kernel, (suffix, slo, ch) in itertools.product(grid.policies, grid.orders, grid.kernels,
+                                                                   grid.variants):
+        cfg = replace(base, policy=pol, order=order, worker=replace(base.worker, kernel=kernel), **ch)
+        stem = pol + (f"/{order}" if len(grid.orders) > 1 else "") + \
+            (f"/{kernel}" if len(grid.kernels) > 1 or args.adapters else "")
+        label = stem + suffix
+        group = stem + (f"/{ch['autoscaler']}" if ch["autoscaler"] else "") + \
+            (f"@{ch['threshold_factor']:g}" if len(grid.factors) > 1 and
+             ch["autoscaler"].strip().lower() in ("pertoken", "request") else "") + \
+            ("+live" if ch["live_pertoken"] else "")
+        if args.search_gpus:
+            res, m, n = _search(tr, perf, cfg, args.target, args.max_workers, **kw)
+            m["workers"] = n
+        else:
+            res = simulate(tr, perf, cfg, **kw)
+            m = report.metrics(res)
+        m.update(label=label, load=round(tr.rate, 3), rate_scale=scale, trace=full.name, slo_scale=slo, group=group)
+        out.rows.append(m)
+        out.cdfs.setdefault((full.name, scale), {})[label] = report.latencies(res)
+        if cfg.autoscaler or cfg.clock:
+            out.series.setdefault((full.name, scale, slo), {"arrivals": tr.arrival, "runs": {}})
+            out.series[(full.name, scale, slo)]["runs"][label] = (res.timeline, res.extra, res.horizon_s, cfg)
+        print(report.table([m]).splitlines()[-1], f"  [{res.wall_s:.1f}s]", flush=True)
+        out.runs_meta.append({"trace": tpath, "rate_scale": scale, "label": label, "config": res.config})
+
+
+def _write(args, raw: dict, base: SimConfig, tp: int, out: _Outputs, t_start: float) -> None:
+    """The tables (printed and in results.txt), results.json and the plots."""
+    rows = out.rows
     title = (f"profile {raw.get('name', Path(args.profile).stem)}, SLO TTFT {args.ttft_slo_ms:g} ms / "
              f"ATGT {args.atgt_slo_ms:g} ms, predictor {args.predictor}"
              + (f", search: fewest workers with >= {args.target:g} attainment" if args.search_gpus else ""))
-    text = "\n\n".join(report.table([r for r in rows if r["trace"] == name], f"{name} — {title}")
-                       for name in dict.fromkeys(r["trace"] for r in rows))
-    if series:
+    names = list(dict.fromkeys(r["trace"] for r in rows))
+    text = "\n\n".join(report.table([r for r in rows if r["trace"] == name], f"{name} — {title}") for name in names)
+    if out.series:
         text += "\n\n" + "\n\n".join(
             report.extra_table([r for r in rows if r["trace"] == name],
                                f"{name} — SLO violations, autoscaling, modelled energy ({base.gpu}, "
                                f"TDP {gpu_spec(base.gpu).tdp_w:g} W x {tp} GPUs per worker)")
-            for name in dict.fromkeys(r["trace"] for r in rows))
+            for name in names)
     if {"max", "miad"} <= {r.get("clock") for r in rows}:
         text += "\n\n" + "\n\n".join(
             report.miad_table([r for r in rows if r["trace"] == name], args.target,
                               f"{name} — MIAD vs the maximum clock at equal SLO attainment (>= {args.target:g}), "
                               f"modelled power")
-            for name in dict.fromkeys(r["trace"] for r in rows))
+            for name in names)
     payload = {"command": "polyserve simulate " + " ".join(args.argv), "profile": args.profile,
-               "title": title, "rows": rows, "runs": runs_meta,
+               "title": title, "rows": rows, "runs": out.runs_meta,
                "wall_s": time.perf_counter() - t_start}
     pj, pt = report.write(args.out, payload, text)
     print("\n" + text)
     if not args.no_plots:
-        for p in _plots(rows, cdfs, Path(args.out), args) + _series_plots(series, Path(args.out)):
+        from polyserve.simulator import plots
+
+        slo = {"ttft": args.ttft_slo_ms, "atgt": args.atgt_slo_ms}
+        for p in plots.grid_figures(rows, out.cdfs, Path(args.out), slo, args.target) + \
+                plots.series_figures(out.series, Path(args.out)):
             print(f"plot: {p}")
     print(f"results: {pj} {pt}  ({time.perf_counter() - t_start:.1f}s)")
-    return 0
-
-
-def _plots(rows: list[dict], cdfs: dict, out: Path, args) -> list[Path]:
-    from polyserve.simulator import plots
-
-    made = []
-    slo = {"ttft": args.ttft_slo_ms, "atgt": args.atgt_slo_ms}
-    for (name, scale), runs in cdfs.items():
-        made.append(plots.latency_cdfs(runs, out / f"cdf_{name}_x{scale:g}.png",
-                                       f"{name} at {scale:g}x rate", slo))
-    for name in dict.fromkeys(r["trace"] for r in rows):
-        sel = [r for r in rows if r["trace"] == name]
-        base = name
-        if len({r["load"] for r in sel}) < 2:
-            continue
-        by = lambda key: {lab: [(r["load"], r[key] if key else r) for r in sel  # noqa: E731
-                                if r["label"] == lab and (key is None or r[key] is not None)]
-                          for lab in dict.fromkeys(r["label"] for r in sel)}
-        made.append(plots.versus_load(by("slo_both"), out / f"slo_vs_load_{base}.png", hline=args.target,
-                                      ylabel="SLO attainment (TTFT and ATGT)", title=f"SLO attainment vs load, {base}"))
-        made.append(plots.versus_load(by("gpus_mean"), out / f"gpus_vs_load_{base}.png",
-                                      ylabel="GPUs (mean over the run)", title=f"GPUs vs load, {base}"))
-        jct = {lab: [(x, r["e2e_ms"]["mean"] / 1000.0) for x, r in pts if r["e2e_ms"]["mean"] is not None]
-               for lab, pts in by(None).items()}
-        made.append(plots.versus_load(jct, out / f"jct_vs_load_{base}.png", ylabel="mean job completion time (s)",
-                                      title=f"Mean JCT (end-to-end latency) vs load, {base}"))
-    return made
-
-
-def _series_plots(series: dict, out: Path) -> list[Path]:
-    """Workers over time per autoscaler and clock/power over time (µ-Serve Fig. 13), per trace x load x SLO."""
-    from polyserve.simulator import plots
-
-    made = []
-    for (name, scale, slo), d in series.items():
-        tag = f"{name}_x{scale:g}" + (f"_slo{slo:g}" if slo != 1 else "")
-        horizon = max(h for _, _, h, _ in d["runs"].values())
-        scaled = {lab: tl for lab, (tl, _, _, cfg) in d["runs"].items() if cfg.autoscaler}
-        if scaled:
-            made.append(plots.workers_over_time(scaled, d["arrivals"], horizon, out / f"workers_{tag}.png",
-                                                f"Workers over time per autoscaler, {name} at {scale:g}x rate"))
-        clocked = {lab: x for lab, (_, x, _, cfg) in d["runs"].items() if cfg.clock}
-        if clocked:
-            made.append(plots.clock_over_time(clocked, d["arrivals"], horizon, out / f"clock_{tag}.png",
-                                              f"SM clock, arrival rate and power, {name} at {scale:g}x rate, "
-                                              f"SLO x{slo:g}"))
-    return made
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Workloads, runtime allocation and a discrete-event simulator for the embeddings experiment.
+"""Workloads, runtime allocation and a discrete-event simulator for the embeddings experiment
+(`polyserve bench embeddings`).
 
 * Lengths: `twitter_like` (Arlo §2.1: median 21, P98 72 tokens, at most ~125,
   rescaled to span up to 512 as in Arlo §5) or the Azure LLM code trace's input
@@ -6,10 +7,10 @@
 * Arrivals: Poisson (stable) or a two-state Markov-modulated Poisson process
   (bursty, Arlo §5 "Twitter-Bursty"): the high state has 3x the rate of the low
   one and, to make the instantaneous length mix drift as in Fig. 1b, shorter inputs.
-* `allocate`: instances per runtime for G workers. A stand-in for the §3.3 ILP
-  (which belongs to the planner): greedy, one instance at a time to the runtime
-  that most lowers the mean latency estimated with an M/D/c queue per runtime,
-  each request at its ideal runtime; the longest runtime always gets one (Eq. 7).
+* `allocate`: instances per runtime for G workers, by Arlo's §3.3 ILP exactly as the
+  planner solves it (`polyserve.planner.arlo_ilp.solve`, fed as the planner's
+  Runtime Scheduler feeds it: the profile's static runtimes, Q_i = the requests per
+  SLO period whose ideal runtime is i); the longest runtime always gets one (Eq. 7).
 * `simulate`: the same dispatch policies (`polyserve.dispatcher.policy_arlo`,
   `least_outstanding`) over instances whose batch latency is the measured profile
   (static: the full shape; dynamic: the batch's rows and longest input). Its
@@ -21,12 +22,14 @@ import csv
 import heapq
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from polyserve.dispatcher.policy import POLICIES, PolicyState, RequestView, WorkerView
 from polyserve.dispatcher.policy_arlo import ARLO_POLICIES
-from polyserve.proto import EncoderProfile, RuntimeProfile
+from polyserve.planner import arlo_ilp
+from polyserve.proto import EncoderProfile
 from polyserve.shared.paths import datasets_dir
 from polyserve.worker.engines.encoder import replay_ms
 
@@ -83,49 +86,21 @@ def arrivals(rate: float, duration: float, rng: random.Random, *, bursty: bool =
 
 
 # ---------------------------------------------------------------------- allocation
-def _mdc_wait(rho: float, c: int, service_s: float) -> float:
-    """Mean queueing delay of M/D/c (half the M/M/c Allen-Cunneen estimate); an overloaded
-    queue costs a large finite penalty growing with the load, so the greedy still sees
-    which instance relieves it most."""
-    if rho >= 0.98:
-        return 100.0 * rho
-    return service_s * rho ** (math.sqrt(2 * (c + 1)) - 1) / (2 * c * (1 - rho))
-
-
-def estimate_latency_s(alloc: dict[int, int], runtimes: dict[int, RuntimeProfile], lengths: list[int],
-                       rate: float) -> float:
-    """Mean latency when each request runs at its ideal allocated runtime (no demotion)."""
-    used = sorted(n for n, k in alloc.items() if k > 0)
-    share = {n: 0 for n in used}
-    for x in lengths:
-        share[next((n for n in used if n >= x), used[-1])] += 1
-    total = 0.0
-    for n in used:
-        if not share[n]:
-            continue
-        s = runtimes[n].latency_ms[0] / 1e3
-        lam = rate * share[n] / len(lengths)
-        rho = lam * s / alloc[n]
-        total += share[n] / len(lengths) * (s + _mdc_wait(rho, alloc[n], s))
-    return total
-
-
-def allocate(workers: int, runtimes: list[RuntimeProfile], lengths: list[int], rate: float) -> dict[int, int]:
-    """max_length -> instances for `workers` instances (see the module docstring)."""
-    by_len = {r.max_length: r for r in runtimes}
-    top = max(by_len)
-    alloc = {n: 0 for n in by_len}
-    alloc[top] = 1
-    for _ in range(workers - 1):
-        best, best_cost = top, math.inf
-        for n in sorted(by_len):
-            trial = dict(alloc)
-            trial[n] += 1
-            cost = estimate_latency_s(trial, by_len, lengths, rate)
-            if cost < best_cost - 1e-12:
-                best, best_cost = n, cost
-        alloc[best] += 1
-    return {n: k for n, k in alloc.items() if k > 0}
+def allocate(workers: int, profile: EncoderProfile, lengths: Sequence[int], rate: float) -> dict[int, int]:
+    """max_length -> instances (those with at least one) for `workers` instances: the planner's
+    §3.3 MILP over `profile`'s static runtimes, with Q_i per SLO period from `lengths`
+    arriving at `rate`/s (see the module docstring)."""
+    if not lengths or rate <= 0:
+        raise ValueError("allocate needs request lengths and a rate > 0")
+    specs = sorted((r for r in profile.runtimes if r.shape == "static" and r.max_length > 0),
+                   key=lambda r: r.max_length)
+    if not specs:
+        raise ValueError("the encoder profile lists no static runtime")
+    profiles = [arlo_ilp.from_runtime_spec(r) for r in specs]
+    demand = arlo_ilp.demand_per_slo(lengths, len(lengths) / rate, profile.slo_ms / 1e3,
+                                     [p.max_len for p in profiles])
+    counts = arlo_ilp.solve(workers, demand, profiles).counts
+    return {p.max_len: int(k) for p, k in zip(profiles, counts) if k > 0}
 
 
 # ---------------------------------------------------------------------- simulation
@@ -201,27 +176,13 @@ def simulate(profile: EncoderProfile, fleet: list[tuple[str, int, int]], policy:
     return lat
 
 
-def allocate_ilp(workers: int, profile: EncoderProfile, lengths: list[int], rate: float) -> dict[int, int]:
-    """The planner's §3.3 MILP (`polyserve.planner.arlo_ilp`) with Q_i per SLO period from `lengths`
-    arriving at `rate`/s."""
-    from polyserve.planner import arlo_ilp
-
-    profiles = [arlo_ilp.from_runtime_spec(r) for r in sorted(profile.runtimes, key=lambda r: r.max_length)]
-    demand = arlo_ilp.demand_per_slo(lengths, len(lengths) / rate, profile.slo_ms / 1e3,
-                                     [p.max_len for p in profiles])
-    counts = arlo_ilp.solve(workers, demand, profiles).counts
-    return {p.max_len: int(k) for p, k in zip(profiles, counts) if k > 0}
-
-
-def fleets(profile: EncoderProfile, workers: int, lengths: list[int], rate: float,
-           allocation: str = "greedy") -> dict[str, list]:
+def fleets(profile: EncoderProfile, workers: int, lengths: list[int], rate: float) -> dict[str, list]:
     """The three schemes of Arlo Table 1 with `workers` instances: ST, DT, polymorphing
-    (instances per runtime by `allocate`, or by the planner's MILP with `allocation="ilp"`)."""
+    (instances per runtime by `allocate`)."""
     rts = {r.max_length: r for r in profile.runtimes}
     top = max(rts)
     dyn = profile.dynamic
-    alloc = (allocate_ilp(workers, profile, lengths, rate) if allocation == "ilp"
-             else allocate(workers, profile.runtimes, lengths, rate))
+    alloc = allocate(workers, profile, lengths, rate)
     poly = [("static", n, rts[n].capacity) for n in sorted(alloc) for _ in range(alloc[n])]
     return {"ST": [("static", top, rts[top].capacity)] * workers,
             "DT": [("dynamic", top, dyn.capacity if dyn else rts[top].capacity)] * workers,

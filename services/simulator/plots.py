@@ -2,6 +2,7 @@
 in its title and in a watermark."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -143,3 +144,51 @@ def clock_over_time(runs: Mapping[str, dict], arrivals: np.ndarray, horizon: flo
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+# ------------------------------------------------------------------ `polyserve simulate`'s figures
+def grid_figures(rows: list[dict], cdfs: Mapping[tuple[str, float], Mapping[str, Latencies]], out: Path,
+                 slo: Mapping[str, float], target: float) -> list[Path]:
+    """`polyserve simulate`'s figures of a grid: latency CDFs per trace x rate, and SLO
+    attainment, GPUs and mean JCT versus load per trace (with at least two loads)."""
+    made = []
+    for (name, scale), runs in cdfs.items():
+        made.append(latency_cdfs(runs, out / f"cdf_{name}_x{scale:g}.png", f"{name} at {scale:g}x rate", slo))
+    for name in dict.fromkeys(r["trace"] for r in rows):
+        sel = [r for r in rows if r["trace"] == name]
+        if len({r["load"] for r in sel}) < 2:
+            continue
+        by = functools.partial(_by_label, sel)
+        made.append(versus_load(by("slo_both"), out / f"slo_vs_load_{name}.png", hline=target,
+                                ylabel="SLO attainment (TTFT and ATGT)", title=f"SLO attainment vs load, {name}"))
+        made.append(versus_load(by("gpus_mean"), out / f"gpus_vs_load_{name}.png",
+                                ylabel="GPUs (mean over the run)", title=f"GPUs vs load, {name}"))
+        jct = {lab: [(x, r["e2e_ms"]["mean"] / 1000.0) for x, r in pts if r["e2e_ms"]["mean"] is not None]
+               for lab, pts in by(None).items()}
+        made.append(versus_load(jct, out / f"jct_vs_load_{name}.png", ylabel="mean job completion time (s)",
+                                title=f"Mean JCT (end-to-end latency) vs load, {name}"))
+    return made
+
+
+def _by_label(sel: list[dict], key: str | None) -> dict[str, list]:
+    """label -> [(load, row[key] (the row itself when key is None))] over the rows with a value."""
+    return {lab: [(r["load"], r[key] if key else r) for r in sel
+                  if r["label"] == lab and (key is None or r[key] is not None)]
+            for lab in dict.fromkeys(r["label"] for r in sel)}
+
+
+def series_figures(series: dict, out: Path) -> list[Path]:
+    """Workers over time per autoscaler and clock/power over time (µ-Serve Fig. 13), per trace x load x SLO."""
+    made = []
+    for (name, scale, slo), d in series.items():
+        tag = f"{name}_x{scale:g}" + (f"_slo{slo:g}" if slo != 1 else "")
+        horizon = max(h for _, _, h, _ in d["runs"].values())
+        scaled = {lab: tl for lab, (tl, _, _, cfg) in d["runs"].items() if cfg.autoscaler}
+        if scaled:
+            made.append(workers_over_time(scaled, d["arrivals"], horizon, out / f"workers_{tag}.png",
+                                          f"Workers over time per autoscaler, {name} at {scale:g}x rate"))
+        clocked = {lab: x for lab, (_, x, _, cfg) in d["runs"].items() if cfg.clock}
+        if clocked:
+            made.append(clock_over_time(clocked, d["arrivals"], horizon, out / f"clock_{tag}.png",
+                                        f"SM clock, arrival rate and power, {name} at {scale:g}x rate, SLO x{slo:g}"))
+    return made

@@ -39,15 +39,15 @@ SHUTDOWN = "worker shutting down"
 
 
 def validate(req: GenerateRequest) -> None:
-    """Raise BusError(400) saying what to fix in a request no engine could serve."""
+    """Raise BusError(400) saying what to fix in a request no engine could serve.
+
+    `max_tokens` and `n` are not checked here: the gateway validates them at the edge
+    and every engine on admission (`engine.check_request`, the sim engine's own
+    check), whose 400 becomes the reply."""
     p = req.params
     problems = []
     if not req.stream_to:
         problems.append("stream_to must name the inbox the tokens go to")
-    if p.max_tokens < 1:
-        problems.append(f"max_tokens must be >= 1 (got {p.max_tokens})")
-    if p.n < 1:
-        problems.append(f"n must be >= 1 (got {p.n})")
     if p.min_tokens < 0 or p.min_tokens > p.max_tokens:
         problems.append(f"min_tokens must be between 0 and max_tokens (got {p.min_tokens})")
     if p.temperature < 0:

@@ -1,11 +1,17 @@
 """A fake of the slice of vLLM's Python API that polyserve's `vllm` engine uses.
 
-It mirrors the SHAPES of vLLM 0.11.2 (class names, module paths, method signatures,
+It mirrors the SHAPES of vLLM 0.33.0 (class names, module paths, method signatures,
 RequestOutput/CompletionOutput fields and their streaming semantics), not its
 behaviour on a GPU: the "model" is a script of characters, one character per token.
+The shapes are not hand-copied from docs: tests/unit/test_vllm_surface.py checks this
+fake's classes, signatures and fields against services/worker/engines/vllm_surface.json,
+which scripts/vllm-surface extracts from the 0.33.0 release's sources.
 Contract tests install it with `install(monkeypatch, flavor)`, which puts these
 modules in `sys.modules`: vllm, vllm.sampling_params, vllm.outputs, vllm.lora.request,
-vllm.engine.arg_utils, vllm.engine.async_llm_engine and (V1 flavors) vllm.v1.engine.async_llm.
+vllm.engine.arg_utils, vllm.engine.async_llm_engine, vllm.exceptions and (V1 flavors)
+vllm.v1.engine.async_llm, vllm.v1.engine.exceptions. Flavors: "v1" is 0.33.0; the others
+are older shapes the engine still detects ("v1-async-tokenizer": 0.11's coroutine
+get_tokenizer; "v0": the pre-V1 AsyncLLMEngine) and are not checked against the JSON.
 
 Semantics mirrored from vLLM (sources in the engine's docstring and the report):
 - `SamplingParams.output_kind`: CUMULATIVE (default) gives each choice's whole text and
@@ -19,8 +25,12 @@ Semantics mirrored from vLLM (sources in the engine's docstring and the report):
 - finish_reason strings: "stop" (EOS or stop string), "length" (max_tokens), "abort".
 - `abort(request_id)` ends a live stream with finish_reason "abort" (every choice); a generate() task
   that is cancelled aborts its own request (as vLLM's generate() does on CancelledError).
-- `LoRARequest(lora_name, lora_int_id, lora_path)`: lora_int_id must be > 0; requests with a
-  LoRA are rejected unless the engine was built with enable_lora (vLLM raises ValueError).
+- `LoRARequest(lora_name, lora_int_id, lora_path)`: lora_int_id must be > 0 and lora_path
+  non-empty; requests with a LoRA are rejected unless the engine was built with enable_lora.
+- `AsyncEngineArgs.max_lora_rank` must be one of vLLM's MaxLoRARanks (checked when the engine
+  is built, as vLLM's LoRAConfig does); `max_num_queued_reqs` bounds unfinished requests
+  (n counts n times): beyond it generate() raises QueueOverflowError (a GracefulHTTPError, 503).
+- 0.33 validation errors are `VLLMValidationError` (a VLLMClientError, not a ValueError).
 - V0 raises ValueError for a non-zero priority unless scheduling_policy == "priority".
 """
 from __future__ import annotations
@@ -32,11 +42,48 @@ import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
-VERSION = "0.11.2"
+VERSION = "0.33.0"
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 EOS_ID = 0
+
+
+# --------------------------------------------------------------------- vllm.exceptions
+class VLLMError(Exception):
+    pass
+
+
+class VLLMClientError(VLLMError):
+    pass
+
+
+class VLLMServerError(VLLMError):
+    pass
+
+
+class VLLMValidationError(VLLMClientError):
+    def __init__(self, message: str, *, parameter: str | None = None, value: Any = None) -> None:
+        super().__init__(message)
+        self.parameter, self.value = parameter, value
+
+
+class GracefulHTTPError(VLLMError):
+    def __init__(self, message: str, http_status: HTTPStatus):
+        super().__init__(message)
+        self.message, self.http_status = message, http_status
+
+
+class QueueOverflowError(GracefulHTTPError):
+    def __init__(self):
+        super().__init__("The engine is currently busy and cannot accept new requests. "
+                         "Please try again later or on a different instance.", HTTPStatus.SERVICE_UNAVAILABLE)
+
+
+class EngineDeadError(VLLMServerError):  # vllm.v1.engine.exceptions
+    pass
 
 
 # --------------------------------------------------------------------- vllm.sampling_params
@@ -60,17 +107,17 @@ class SamplingParams:
         if unknown:
             raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
         if n < 1:
-            raise ValueError(f"n must be at least 1, got {n}.")
+            raise VLLMValidationError(f"n must be at least 1, got {n}.", parameter="n", value=n)
         if temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {temperature}.")
+            raise VLLMValidationError(f"temperature must be non-negative, got {temperature}.")
         if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
+            raise VLLMValidationError(f"top_p must be in (0, 1], got {top_p}.", parameter="top_p", value=top_p)
         if top_k < -1:
-            raise ValueError(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
+            raise VLLMValidationError(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
         if max_tokens is not None and max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}.")
+            raise VLLMValidationError(f"max_tokens must be at least 1, got {max_tokens}.")
         if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
-            raise ValueError(f"min_tokens must be in [0, max_tokens], got {min_tokens}.")
+            raise VLLMValidationError(f"min_tokens must be in [0, max_tokens], got {min_tokens}.")
         self.n, self.temperature, self.top_p, self.top_k, self.seed = n, temperature, top_p, top_k, seed
         self.stop = [stop] if isinstance(stop, str) else list(stop or [])
         self.max_tokens, self.min_tokens, self.output_kind = max_tokens, min_tokens, output_kind
@@ -91,8 +138,9 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None = None
-    logprobs: Any = None
+    cumulative_logprob: float | None
+    logprobs: Any
+    routed_experts: Any = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     lora_request: Any = None
@@ -114,10 +162,14 @@ class RequestOutput:
 class LoRARequest:
     """vLLM's LoRARequest (msgspec.Struct): equality and hash by lora_name, as in vLLM."""
 
-    def __init__(self, lora_name: str, lora_int_id: int, lora_path: str = "", **kwargs: Any):
+    def __init__(self, lora_name: str, lora_int_id: int, lora_path: str = "", base_model_name: str | None = None,
+                 load_inplace: bool = False, is_3d_lora_weight: bool = False):
         if lora_int_id < 1:
             raise ValueError(f"id must be > 0, got {lora_int_id}")
+        assert lora_path, "lora_path cannot be empty"
         self.lora_name, self.lora_int_id, self.lora_path = lora_name, lora_int_id, lora_path
+        self.base_model_name, self.load_inplace, self.is_3d_lora_weight = base_model_name, load_inplace, \
+            is_3d_lora_weight
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, LoRARequest) and other.lora_name == self.lora_name
@@ -132,14 +184,15 @@ class LoRARequest:
 # --------------------------------------------------------------------- vllm.engine.arg_utils
 @dataclass
 class AsyncEngineArgs:
-    model: str = "facebook/opt-125m"
+    model: str = "Qwen/Qwen3-0.6B"
     served_model_name: str | list[str] | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
-    seed: int | None = 0
+    seed: int = 0
     max_model_len: int | None = None
     max_num_seqs: int | None = None
-    gpu_memory_utilization: float = 0.9
+    max_num_queued_reqs: int | None = None
+    gpu_memory_utilization: float = 0.92
     tensor_parallel_size: int = 1
     scheduling_policy: str = "fcfs"
     enable_lora: bool = False
@@ -158,11 +211,15 @@ class FakeTokenizer:
     chat_template = None
     eos_token_id = EOS_ID
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, truncation: bool | None = None, max_length: int | None = None,
+               add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(chr(i) for i in ids if i != EOS_ID)
+
+    def apply_chat_template(self, messages: list, tools: list | None = None, **kwargs: Any) -> str:
+        raise ValueError("Cannot use chat template functions because tokenizer.chat_template is not set")
 
 
 def default_script(prompt_ids: list[int], index: int, lora: LoRARequest | None) -> str:
@@ -182,8 +239,8 @@ class _Child:
 
 
 class FakeAsyncLLM:
-    """vllm.v1.engine.async_llm.AsyncLLM: from_engine_args, generate, abort, get_tokenizer (a coroutine
-    in 0.11), add_lora/remove_lora/list_loras, shutdown; vllm_config.cache_config / .model_config."""
+    """vllm.v1.engine.async_llm.AsyncLLM (0.33): from_engine_args, generate, abort, get_tokenizer (a plain
+    method), add_lora/remove_lora/list_loras, shutdown; vllm_config.cache_config / .model_config."""
 
     per_child_outputs = True  # V1 parallel sampling: one child per RequestOutput
     last: FakeAsyncLLM | None = None
@@ -212,6 +269,8 @@ class FakeAsyncLLM:
                          usage_context: Any = None, stat_loggers: Any = None) -> FakeAsyncLLM:
         if not isinstance(engine_args, AsyncEngineArgs):
             raise TypeError("engine_args must be AsyncEngineArgs")
+        if engine_args.enable_lora and engine_args.max_lora_rank not in MAX_LORA_RANKS:
+            raise ValueError(f"max_lora_rank {engine_args.max_lora_rank} is not one of {MAX_LORA_RANKS}")
         if str(engine_args.model).startswith("/nonexistent"):
             raise OSError(f"{engine_args.model} is not a local folder and is not a valid model identifier")
         engine = cls(engine_args)
@@ -219,7 +278,7 @@ class FakeAsyncLLM:
         FakeAsyncLLM.last = engine
         return engine
 
-    async def get_tokenizer(self) -> FakeTokenizer:
+    def get_tokenizer(self) -> FakeTokenizer:
         return self.tokenizer
 
     def _validate(self, prompt: Any, params: SamplingParams, lora_request: Any, priority: int) -> list[int]:
@@ -229,19 +288,24 @@ class FakeAsyncLLM:
         if not ids:
             raise ValueError("The decoder prompt cannot be empty")
         if len(ids) > self.model_config.max_model_len:
-            raise ValueError(f"The decoder prompt (length {len(ids)}) is longer than the maximum model length "
+            raise VLLMValidationError(f"The decoder prompt (length {len(ids)}) is longer than the maximum model length "
                              f"of {self.model_config.max_model_len}.")
         return ids
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str, *,
                        prompt_text: str | None = None, lora_request: LoRARequest | None = None,
                        tokenization_kwargs: dict | None = None, trace_headers: Any = None, priority: int = 0,
-                       data_parallel_rank: int | None = None):
+                       data_parallel_rank: int | None = None, session_id: str | None = None,
+                       kv_hints: Any = None, reasoning_ended: bool | None = None,
+                       reasoning_parser_kwargs: dict | None = None):
         async for out in self._generate(prompt, sampling_params, request_id, lora_request, priority):
             yield out
 
     async def _generate(self, prompt, params, request_id, lora_request, priority):
         ids = self._validate(prompt, params, lora_request, priority)
+        limit = self.engine_args.max_num_queued_reqs
+        if limit is not None and sum(len(c) for c in self.live.values()) + params.n > limit:
+            raise QueueOverflowError()  # AsyncLLM.check_admission
         self.calls.append(dict(prompt=prompt, params=params, request_id=request_id, lora_request=lora_request,
                                priority=priority))
         children = [_Child(i, self.script(ids, i, lora_request)) for i in range(params.n)]
@@ -305,13 +369,13 @@ class FakeAsyncLLM:
                 text, toks = c.text[:visible], list(c.token_ids)
             c.sent_text, c.sent_tokens = visible, len(c.token_ids)
             c.reported = c.finish_reason is not None
-            outs.append(CompletionOutput(index=c.index, text=text, token_ids=list(toks), finish_reason=c.finish_reason,
-                                         lora_request=lora_request))
+            outs.append(CompletionOutput(index=c.index, text=text, token_ids=list(toks), cumulative_logprob=None,
+                                         logprobs=None, finish_reason=c.finish_reason, lora_request=lora_request))
         finished = all(c.reported for c in children)  # set on the output of the last child to finish
         return RequestOutput(request_id, None, ids, None, outs, finished, lora_request=lora_request)
 
-    async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
+    async def abort(self, request_id: str | list[str], internal: bool = False) -> None:
+        self.aborted += [request_id] if isinstance(request_id, str) else list(request_id)
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         if not self.engine_args.enable_lora:
@@ -329,14 +393,14 @@ class FakeAsyncLLM:
     async def list_loras(self) -> set[int]:
         return set(self.loras)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         self.shut_down = True
 
 
-class FakeAsyncLLMSyncTokenizer(FakeAsyncLLM):
-    """Newer V1 releases: get_tokenizer() is a plain method."""
+class FakeAsyncLLMAsyncTokenizer(FakeAsyncLLM):
+    """0.11-era V1: get_tokenizer() is a coroutine."""
 
-    def get_tokenizer(self) -> FakeTokenizer:  # type: ignore[override]
+    async def get_tokenizer(self) -> FakeTokenizer:  # type: ignore[override]
         return self.tokenizer
 
 
@@ -365,6 +429,9 @@ class FakeAsyncLLMEngine(FakeAsyncLLM):
         async for out in self._generate(prompt, sampling_params, request_id, lora_request, priority):
             yield out
 
+    async def abort(self, request_id: str) -> None:  # type: ignore[override]
+        self.aborted.append(request_id)
+
     shutdown = None  # type: ignore[assignment]  # V0 has shutdown_background_loop() instead
 
     def shutdown_background_loop(self) -> None:
@@ -372,8 +439,8 @@ class FakeAsyncLLMEngine(FakeAsyncLLM):
 
 
 FLAVORS = {
-    "v1": FakeAsyncLLM,  # 0.11.x: AsyncLLM, DELTA outputs, async get_tokenizer
-    "v1-sync-tokenizer": FakeAsyncLLMSyncTokenizer,  # newer V1
+    "v1": FakeAsyncLLM,  # 0.33.0: AsyncLLM, DELTA outputs, plain get_tokenizer (checked against the JSON)
+    "v1-async-tokenizer": FakeAsyncLLMAsyncTokenizer,  # 0.11.x V1: async get_tokenizer
     "v0": FakeAsyncLLMEngine,  # pre-V1 AsyncLLMEngine, cumulative outputs only
 }
 
@@ -416,12 +483,16 @@ def install(monkeypatch, flavor: str = "v1", version: str = VERSION) -> FakeVllm
         "vllm.engine": _module("vllm.engine", __path__=[]),
         "vllm.engine.arg_utils": _module("vllm.engine.arg_utils", AsyncEngineArgs=AsyncEngineArgs),
         "vllm.engine.async_llm_engine": _module("vllm.engine.async_llm_engine", AsyncLLMEngine=engine_cls),
+        "vllm.exceptions": _module("vllm.exceptions", VLLMError=VLLMError, VLLMClientError=VLLMClientError,
+                                   VLLMServerError=VLLMServerError, VLLMValidationError=VLLMValidationError,
+                                   GracefulHTTPError=GracefulHTTPError, QueueOverflowError=QueueOverflowError),
     }
     if flavor != "v0":
         mods.update({
             "vllm.v1": _module("vllm.v1", __path__=[]),
             "vllm.v1.engine": _module("vllm.v1.engine", __path__=[]),
             "vllm.v1.engine.async_llm": _module("vllm.v1.engine.async_llm", AsyncLLM=engine_cls),
+            "vllm.v1.engine.exceptions": _module("vllm.v1.engine.exceptions", EngineDeadError=EngineDeadError),
         })
     for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
         monkeypatch.delitem(sys.modules, name, raising=False)

@@ -12,7 +12,7 @@ pytest.importorskip("peft")
 
 from polyserve.worker.lora import create_random_adapter  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.torch]  # torch: builds torch models
 BASE = "tiny-llama-random"
 
 

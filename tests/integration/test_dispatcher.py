@@ -52,7 +52,7 @@ async def dispatch_error(bus, subjects, **kw) -> BusError:
 async def start_workers(bus, subjects, svc, *wids, dep="d", **kw):
     for wid in wids:
         await bus.publish(subjects.worker_event("heartbeat"), heartbeat(subjects, wid, dep, **kw))
-    await wait_for(lambda: {h.worker_id for h in svc.registry.live(dep)} >= set(wids),
+    await wait_for(lambda: {h.worker_id for h in svc.view.registry.live(dep)} >= set(wids),
                    what=f"workers {wids} live at the dispatcher")
 
 
@@ -66,7 +66,7 @@ async def test_round_robin_spreads_and_placement_carries_subjects(make_settings,
         p = placed[0]
         assert (p.request_id, p.policy, p.priority) == ("r0", "round_robin", 2)
         assert p.generate_subject == subjects.generate("w1") and p.cancel_subject == subjects.cancel("w1")
-        assert (svc.outstanding.count("w1"), svc.outstanding.count("w2")) == (2, 2)
+        assert (svc.view.outstanding.count("w1"), svc.view.outstanding.count("w2")) == (2, 2)
         assert (await dispatch(bus, subjects, rid="x", exclude=["w1"])).worker_id == "w2"
 
 
@@ -82,12 +82,12 @@ async def test_least_outstanding_accounts_completed_and_failed(make_settings, bu
                           Completed(request_id="r0", worker_id="w1", input_tokens=10, output_tokens=5,
                                     e2e_ms=1, ttft_ms=1))
         await bus.publish(subjects.event("failed"), Failed(request_id="r2", reason="boom", worker_id="w1"))
-        await wait_for(lambda: svc.outstanding.count("w1") == 0, what="w1's outstanding back to 0")
-        assert svc.outstanding.count("w2") == 2
+        await wait_for(lambda: svc.view.outstanding.count("w1") == 0, what="w1's outstanding back to 0")
+        assert svc.view.outstanding.count("w2") == 2
         assert [(await dispatch(bus, subjects, rid=f"s{i}")).worker_id for i in range(3)] == ["w1"] * 3
         # engine-reported waiting counts too: a queue at w1 moves work to w2
         await bus.publish(subjects.worker_event("heartbeat"), heartbeat(subjects, "w1", waiting=10))
-        await wait_for(lambda: any(h.waiting == 10 for h in svc.registry.live("d")), what="w1 load seen")
+        await wait_for(lambda: any(h.waiting == 10 for h in svc.view.registry.live("d")), what="w1 load seen")
         assert (await dispatch(bus, subjects, rid="t")).worker_id == "w2"
 
 
@@ -118,13 +118,13 @@ async def test_silent_worker_expires_after_ttl_and_down_removes_at_once(make_set
         beater = asyncio.create_task(keep_alive())
         try:
             # w1 is silent: after its 0.5 s TTL it is never chosen again
-            await wait_for(lambda: "w1" not in {h.worker_id for h in svc.registry.live("d")}, timeout=3,
+            await wait_for(lambda: "w1" not in {h.worker_id for h in svc.view.registry.live("d")}, timeout=3,
                            what="w1 expired")
             got = {(await dispatch(bus, subjects, rid=f"r{i}")).worker_id for i in range(6)}
             assert got == {"w2", "w3"}
             beating.discard("w2")  # killed and announced: removed at once, not after its 5 s TTL
             await bus.publish(subjects.worker_event("down"), WorkerDown(worker_id="w2", reason="killed"))
-            await wait_for(lambda: "w2" not in {h.worker_id for h in svc.registry.live("d")}, timeout=2,
+            await wait_for(lambda: "w2" not in {h.worker_id for h in svc.view.registry.live("d")}, timeout=2,
                            what="w2 removed by worker_down")
             got = {(await dispatch(bus, subjects, rid=f"s{i}")).worker_id for i in range(4)}
             assert got == {"w3"}
@@ -132,7 +132,7 @@ async def test_silent_worker_expires_after_ttl_and_down_removes_at_once(make_set
             beater.cancel()
             await asyncio.gather(beater, return_exceptions=True)
         await bus.publish(subjects.worker_event("down"), WorkerDown(worker_id="w3", reason="stopped"))
-        await wait_for(lambda: not svc.registry.live("d"), timeout=3, what="no live worker left")
+        await wait_for(lambda: not svc.view.registry.live("d"), timeout=3, what="no live worker left")
         err = await dispatch_error(bus, subjects, rid="late")
         assert err.code == 503 and "no worker available for deployment 'd'" in err.description
 
@@ -207,7 +207,7 @@ LIVE_POLICIES = ["round_robin", "least_outstanding", "power_of_two", "random", "
 @pytest.mark.parametrize("policy_name", LIVE_POLICIES)
 async def test_indexed_dispatcher_places_like_the_scan(make_settings, bus, subjects, state, policy_name):
     """The live dispatcher with its worker index, over real NATS/Redis, against the scan it
-    replaces: before each dispatch the scan's decision is computed from the same handlers
+    replaces: before each dispatch the scan's decision is computed from the same live view
     (fresh views of the live workers, a copy of the rng and policy state); the placement the
     dispatcher returns must be that worker. Heartbeats, completions, failures, first tokens,
     a worker leaving and one joining happen in between (the model book's clock is frozen so
@@ -217,7 +217,8 @@ async def test_indexed_dispatcher_places_like_the_scan(make_settings, bus, subje
     from polyserve.dispatcher import policy as pol
     from polyserve.proto import AdapterInfo, FirstToken
 
-    await state.put_deployment(Deployment(id="d", model="m", policy=policy_name))
+    dep = Deployment(id="d", model="m", policy=policy_name)
+    await state.put_deployment(dep)
     settings = make_settings(DispatcherSettings, "dispatcher", rebalance_s=0, seed=5, sweep_s=30)
     if not settings.index and policy_name != "least_outstanding":
         pytest.skip("with the index off both sides are the scan: one policy checks the switch")
@@ -243,39 +244,39 @@ async def test_indexed_dispatcher_places_like_the_scan(make_settings, bus, subje
         await wait_for(done, timeout=3, what=f"{type(msg).__name__} handled")
 
     async with running(svc):
-        h = svc.handlers
-        h.models.clock = lambda: 1000.0
+        v = svc.view
+        v.models.clock = lambda: 1000.0
         wids = [f"w{i}" for i in range(6)]
         for wid in wids:
             hb = beat(wid)
-            await send(subjects.worker_event("heartbeat"), hb, lambda hb=hb: svc.registry.get(hb.worker_id) == hb)
+            await send(subjects.worker_event("heartbeat"), hb, lambda hb=hb: svc.view.registry.get(hb.worker_id) == hb)
         placed: list[tuple[str, str]] = []
         compared = 0
         for i in range(40):
             op = rng.random()
             if op < 0.15:
                 hb = beat(rng.choice(wids))
-                await send(subjects.worker_event("heartbeat"), hb, lambda hb=hb: svc.registry.get(hb.worker_id) == hb)
+                await send(subjects.worker_event("heartbeat"), hb, lambda hb=hb: svc.view.registry.get(hb.worker_id) == hb)
             elif op < 0.3 and placed:
                 wid, rid = placed.pop(rng.randrange(len(placed)))
                 ev = (Completed(request_id=rid, worker_id=wid, input_tokens=100, output_tokens=rng.randint(1, 80),
                                 e2e_ms=500, ttft_ms=80, queue_ms=5, atgt_ms=30.0, predicted_tokens=50)
                       if rng.random() < 0.7 else Failed(request_id=rid, worker_id=wid, reason="test"))
                 subject = subjects.event("completed" if isinstance(ev, Completed) else "failed")
-                await send(subject, ev, lambda rid=rid: rid not in h.outstanding._placed)
+                await send(subject, ev, lambda rid=rid: rid not in v.outstanding._placed)
             elif op < 0.4 and placed:
                 wid, rid = rng.choice(placed)
                 await send(subjects.event("first_token"), FirstToken(request_id=rid, worker_id=wid, ttft_ms=50),
-                           lambda rid=rid: rid not in h.models.requests._by_id
-                           or h.models.requests._by_id[rid].first_token is not None)
+                           lambda rid=rid: rid not in v.models.requests._by_id
+                           or v.models.requests._by_id[rid].first_token is not None)
             elif op < 0.43 and i > 10:  # one worker leaves, a new one joins
                 gone = wids.pop(rng.randrange(len(wids)))
                 await send(subjects.worker_event("down"), WorkerDown(worker_id=gone, reason="test"),
-                           lambda gone=gone: svc.registry.get(gone) is None)
+                           lambda gone=gone: svc.view.registry.get(gone) is None)
                 placed = [(w, r) for w, r in placed if w != gone]
                 wids.append(f"n{i}")
                 hb = beat(wids[-1])
-                await send(subjects.worker_event("heartbeat"), hb, lambda hb=hb: svc.registry.get(hb.worker_id) == hb)
+                await send(subjects.worker_event("heartbeat"), hb, lambda hb=hb: svc.view.registry.get(hb.worker_id) == hb)
             else:
                 adapter = rng.choice([None, "a", "b", "c"])
                 kw = {"input_tokens": rng.choice([10, 100, 600, 3000]) if not arlo else rng.randint(1, 512),
@@ -283,28 +284,22 @@ async def test_indexed_dispatcher_places_like_the_scan(make_settings, bus, subje
                       "adapter_rank": ranks[adapter] if adapter else 0}
                 req = DispatchRequest(request_id=f"r{i}", deployment="d", model="m", **kw)
                 modelled = policy_name in ("aladdin", "caraserve")
-                views = h._views(svc.registry.live("d"), modelled)
-                views = [v for v in views if v.max_input_len <= 0 or req.input_tokens <= v.max_input_len]
+                views = v.views(v.registry.live("d"), modelled)
+                views = [w for w in views if w.max_input_len <= 0 or req.input_tokens <= w.max_input_len]
                 if not views:  # no runtime long enough: the dispatcher says so
                     err = await dispatch_error(bus, subjects, rid=req.request_id, **kw)
                     assert err.code == 503 and "max_input_len" in err.description
                     continue
                 r_copy = Random()
-                r_copy.setstate(h.rng.getstate())
-                want = pol.get_policy(policy_name)(views, handlers_request_view(req, settings),
-                                                   h.policy_state.get("d", pol.PolicyState()), r_copy)
+                r_copy.setstate(v.rng.getstate())
+                want = pol.get_policy(policy_name)(views, v.request_view(dep, req),
+                                                   v.policy_state.get("d", pol.PolicyState()), r_copy)
                 got = await bus.request(subjects.dispatch, req, Placement, timeout=2)
                 assert got.worker_id == want.worker_id, (i, req)
                 placed.append((got.worker_id, req.request_id))
                 compared += 1
         assert compared >= 15
         if settings.index:
-            assert h.indexed_decisions == compared  # every decision came from the index
+            assert v.indexed_decisions == compared  # every decision came from the index
         else:
-            assert h.indexed_decisions == 0
-
-
-def handlers_request_view(req, settings):
-    from polyserve.dispatcher.handlers import _request_view
-
-    return _request_view(req, settings)
+            assert v.indexed_decisions == 0

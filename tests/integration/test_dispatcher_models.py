@@ -50,7 +50,7 @@ async def test_aladdin_books_requests_fits_models_and_signals_scale_out(make_set
     svc = DispatcherService(make_settings(DispatcherSettings, "dispatcher", rebalance_s=0))
     async with running(svc):
         await start_workers(bus, subjects, svc, "w1", "w2", profile=PROFILE, max_batch=2, kv_capacity=100_000)
-        models = svc.handlers.models
+        models = svc.view.models
         got = [(await dispatch(bus, subjects, rid=f"r{i}", predicted_tokens=50)).worker_id for i in range(4)]
         # best fit: the fullest feasible worker; each takes two (max_batch 2)
         assert got == ["w1", "w1", "w2", "w2"]
@@ -61,11 +61,11 @@ async def test_aladdin_books_requests_fits_models_and_signals_scale_out(make_set
         await wait_for(lambda: signals, what="ScaleSignal from the dispatcher")
         assert signals[0].source == "aladdin" and signals[0].request_id == "r4"
         await dispatch(bus, subjects, rid="r5", predicted_tokens=50)
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # the subject: no second signal arrives within the rate-limit interval
         assert len(signals) == 1  # rate-limited per deployment
 
         # events feed the book and the fits
-        perf0 = models.perf(svc.registry.live("d")[0])
+        perf0 = models.perf(svc.view.registry.live("d")[0])
         assert perf0 is not None and perf0.label.startswith(PROFILE)
         await bus.publish(subjects.event("first_token"), FirstToken(request_id="r0", worker_id="w1", ttft_ms=5))
         await wait_for(lambda: any(r.started for r in models.requests.requests("w1", models.clock(), None)),
@@ -84,6 +84,30 @@ async def test_aladdin_books_requests_fits_models_and_signals_scale_out(make_set
         assert models.requests.ledger.errors("w1", models.clock())[0] == -10.0
 
 
+async def test_each_deployment_is_placed_against_its_own_slos(make_settings, bus, subjects, state):
+    """Two aladdin deployments alike but for their ATGT SLO (read from Redis): the one at
+    20 ms per token (below the profile's 28.8 ms decode step) asks for a worker, the one at
+    the default 75 ms does not. The request's max_tokens caps the output the book plans with."""
+    await state.put_deployment(Deployment(id="loose", model="m", policy="aladdin"))
+    await state.put_deployment(Deployment(id="tight", model="m", policy="aladdin", atgt_slo_ms=20.0))
+    signals: list[ScaleSignal] = []
+
+    async def on_signal(ev: ScaleSignal):
+        signals.append(ev)
+
+    await bus.listen(subjects.scale_signal("*"), ScaleSignal, on_signal)
+    svc = DispatcherService(make_settings(DispatcherSettings, "dispatcher", rebalance_s=0))
+    async with running(svc):
+        for dep in ("loose", "tight"):
+            await start_workers(bus, subjects, svc, f"{dep}-w", dep=dep, profile=PROFILE, kv_capacity=100_000)
+        await dispatch(bus, subjects, rid="a", dep="loose", predicted_tokens=5000, max_tokens=50)
+        await dispatch(bus, subjects, rid="b", dep="tight", predicted_tokens=50)
+        await wait_for(lambda: signals, what="ScaleSignal for the tight deployment")
+        # one connection delivers in order: a signal for "loose" would have come first
+        assert [(s.deployment, s.request_id) for s in signals] == [("tight", "b")]
+        assert svc.view.models.requests._by_id["a"].req.predicted_tokens == 50
+
+
 async def test_rebalance_moves_a_queued_request_from_under_to_over_estimated_worker(
         make_settings, bus, subjects, state):
     await state.put_deployment(Deployment(id="d", model="m", policy="aladdin"))
@@ -91,7 +115,7 @@ async def test_rebalance_moves_a_queued_request_from_under_to_over_estimated_wor
     svc = DispatcherService(make_settings(DispatcherSettings, "dispatcher", rebalance_s=0))
     async with running(svc):
         await start_workers(bus, subjects, svc, "w1", "w2", profile=PROFILE, max_batch=8, kv_capacity=100_000)
-        models = svc.handlers.models
+        models = svc.view.models
         now = [1000.0]
         models.clock = lambda: now[0]
         assert (await dispatch(bus, subjects, rid="r0", predicted_tokens=5)).worker_id == "w1"
@@ -118,7 +142,7 @@ async def test_rebalance_moves_a_queued_request_from_under_to_over_estimated_wor
         assert subject == subjects.withdraw("w1") and msg.request_id == "r1"  # the queued one, not r0
         assert msg.placement.worker_id == "w2" and msg.placement.generate_subject == subjects.generate("w2")
         assert (models.requests.tracked("w1"), models.requests.tracked("w2")) == (1, 1)
-        assert (svc.outstanding.count("w1"), svc.outstanding.count("w2")) == (1, 1)
+        assert (svc.view.outstanding.count("w1"), svc.view.outstanding.count("w2")) == (1, 1)
 
         async def refuse(subject: str, msg: Withdraw) -> WithdrawReply:  # already started there
             return WithdrawReply(request_id=msg.request_id, worker_id="w1", withdrawn=False, reason="started")

@@ -14,16 +14,13 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("sentence_transformers")
 
-from polyserve.dispatcher import policy as dispatch_policy  # noqa: E402
-from polyserve.dispatcher.policy_arlo import ARLO_POLICIES  # noqa: E402
-from polyserve.gateway.embeddings import add_embedding_routes  # noqa: E402
 from polyserve.proto import Completed, Deployment, ScalerPolicy  # noqa: E402
 from polyserve.worker.config import WorkerSettings  # noqa: E402
 from polyserve.worker.engines.encoder import EncoderConfig, EncoderEngine  # noqa: E402
 from polyserve.worker.service import WorkerService  # noqa: E402
 from tests.helpers import running, wait_for  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.torch]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 DEP = "minilm"
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -54,11 +51,8 @@ def _ref(st, texts, max_len=512) -> np.ndarray:
 
 
 @pytest.fixture
-def encoders(plane, make_settings, state, span_exporter, monkeypatch):
+def encoders(plane, make_settings, state, span_exporter):
     """The plane (gateway, dispatcher, predictor) plus two encoder workers: runtimes 32 and 128."""
-    for name, fn in ARLO_POLICIES.items():  # registered in POLICIES by the dispatcher once wired
-        monkeypatch.setitem(dispatch_policy.POLICIES, name, fn)
-
     import contextlib
 
     @contextlib.asynccontextmanager
@@ -73,8 +67,6 @@ def encoders(plane, make_settings, state, span_exporter, monkeypatch):
                                                  slo_ms=1000.0))
             workers.append(WorkerService(settings, engine=engine, span_exporter=span_exporter))
         async with plane(with_worker=False) as p:
-            if not any(getattr(r, "path", "") == "/v1/embeddings" for r in p.gateway.app.routes):
-                add_embedding_routes(p.gateway.app, p.gateway)  # until app.py calls it
             async with running(*workers, timeout=60):
                 p.workers = workers
                 yield p

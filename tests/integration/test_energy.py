@@ -3,7 +3,6 @@ GPU of known power (driven by a test clock), completed events of its own worker 
 worker elsewhere; the published and stored EnergyReport match a hand computation."""
 import shlex
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -11,10 +10,10 @@ from polyserve.gpu_agent.config import GpuAgentSettings
 from polyserve.gpu_agent.gpu import SimulatedGpu
 from polyserve.gpu_agent.service import GpuAgentService
 from polyserve.proto import AgentReply, Completed, EnergyReport, Heartbeat, StartWorker
+from tests.fakes import FAKE_WORKER_PROC as FAKE_WORKER
 from tests.helpers import running, wait_for
 
 pytestmark = pytest.mark.integration
-FAKE_WORKER = Path(__file__).with_name("fake_worker_proc.py")
 
 
 class Clock:

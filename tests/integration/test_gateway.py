@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from polyserve.proto import AnyEvent
+from polyserve.proto import ATGT_SLO_MS, TTFT_SLO_MS, AnyEvent, DispatchRequest, PredictRequest
 from tests.helpers import wait_for
 from tests.integration.conftest import MODEL
 
@@ -85,6 +85,40 @@ async def test_completions_and_chat_stream_and_not(plane, bus, subjects):
     await wait_for(lambda: any(getattr(e, "request_id", None) == sid and kind(e) == "completed" for e in events),
                    what="completed event of the streamed request")
     assert not [e for e in events if kind(e) == "failed"]
+
+
+async def test_max_tokens_reaches_predictor_and_dispatcher(plane, bus, subjects):
+    """The request's max_tokens (per sequence, so also with n > 1) travels in PredictRequest and
+    DispatchRequest; the predictor clamps its estimate to it and the gateway passes that on."""
+    seen: dict[str, list] = {"predict": [], "dispatch": [], "events": []}
+
+    async def on_predict(req: PredictRequest):
+        seen["predict"].append(req)
+
+    async def on_dispatch(req: DispatchRequest):
+        seen["dispatch"].append(req)
+
+    await bus.listen(subjects.predict, PredictRequest, on_predict)  # copies; the services answer
+    await bus.listen(subjects.dispatch, DispatchRequest, on_dispatch)
+    await collect_events(bus, subjects, seen["events"])
+
+    def of(kind_: str, rid: str):
+        return next((x for x in seen[kind_] if getattr(x, "request_id", None) == rid), None)
+
+    async with plane() as p:
+        small = await p.client.completions.create(model=MODEL, prompt="cap me", max_tokens=7, n=2)
+        chat = await p.client.chat.completions.create(model=MODEL, max_completion_tokens=3,
+                                                      messages=[{"role": "user", "content": "hi"}])
+        big = await p.client.completions.create(model=MODEL, prompt="no cap", max_tokens=500)
+        for rid in (small.id, chat.id, big.id):
+            await wait_for(lambda rid=rid: of("dispatch", rid) and of("predict", rid), what=f"requests of {rid}")
+        # the predictor's prior is 129 tokens: clamped for the small caps, kept under 500
+        for rid, cap, predicted in ((small.id, 7, 7), (chat.id, 3, 3), (big.id, 500, 129)):
+            assert of("predict", rid).max_tokens == cap
+            d = of("dispatch", rid)
+            assert (d.max_tokens, d.predicted_tokens) == (cap, predicted)
+            ev = next(e for e in seen["events"] if getattr(e, "request_id", None) == rid and kind(e) == "predicted")
+            assert ev.tokens_estimate == predicted
 
 
 async def test_one_trace_spans_every_service(plane, span_exporter):
@@ -170,6 +204,30 @@ async def test_admin_api_deployments_and_key(plane):
             assert (await h.get("/readyz")).status_code == 200
             metrics = (await h.get("/metrics")).text
             assert "polyserve_requests_total" in metrics
+
+
+async def test_admin_api_deployment_slos(plane, state):
+    """A deployment carries its TTFT and ATGT SLOs: given (> 0) or the proto defaults
+    (Aladdin Table 2), stored in Redis and shown by GET."""
+    async with plane() as p:
+        async with httpx.AsyncClient(base_url=p.url) as h:
+            r = await h.post("/v1/deployments", json={"id": "slo-a", "model": "m-a", "ttft_slo_ms": 800,
+                                                      "atgt_slo_ms": 40.5})
+            assert r.status_code == 201 and (r.json()["ttft_slo_ms"], r.json()["atgt_slo_ms"]) == (800, 40.5)
+            got = (await h.get("/v1/deployments/slo-a")).json()
+            assert (got["ttft_slo_ms"], got["atgt_slo_ms"]) == (800, 40.5)
+            stored = await state.get_deployment("slo-a")
+            assert (stored.ttft_slo_ms, stored.atgt_slo_ms) == (800, 40.5)
+
+            r = await h.post("/v1/deployments", json={"id": "slo-b", "model": "m-b"})
+            assert r.status_code == 201
+            listed = {d["id"]: d for d in (await h.get("/v1/deployments")).json()["data"]}
+            assert (listed["slo-b"]["ttft_slo_ms"], listed["slo-b"]["atgt_slo_ms"]) == (TTFT_SLO_MS, ATGT_SLO_MS)
+
+            for field, value in (("ttft_slo_ms", 0), ("atgt_slo_ms", -5), ("ttft_slo_ms", "soon")):
+                r = await h.post("/v1/deployments", json={"id": "slo-c", "model": "m-c", field: value})
+                assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+            assert (await h.get("/v1/deployments/slo-c")).status_code == 404
 
 
 async def test_client_disconnect_cancels_at_the_worker(plane, bus, subjects):

@@ -12,11 +12,10 @@ from polyserve.gpu_agent.service import GpuAgentService
 from polyserve.proto import AgentReply, GpuTelemetry, Heartbeat, StartWorker, StopWorker, WorkerDown
 from polyserve.shared.bus import BusError
 from polyserve.shared.infra import pid_alive
+from tests.fakes import FAKE_WORKER_PROC as FAKE_WORKER
 from tests.helpers import running, wait_for
 
 pytestmark = pytest.mark.integration
-
-FAKE_WORKER = Path(__file__).with_name("fake_worker_proc.py")
 
 
 @pytest.fixture

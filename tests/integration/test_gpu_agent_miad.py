@@ -4,7 +4,6 @@ with it, it sets the simulated clock limit. No NVML setter runs anywhere here.""
 import shlex
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -13,10 +12,10 @@ from polyserve.gpu_agent.frequency import clock_subject
 from polyserve.gpu_agent.miad import DOWN, UP, ClockDecision
 from polyserve.gpu_agent.service import GpuAgentService
 from polyserve.proto import AgentReply, Completed, Deployment, ScalerPolicy, StartWorker
+from tests.fakes import FAKE_WORKER_PROC as FAKE_WORKER
 from tests.helpers import running, wait_for
 
 pytestmark = pytest.mark.integration
-FAKE_WORKER = Path(__file__).with_name("fake_worker_proc.py")
 THRESHOLD_MS = 20.0  # per token
 
 

@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from polyserve.planner import autoscalers
 from polyserve.planner.config import PlannerSettings
 from polyserve.planner.service import NO_AGENT, PlannerService
 from polyserve.proto import (
@@ -130,6 +131,7 @@ async def test_doubles_from_one_worker(make_settings, bus, subjects, state):
         [d] = await planner.tick()
         assert (d.current, d.desired) == (1, 2)
         assert [s.count for s in agent.starts] == [1]
+        assert type(planner.memory.scalers["d1"][0]) is autoscalers.HpaScaler  # the simulator's scaler object
 
 
 async def test_no_agent_decision_says_so(make_settings, bus, subjects, state):
@@ -159,9 +161,50 @@ async def test_start_at_once_gate_on_starting_workers_and_orphans(make_settings,
         assert (d.current, d.desired) == (1, 1) and "starting worker" in d.reason
         await bus.publish(subjects.worker_event("heartbeat"),
                           Heartbeat(worker_id=new, deployment="d1", model="m1", engine="sim"))
-        await wait_for(lambda: new in planner.heartbeats, what="heartbeat")
+        await wait_for(lambda: new in planner.memory.heartbeats, what="heartbeat")
         [d] = await planner.tick()
         assert (d.current, d.desired) == (1, 3) and agent.starts[-1].count == 2
+
+
+# --------------------------------------------------------------------------- target tracking (Arlo §4), live
+async def test_target_tracking_live_steps_the_same_scaler_as_the_simulator(make_settings, bus, subjects, state,
+                                                                         monkeypatch):
+    slo_ms = 100.0  # P98 request latency
+    await state.put_deployment(Deployment(id="d1", model="m1", engine="sim", scaler=ScalerPolicy(
+        type="tracking", min_replicas=1, max_replicas=3, window_s=30.0, threshold_ms=slo_ms)))  # an alias
+    agent = await FakeAgent(bus, subjects, state, "g0", {"w-a": "d1", "w-b": "d1"}).serve()
+    steps: list[autoscalers.Observation] = []
+    step = autoscalers.TargetTracking.step
+
+    def spy(self, st, obs):
+        steps.append(obs)
+        return step(self, st, obs)
+
+    monkeypatch.setattr(autoscalers.TargetTracking, "step", spy)
+    planner = PlannerService(planner_settings(make_settings, tracking_hold_s=0.0))
+    async with running(planner):
+        await wait_for(lambda: "d1" in planner.decisions, what="the reconcile at start")
+        d = planner.decisions["d1"]  # no sample, no worker load known yet: not idle, hold
+        assert (d.current, d.desired, d.scaler) == (2, 2, "target_tracking") and "holding 2" in d.reason
+        assert steps[-1].current == 2 and steps[-1].samples == []
+        for w in ("w-a", "w-b"):
+            await bus.publish(subjects.worker_event("heartbeat"), Heartbeat(
+                worker_id=w, deployment="d1", model="m1", engine="sim", running=1, waiting=int(w == "w-b")))
+        await wait_for(lambda: {"w-a", "w-b"} <= planner.memory.loads.keys(), what="heartbeats")
+
+        await publish_completed(bus, subjects, "d1", per_token_ms=20.0)  # 200 ms >= 0.95 x SLO
+        await wait_for(lambda: planner.sample_count("d1") == 5, what="completed events")
+        [d] = await planner.tick()
+        assert (d.current, d.desired, d.samples) == (2, 3, 5) and d.metric_ms == pytest.approx(200.0)
+        assert "add one worker" in d.reason and agent.starts[-1].count == 1
+        assert sorted((w.worker_id, w.load) for w in steps[-1].workers) == [("w-a", 1.0), ("w-b", 2.0)]
+        assert type(planner.memory.scalers["d1"][0]) is autoscalers.TargetTracking
+
+        await publish_completed(bus, subjects, "d1", per_token_ms=2.0)  # 20 ms < 0.5 x SLO, hold 0 s
+        await wait_for(lambda: planner.sample_count("d1") == 10, what="low-latency events")
+        [d] = await planner.tick()  # only the samples after the scale-out count
+        assert (d.current, d.desired, d.samples) == (3, 2, 5) and "remove the least busy worker w-a" in d.reason
+        assert agent.stops == [StopWorker(deployment="d1", count=1)]
 
 
 # --------------------------------------------------------------------------- scale signals
@@ -193,29 +236,31 @@ async def test_scale_signal_burst_starts_one_worker_then_waits_then_stops_at_max
         assert (d.current, d.desired) == (1, 1) and agent.starts == []
         await bus.publish(subjects.worker_event("heartbeat"),
                           Heartbeat(worker_id="w-a", deployment="d1", model="m1", engine="sim"))
-        await wait_for(lambda: "w-a" in planner.heartbeats, what="heartbeat")  # w-a serves: not pending
+        await wait_for(lambda: "w-a" in planner.memory.heartbeats, what="heartbeat")  # w-a serves: not pending
 
         await send_signals(bus, subjects, "d1", "aladdin", 2)  # a source muserve does not honour
         await send_signals(bus, subjects, "d1", "miad", 6)  # a burst
-        await wait_for(lambda: planner.signals.get("d1", [0])[0] == 8, what="signals received")
+        await wait_for(lambda: planner.memory.signals.get("d1", [0])[0] == 8, what="signals received")
         assert agent.starts == [StartWorker(deployment="d1", model="m1", engine="sim", count=1)]
-        assert planner.signals["d1"] == [8, 1]
+        assert planner.memory.signals["d1"] == [8, 1]
         await wait_for(lambda: decisions[-1].desired == 2, what="published decision")
         d = decisions[-1]
         assert (d.current, d.desired, d.scaler) == (1, 2, "muserve") and "scale signal from miad" in d.reason
         assert (await state.get_json(state.keys.plan("d1"), ScaleDecision)).desired == 2
 
-        await asyncio.sleep(0.6)  # past the cooldown: the new worker has not heartbeated -> pending
+        await wait_for(lambda: time.time() - planner.memory.last_change["d1"] > 0.5,
+                       what="the signal cooldown (0.5 s) to pass")  # the new worker has not heartbeated -> pending
         [new] = [w for w in agent.workers if w != "w-a"]
         assert await planner.handle_signal(ScaleSignal(deployment="d1", source="miad")) is None
         await bus.publish(subjects.worker_event("heartbeat"),
                           Heartbeat(worker_id=new, deployment="d1", model="m1", engine="sim"))
-        await wait_for(lambda: new in planner.heartbeats, what="heartbeat")
+        await wait_for(lambda: new in planner.memory.heartbeats, what="heartbeat")
         d = await planner.handle_signal(ScaleSignal(deployment="d1", source="miad"))
         assert (d.current, d.desired) == (2, 3) and len(agent.starts) == 2
-        await asyncio.sleep(0.6)
-        for w in [w for w in agent.workers if w not in planner.heartbeats]:
-            planner.heartbeats[w] = time.time()  # serving (heartbeat bookkeeping as on_heartbeat does)
+        await wait_for(lambda: time.time() - planner.memory.last_change["d1"] > 0.5,
+                       what="the signal cooldown (0.5 s) to pass")
+        for w in [w for w in agent.workers if w not in planner.memory.heartbeats]:
+            planner.memory.heartbeats[w] = time.time()  # serving (heartbeat bookkeeping as on_heartbeat does)
         d = await planner.handle_signal(ScaleSignal(deployment="d1", source="miad"))
         assert (d.current, d.desired) == (3, 3) and "at max_replicas=3" in d.reason and len(agent.starts) == 2
 
@@ -228,5 +273,5 @@ async def test_hpa_deployments_ignore_scale_signals(make_settings, bus, subjects
         await wait_for(lambda: "d1" in planner.decisions, what="the reconcile at start")
         await send_signals(bus, subjects, "d1", "miad", 3)
         await send_signals(bus, subjects, "d1", "aladdin", 3)
-        await wait_for(lambda: planner.signals.get("d1", [0])[0] == 6, what="signals received")
-        assert planner.signals["d1"] == [6, 0] and agent.starts == []
+        await wait_for(lambda: planner.memory.signals.get("d1", [0])[0] == 6, what="signals received")
+        assert planner.memory.signals["d1"] == [6, 0] and agent.starts == []

@@ -45,7 +45,7 @@ async def test_planner_scales_the_kubernetes_deployment(make_settings, bus, subj
         [d] = await planner.tick()  # 3 replicas, 2 serving: the third pod is still starting
         assert (d.current, d.desired) == (3, 3)
 
-        planner.last_change["d1"] = time.time()  # only what follows counts (reset_window_on_scale)
+        planner.memory.last_change["d1"] = time.time()  # only what follows counts (reset_window_on_scale)
         await publish_completed(bus, subjects, "d1", per_token_ms=0.1 * THRESHOLD_MS)
         await wait_for(lambda: planner.sample_count("d1") == 15, what="completed events")
         [d] = await planner.tick()

@@ -33,7 +33,9 @@ def _until(fetch, ok):
 
 
 async def test_prior_then_history_persisted_across_restart(make_settings, bus, subjects, state, prefix):
-    cfg = make_settings(PredictorSettings, "predictor", refresh_s=0.2)
+    # A generous Redis timeout: while the proxy model loads, the event loop can stall past
+    # the default 0.25 s, and a write that times out but was applied is counted twice on retry.
+    cfg = make_settings(PredictorSettings, "predictor", refresh_s=0.2, redis_timeout_s=2.0)
     async with running(PredictorService(cfg)):
         first = await predict(bus, subjects)
         assert (first.source, first.tokens_estimate, first.length_class, first.num_classes) == ("prior", 129, 2, 5)
@@ -46,8 +48,7 @@ async def test_prior_then_history_persisted_across_restart(make_settings, bus, s
 
         p = await wait_for(learned, what="a history estimate after 5 completed events")
         assert p.length_class == 1
-        # persisted to Redis; a save that timed out (the event loop stalled while the proxy
-        # model loads) is retried after the back-off, so wait for it
+        # persisted to Redis (a save that timed out anyway is retried after the back-off: wait)
         async def saved():
             return await state.r.hgetall(Keys(prefix).lenstats("m"))
 
@@ -60,6 +61,29 @@ async def test_prior_then_history_persisted_across_restart(make_settings, bus, s
     async with running(PredictorService(make_settings(PredictorSettings, "predictor"))):
         again = await predict(bus, subjects)
         assert (again.source, again.tokens_estimate) == ("history", 50)
+
+
+async def test_prediction_is_clamped_to_max_tokens(make_settings, bus, subjects):
+    """A prediction never exceeds the request's max_tokens (0 = no cap known); the length
+    class is that of the clamped estimate."""
+    async def ask(max_tokens: int) -> Prediction:
+        return await bus.request(subjects.predict, PredictRequest(request_id="q", model="m", input_tokens=100,
+                                                                  max_tokens=max_tokens), Prediction, timeout=2)
+
+    async with running(PredictorService(make_settings(PredictorSettings, "predictor", refresh_s=0.2))):
+        p = await ask(20)  # the prior is 129 tokens, class 2
+        assert (p.source, p.tokens_estimate, p.length_class) == ("prior", 20, 0)
+        assert (await ask(0)).tokens_estimate == 129
+        assert (await ask(1000)).tokens_estimate == 129
+        for i in range(5):
+            await bus.publish(subjects.event("completed"), completed(i, out=300))
+
+        async def learned():
+            return (await ask(0)).tokens_estimate == 300
+
+        await wait_for(learned, what="a history estimate of 300 tokens")
+        p = await ask(100)
+        assert (p.source, p.tokens_estimate, p.length_class) == ("history", 100, 1)
 
 
 async def test_bad_input_is_400(make_settings, bus, subjects):

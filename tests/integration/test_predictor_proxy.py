@@ -18,7 +18,7 @@ from polyserve.predictor.service import PredictorService  # noqa: E402
 from polyserve.proto import Completed, Prediction, PredictRequest  # noqa: E402
 from tests.helpers import running, wait_for  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.torch]  # torch: builds torch models
 needs_artifact = pytest.mark.skipif(not (artifact.default_dir() / artifact.META).is_file(),
                                     reason="no shipped predictor artifact (polyserve predictor train --out ...)")
 

@@ -125,7 +125,7 @@ async def test_full_queue_is_429_and_bad_input_is_400(worker, bus, subjects):
             with pytest.raises(BusError) as err:
                 await bus.request(subjects.generate("w-it"), gen("c", inbox), GenerateAccepted, timeout=5)
             assert err.value.code == 429 and "queue is full" in err.value.description
-            with pytest.raises(BusError) as err:
+            with pytest.raises(BusError) as err:  # the engine's admission check, relayed in the reply
                 await bus.request(subjects.generate("w-it"), gen("d", inbox, max_tokens=0), GenerateAccepted,
                                   timeout=5)
             assert err.value.code == 400 and "max_tokens" in err.value.description

@@ -15,18 +15,9 @@ import openai
 import pytest
 
 from polyserve.cli.status import cluster_status
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.system
-
-
-def wait_until(pred, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 class EventLog:
@@ -36,6 +27,7 @@ class EventLog:
         import asyncio
 
         self.events: list[dict] = []
+        self.changed = threading.Condition()  # notified on every event: `wait` needs no polling
         self._loop = asyncio.new_event_loop()
         ready = threading.Event()
 
@@ -52,7 +44,14 @@ class EventLog:
         ready.wait(10)
 
     async def _on(self, msg):
-        self.events.append(json.loads(msg.data))
+        event = json.loads(msg.data)
+        with self.changed:
+            self.events.append(event)
+            self.changed.notify_all()
+
+    def wait(self, pred, timeout=20.0, what="condition"):
+        """Until `pred()` (which reads the events) is truthy; woken by each event."""
+        return wait_until(pred, timeout, what=what, changed=self.changed)
 
     def of(self, kind: str) -> list[dict]:
         return [e for e in list(self.events) if e.get("event") == kind]
@@ -96,10 +95,10 @@ def test_openai_client_and_events(cluster, client, events):
     text = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
         model="sys-sim", stream=True, max_tokens=4, messages=[{"role": "user", "content": "hi"}]) if ch.choices)
     assert text
-    wait_until(lambda: any(e["request_id"] == c.id for e in events.of("completed")), what="completed event")
+    events.wait(lambda: any(e["request_id"] == c.id for e in events.of("completed")), what="completed event")
     kinds = [e["event"] for e in list(events.events) if e.get("request_id") == c.id]
     assert kinds == ["admitted", "predicted", "dispatched", "first_token", "completed"]
-    wait_until(lambda: events.of("heartbeat") and events.of("gpu"), what="heartbeat and gpu telemetry")
+    events.wait(lambda: events.of("heartbeat") and events.of("gpu"), what="heartbeat and gpu telemetry")
     assert all(g["simulated"] for g in events.of("gpu"))
 
 
@@ -119,14 +118,15 @@ def test_worker_killed_mid_stream_fails_fast_and_is_not_placed_on(cluster, clien
                 t_kill = time.monotonic()
     assert time.monotonic() - t_kill < 5, "the client must get an error, not a hang"
     assert victim in str(err.value) or "failed" in str(err.value)
-    wait_until(lambda: any(e["worker_id"] == victim and "code -9" in e["reason"] or "-9" in e["reason"]
-                           for e in events.of("worker_down")), what="worker_down with the exit code")
-    failed = wait_until(lambda: [e for e in events.of("failed") if e.get("worker_id") == victim],
-                        what="failed event")
+    events.wait(lambda: any(e["worker_id"] == victim and "code -9" in e["reason"] or "-9" in e["reason"]
+                            for e in events.of("worker_down")), what="worker_down with the exit code")
+    failed = events.wait(lambda: [e for e in events.of("failed") if e.get("worker_id") == victim],
+                         what="failed event")
     assert failed[0]["reason"]
     # the planner replaces it; no request is ever placed on the dead worker again
     t_dead = time.monotonic()
-    ok = wait_until(lambda: _try(client), timeout=30, what="a replacement worker serving")
+    ok = wait_until(lambda: _try(client), timeout=30, interval=0.1,  # HTTP retries: polled
+                    what="a replacement worker serving")
     assert ok
     later = [e for e in events.of("dispatched") if e["ts"] > time.time() - (time.monotonic() - t_dead)]
     assert later and all(e["worker_id"] != victim for e in later)

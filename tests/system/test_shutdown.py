@@ -3,6 +3,7 @@ drain timeout and exits 0. Services run as processes on the session's servers.""
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -16,6 +17,8 @@ import redis
 
 from polyserve.proto import Deployment, Keys, ScalerPolicy
 from polyserve.shared import infra
+from tests.fakes import FAKE_WORKER_PROC
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.system
 
@@ -27,21 +30,18 @@ def start(name: str, env: dict, log_dir) -> subprocess.Popen:
 
 
 def wait_registered(r: redis.Redis, keys: Keys, service: str, proc: subprocess.Popen, timeout=30):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Until `service` is in the live set (Redis cannot notify: polled); fails at once if it exited."""
+
+    def registered():
         assert proc.poll() is None, f"{service} exited with {proc.returncode}"
-        if any(m.decode().startswith(service + ":") for m in r.zrangebyscore(keys.services, time.time(), "+inf")):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{service} not ready")
+        return any(m.decode().startswith(service + ":") for m in r.zrangebyscore(keys.services, time.time(), "+inf"))
+
+    wait_until(registered, timeout, what=f"{service} ready")
 
 
 def wait_worker(r: redis.Redis, keys: Keys, timeout=10):
     """Until a worker's heartbeat is registered (the dispatcher has seen it too)."""
-    deadline = time.monotonic() + timeout
-    while not r.zcount(keys.workers, time.time(), "+inf"):
-        assert time.monotonic() < deadline, "no worker registered"
-        time.sleep(0.05)
+    wait_until(lambda: r.zcount(keys.workers, time.time(), "+inf"), timeout, what="a worker registered")
 
 
 @pytest.fixture
@@ -49,7 +49,7 @@ def env(infra_servers, prefix):
     e = dict(os.environ, POLYSERVE_NATS_URL=infra_servers.nats_url, POLYSERVE_REDIS_URL=infra_servers.redis_url,
              POLYSERVE_PREFIX=prefix, POLYSERVE_DRAIN_TIMEOUT_S="8", POLYSERVE_WORKER_DEPLOYMENT="m",
              POLYSERVE_WORKER_MODEL="m", POLYSERVE_WORKER_ENGINE="sim", POLYSERVE_WORKER_TIME_SCALE="0.5",
-             POLYSERVE_GPU_AGENT_WORKER_CMD=f"{sys.executable} -c 'import time; time.sleep(60)'")
+             POLYSERVE_GPU_AGENT_WORKER_CMD=shlex.join([sys.executable, str(FAKE_WORKER_PROC)]))
     r = redis.Redis.from_url(infra_servers.redis_url)
     keys = Keys(prefix)
     dep = Deployment(id="m", model="m", engine="sim", scaler=ScalerPolicy(min_replicas=0, max_replicas=1))
@@ -79,18 +79,23 @@ def test_sigterm_gateway_and_worker_finish_in_flight_streams(env, tmp_path):
             wait_registered(r, keys, name, proc)
         wait_worker(r, keys)
 
+        got_line = threading.Condition()  # notified on every streamed line
+
         def stream(out: list):
             body = {"model": "m", "prompt": "drain me", "max_tokens": 40, "min_tokens": 40, "stream": True}
             with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30) as resp:
-                out.extend(line for line in resp.iter_lines() if line.startswith("data:"))
+                for line in resp.iter_lines():
+                    if line.startswith("data:"):
+                        with got_line:
+                            out.append(line)
+                            got_line.notify_all()
 
         for victim in ("worker", "gateway"):
             lines: list[str] = []
             t = threading.Thread(target=stream, args=(lines,))
             t.start()
-            deadline = time.monotonic() + 10
-            while len(lines) < 3 and time.monotonic() < deadline:
-                time.sleep(0.02)
+            with got_line:  # the stream is under way (at most 10 s; the assert below says if it ended)
+                got_line.wait_for(lambda lines=lines: len(lines) >= 3, timeout=10)
             assert not any('"finish_reason":"length"' in x for x in lines), "stream finished too soon to test"
             procs[victim].send_signal(signal.SIGTERM)
             t.join(30)

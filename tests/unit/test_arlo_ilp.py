@@ -6,6 +6,8 @@ import random
 
 import pytest
 
+from polyserve.bench import arlo as arlo_bench
+from polyserve.bench.arlo import synthetic_instance
 from polyserve.planner import arlo_ilp as arlo
 from polyserve.planner.arlo_ilp import Replacement, RuntimeProfile
 
@@ -108,7 +110,7 @@ def test_input_validation_and_demand_binning():
 
 
 def test_solves_a_thousand_gpus_with_sixteen_runtimes_fast():
-    demand, profiles = arlo.synthetic_instance(1000, 16, load=0.8, seed=1)
+    demand, profiles = synthetic_instance(1000, 16, load=0.8, seed=1)
     got = arlo.solve(1000, demand, profiles)
     assert got.status == "optimal" and sum(got.counts) == 1000 and got.capacity_ok
     assert got.solve_s < 5.0  # Arlo (Gurobi) reports 2.6 s; `bench` prints the figures
@@ -173,7 +175,7 @@ def test_one_period_allocates_from_lengths_and_plans_replacements():
 
 
 def test_bench_reports_all_sizes():
-    rows = arlo.bench(configs=((50, 8),), loads=(0.8,), repeats=1)
+    rows = arlo_bench.bench(configs=((50, 8),), loads=(0.8,), repeats=1)
     assert rows[0]["gpus"] == 50 and rows[0]["runtimes"] == 8 and rows[0]["all_optimal"]
     assert math.isfinite(rows[0]["mean_s"])
 

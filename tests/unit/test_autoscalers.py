@@ -101,7 +101,7 @@ def test_percentile_is_nearest_rank():
     assert A.percentile([5.0], 98) == 5.0 and A.percentile([], 98) is None
 
 
-def test_museserve_scales_out_only_on_a_max_clock_signal_for_its_workers():
+def test_muserve_scales_out_only_on_a_max_clock_signal_for_its_workers():
     s = A.MuServeScaler(max_replicas=4)
     mine = workers(1, 2)
     hot = ClockSignal("gpu0", scale_out=True, missing=("w0",), at_max=True)
@@ -117,8 +117,47 @@ def test_museserve_scales_out_only_on_a_max_clock_signal_for_its_workers():
     assert o.desired == 4
 
 
-def test_museserve_optional_idle_release():
+def test_muserve_optional_idle_release():
     s = A.MuServeScaler(idle_release_s=30.0)
     obs = [Observation(now=t, current=2, workers=workers(0, 0)) for t in (0.0, 29.0, 30.0)]
     assert [o.desired for o in run(s, obs)] == [2, 2, 1]
     assert [o.desired for o in run(A.MuServeScaler(), obs)] == [2, 2, 2]  # µ-Serve: no scale-in
+
+
+# --------------------------------------------------------------------------- names and the live planner's scalers
+def test_names_are_the_core_vocabulary_and_aliases_are_folded():
+    from polyserve.core import names
+
+    assert set(A.AUTOSCALERS) <= set(names.SCALERS)
+    assert A.make_autoscaler("tracking", slo_ms=100.0).name == "target_tracking"
+    assert A.make_autoscaler("museserve").name == A.MuServeScaler().name == "muserve"
+    assert A.make_autoscaler("aladdin").name == "aladdin"
+    with pytest.raises(ValueError, match="choose one of pertoken"):
+        A.make_autoscaler("hpa")
+
+
+def test_from_policy_builds_the_scaler_a_deployment_names():
+    from polyserve.proto import ScalerPolicy
+
+    hpa = A.from_policy(ScalerPolicy(type="request", min_replicas=2, max_replicas=7, window_s=20.0,
+                                     threshold_ms=300.0), stabilization_s=30.0, tolerance=0.1, max_step=2)
+    assert hpa == A.HpaScaler("request", threshold_ms=300.0, min_replicas=2, max_replicas=7, window_s=20.0,
+                              stabilization_s=30.0, tolerance=0.1, max_step=2)
+    tt = A.from_policy(ScalerPolicy(type="tracking", max_replicas=5, threshold_ms=800.0), hold_s=15.0)
+    assert tt == A.TargetTracking(slo_ms=800.0, min_replicas=1, max_replicas=5, hold_s=15.0, metric="request")
+    for kind in ("aladdin", "caraserve", "muserve", "signal"):
+        s = A.from_policy(ScalerPolicy(type=kind, min_replicas=1, max_replicas=3))
+        assert isinstance(s, A.SignalHold) and s.name == kind
+    with pytest.raises(ValueError):
+        A.from_policy(ScalerPolicy(type="cpu"))
+
+
+def test_signal_hold_is_the_planners_hold_decision():
+    from polyserve.proto import ScalerPolicy
+
+    s = A.SignalHold("muserve", min_replicas=1, max_replicas=3)
+    sp = ScalerPolicy(type="muserve", min_replicas=1, max_replicas=3)
+    for current in (0, 2, 5):
+        _, o = s.step(s.initial(), Observation(now=0.0, current=current))
+        d = policy.hold_decision(current, sp)
+        assert (o.desired, o.reason) == (d.desired, d.reason)

@@ -56,6 +56,29 @@ def test_power_of_two_never_picks_the_worse_of_its_two_samples():
     assert p.power_of_two(ws[:1], REQ, p.PolicyState(), random.Random(0)).worker_id == "w0"
 
 
+def test_registry_is_frozen_explicit_and_the_vocabulary():
+    import ast
+    from pathlib import Path
+
+    from polyserve.core.names import DISPATCH_POLICIES
+    from polyserve.dispatcher import index as ix
+    from polyserve.dispatcher import policy_aladdin, policy_arlo, policy_caraserve
+
+    assert tuple(p.POLICIES) == DISPATCH_POLICIES and set(ix.FAST_POLICIES) == set(DISPATCH_POLICIES)
+    assert p.POLICIES["aladdin"] is policy_aladdin.aladdin_best_fit
+    assert p.POLICIES["caraserve"] is policy_caraserve.caraserve_rank_aware
+    assert all(p.POLICIES[n] is fn for n, fn in policy_arlo.ARLO_POLICIES.items())
+    with pytest.raises(TypeError):
+        p.POLICIES["mine"] = p.round_robin  # type: ignore[index]
+    # the policy modules see the views only: no import of the registry, no registration on import
+    for mod in (policy_aladdin, policy_caraserve, policy_arlo):
+        tree = ast.parse(Path(mod.__file__).read_text())
+        names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        names |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        assert not {"polyserve.dispatcher.policy", "polyserve.dispatcher.index"} & names, mod.__name__
+        assert "POLICIES.setdefault" not in Path(mod.__file__).read_text()
+
+
 def test_registry_and_unknown_policy():
     assert set(p.POLICIES) >= {"round_robin", "least_outstanding", "power_of_two"}
     assert p.DEFAULT_POLICY in p.POLICIES

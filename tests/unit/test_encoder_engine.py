@@ -19,7 +19,7 @@ from polyserve.worker.engine import EngineError, EngineOverloaded, EngineRequest
 from polyserve.worker.engines.encoder import EncoderConfig, EncoderEngine, capacity_within_slo, replay_ms  # noqa: E402
 from polyserve.worker.engines.encoder_runtime import Runtime, load_encoder  # noqa: E402
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.torch]  # torch: builds torch models
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TOL = 1e-5
 TEXTS = ["hello world", "Polymorphing pads each request only to its runtime's max_length.",

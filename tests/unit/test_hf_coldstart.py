@@ -27,7 +27,7 @@ from polyserve.worker.engines.hf import HfEngine  # noqa: E402
 from polyserve.worker.lora import create_random_adapter  # noqa: E402
 from tests.helpers import wait_for  # noqa: E402
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.torch]  # torch: builds torch models
 
 
 def _engine(**kw) -> HfEngine:
@@ -74,6 +74,26 @@ def _tier(eng, name):
     return {a.name: a.tier for a in eng.load().adapters}[name]
 
 
+async def _adapter_work_done(eng) -> None:
+    """Until the engine loop has taken the adapter work that is due (noted demand, copies to start
+    or install) and finished that pass: `due()` clears the demand flag and `manage()` then runs
+    under the engine lock, so the flag going down and the lock coming free see the pass through."""
+    await wait_for(lambda: not eng.loras.demand_seen and not eng.loras.pending(), 5, what="adapter work taken")
+    async with eng._lock:
+        pass
+
+
+def _count_admission_passes(eng) -> list[int]:
+    """Count the engine loop's admission passes (`_admit_waiting`) in the returned one-item list."""
+    passes, admit = [0], eng._admit_waiting
+
+    async def counting():
+        await admit()
+        passes[0] += 1
+    eng._admit_waiting = counting
+    return passes
+
+
 PROMPT = "the adapter changes what comes next " * 3
 
 
@@ -91,10 +111,14 @@ async def test_cpu_assisted_equals_on_demand_equals_cached(adapter_dirs, token_i
         await eng.demote_adapter("a1")
         assert _tier(eng, "a1") == "host" and eng.cache.tier("a1") == "host"
         eng.cold_start, eng._copy_gate = "on_demand", threading.Event()
+        passes = _count_admission_passes(eng)
         task = asyncio.create_task(_run(eng, "ondemand", PROMPT, "a1"))
         await wait_for(lambda: _tier(eng, "a1") == "loading", 5, what="copy started")
-        await asyncio.sleep(0.2)
+        await wait_for(lambda: eng.load().waiting == 1, 5, what="the request queued")
+        seen = passes[0]  # the engine must look at the queued request and leave it waiting
+        await wait_for(lambda: passes[0] > seen, 5, what="an admission pass while the copy is held")
         assert eng.load().waiting == 1 and ("ondemand", 0) not in token_ids
+        del eng._admit_waiting  # the engine's own method again
         eng._copy_gate.set()
         assert await asyncio.wait_for(task, 30) == cached
         assert token_ids[("ondemand", 0)] == token_ids[("cached", 0)]
@@ -158,7 +182,7 @@ async def test_tiers_evict_by_score_and_disk_adapters_come_back(adapter_dirs):
         for name in ("a0", "a1"):
             await eng.load_adapter(name, str(adapter_dirs[name]), wait=True)
         await eng.load_adapter("a2", str(adapter_dirs["a2"]))  # device full: stays on the host
-        await asyncio.sleep(0.1)
+        await _adapter_work_done(eng)
         assert [(a.name, a.tier) for a in eng.load().adapters] == [("a0", "gpu"), ("a1", "gpu"), ("a2", "host")]
         hot = await _run(eng, "hot1", "x", "a0", max_tokens=2)
         await _run(eng, "hot2", "x", "a0", max_tokens=2)
@@ -192,7 +216,7 @@ async def test_prefetch_moves_an_adapter_whose_rate_rises(adapter_dirs):
         await eng.load_adapter("a2", str(adapter_dirs["a2"]))
         assert _tier(eng, "a2") == "host"
         eng.note_demand("a2")  # one request's worth: 1 req/s in the short window, below min_rate 2
-        await asyncio.sleep(0.1)
+        await _adapter_work_done(eng)  # the prefetch pass that demand triggers has run
         assert _tier(eng, "a2") == "host" and eng.lora_stats["prefetches"] == 0
         for _ in range(3):  # a burst: the short-window rate rises over 2/s and over 2x the long-window rate
             eng.note_demand("a2")

@@ -17,7 +17,7 @@ from polyserve.worker.engine import Delta, EngineRequest, Finished, Withdrawn  #
 from polyserve.worker.engines.hf import HfEngine  # noqa: E402
 from tests.helpers import wait_for  # noqa: E402
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.torch]  # torch: builds torch models
 
 
 async def _events(eng, rid, prompt, max_tokens, started: asyncio.Event | None = None) -> list:

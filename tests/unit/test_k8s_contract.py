@@ -1,19 +1,16 @@
 """CONTRACT tests of the Kubernetes actuator against the official `kubernetes` client's
 API shape. No cluster runs here, so these check the two seams the actuator depends on:
 
-1. signatures: a fake AppsV1Api whose methods have the real client's parameter names;
-   every call the actuator makes must bind to the REAL method's signature, and the
+1. signatures (here): a fake AppsV1Api whose methods have the real client's parameter
+   names; every call the actuator makes must bind to the REAL method's signature, and the
    fake answers with the client's real `V1Scale` model;
-2. the wire: the real client, pointed at a stub HTTP server on loopback, must send
-   GET/PATCH to the scale subresource with a JSON merge patch (integration: it does
-   local socket I/O).
+2. the wire (tests/integration/test_k8s_wire.py, it does local socket I/O): the real
+   client, pointed at a stub HTTP server on loopback, must send GET/PATCH to the scale
+   subresource with a JSON merge patch.
 """
 from __future__ import annotations
 
 import inspect
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
@@ -21,6 +18,8 @@ from polyserve.planner.k8s import MERGE_PATCH, ActuatorError, KubernetesActuator
 
 kubernetes = pytest.importorskip("kubernetes", reason="contract tests need the kubernetes client")
 client = kubernetes.client
+
+pytestmark = pytest.mark.unit
 
 
 class FakeAppsV1Api:
@@ -47,7 +46,6 @@ class FakeAppsV1Api:
         return client.V1Scale(spec=client.V1ScaleSpec(replicas=self.replicas))
 
 
-@pytest.mark.unit
 def test_fake_has_the_real_methods_and_parameter_names():
     for name in ("read_namespaced_deployment_scale", "patch_namespaced_deployment_scale"):
         real = inspect.signature(getattr(client.AppsV1Api, name))
@@ -58,7 +56,6 @@ def test_fake_has_the_real_methods_and_parameter_names():
             assert real.parameters[p].default is inspect.Parameter.empty, f"{name}.{p} is required in the client"
 
 
-@pytest.mark.unit
 def test_every_call_binds_to_the_real_signature_and_uses_real_models():
     fake = FakeAppsV1Api(replicas=3)
     act = KubernetesActuator(fake, "polyserve")
@@ -75,7 +72,6 @@ def test_every_call_binds_to_the_real_signature_and_uses_real_models():
                                                "V1Scale")
 
 
-@pytest.mark.unit
 def test_api_errors_become_actuator_errors_with_status():
     act = KubernetesActuator(FakeAppsV1Api(fail=client.ApiException(status=403, reason="Forbidden")), "ns")
     with pytest.raises(ActuatorError) as err:
@@ -85,59 +81,8 @@ def test_api_errors_become_actuator_errors_with_status():
         act.scale("d", -1)
 
 
-@pytest.mark.unit
 def test_names_are_dns_labels():
     assert k8s_name("polyserve-worker-My Model.v1") == "polyserve-worker-my-model-v1"
     assert len(k8s_name("x" * 100)) == 63
     with pytest.raises(ValueError):
         k8s_name("***")
-
-
-class _Stub(BaseHTTPRequestHandler):
-    seen: list = []
-    replicas = 1
-
-    def _scale(self, replicas):
-        body = json.dumps({"apiVersion": "autoscaling/v1", "kind": "Scale",
-                           "metadata": {"name": "polyserve-worker-d", "namespace": "ns"},
-                           "spec": {"replicas": replicas}, "status": {"replicas": replicas}}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self):
-        self.seen.append(("GET", self.path, self.headers.get("Content-Type"), None))
-        self._scale(type(self).replicas)
-
-    def do_PATCH(self):
-        data = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.seen.append(("PATCH", self.path, self.headers.get("Content-Type"), data))
-        type(self).replicas = data["spec"]["replicas"]
-        self._scale(type(self).replicas)
-
-    def log_message(self, *args):  # keep test output clean
-        pass
-
-
-@pytest.mark.integration
-def test_real_client_sends_a_merge_patch_to_the_scale_subresource():
-    server = HTTPServer(("127.0.0.1", 0), _Stub)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        cfg = client.Configuration()
-        cfg.host = f"http://127.0.0.1:{server.server_port}"
-        apps = client.AppsV1Api(client.ApiClient(cfg))
-        act = KubernetesActuator(apps, "ns", timeout_s=5)
-        assert act.replicas("d").desired == 1
-        assert act.scale("d", 4) == 4
-        assert act.replicas("d").desired == 4
-    finally:
-        server.shutdown()
-        server.server_close()
-    path = "/apis/apps/v1/namespaces/ns/deployments/polyserve-worker-d/scale"
-    assert [(m, p) for m, p, _, _ in _Stub.seen] == [("GET", path), ("PATCH", path), ("GET", path)]
-    _, _, ctype, body = _Stub.seen[1]
-    assert ctype == MERGE_PATCH and body == {"spec": {"replicas": 4}}

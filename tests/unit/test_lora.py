@@ -57,8 +57,14 @@ def test_registry_lists_ranks_and_names_loaded_adapters_when_one_is_unknown(tmp_
 
 
 # ------------------------------------------------------------------ random adapters and the engine
-needs_torch = pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("torch", "transformers", "peft")),
-                                 reason="the hf engine's libraries (torch, transformers, peft) are not installed")
+_torch_missing = pytest.mark.skipif(
+    not all(importlib.util.find_spec(m) for m in ("torch", "transformers", "peft")),
+    reason="the hf engine's libraries (torch, transformers, peft) are not installed")
+
+
+def needs_torch(test):
+    """A test that builds torch models (marked `torch`); skipped without torch, transformers, peft."""
+    return pytest.mark.torch(_torch_missing(test))
 
 
 def _engine(**kw):

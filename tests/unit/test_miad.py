@@ -1,4 +1,4 @@
-"""µ-Serve MIAD (Alg. 3), the simulated GPU's clock curves, power-aware placement (Alg. 2)
+"""µ-Serve MIAD (Alg. 3), the simulated GPU's clock curves, the sensitivity score
 and the rule that nothing but a SimulatedGpu is touched in tests."""
 import math
 import types
@@ -11,7 +11,6 @@ from polyserve.gpu_agent import miad
 from polyserve.gpu_agent.clock_control import NvmlLockedClocks, SimulatedClock, choose_actuator
 from polyserve.gpu_agent.gpu import SimulatedGpu
 from polyserve.gpu_agent.miad import DOWN, SAME, UP, MiadConfig, MiadState, PartitionObs
-from polyserve.planner.power_placement import Device, Partition, place
 
 pytestmark = pytest.mark.unit
 SPLITWISE = Path(__file__).resolve().parents[3] / "shared" / "datasets" / "profiles" / \
@@ -176,29 +175,7 @@ def test_simulated_gpu_is_labelled_and_follows_the_clock_limit():
     assert half.power_w - s.idle_power_w == pytest.approx(busy * 0.5 ** gm.GAMMA, rel=1e-3)
 
 
-# --------------------------------------------------------------------------- placement (Alg. 2)
-def test_placement_groups_similar_sensitivities():
-    parts = [Partition("a", "a0", 0.9, 10), Partition("b", "b0", 0.85, 10), Partition("c", "c0", 0.1, 10),
-             Partition("d", "d0", 0.15, 10)]
-    p = place(parts, [Device("g0", 40), Device("g1", 40), Device("g2", 40)])
-    homes = {part.name: g for g, ps in p.bins.items() for part in ps}
-    assert homes["a0"] == homes["b0"] and homes["c0"] == homes["d0"] and homes["a0"] != homes["c0"]
-    assert p.unplaced == () and p.sensitivity(homes["a0"]) == pytest.approx(0.875)
-    mixed = [ps for ps in p.bins.values() if ps and max(x.sensitivity for x in ps) - min(
-        x.sensitivity for x in ps) > 0.5]
-    assert mixed == []
-
-
-def test_placement_respects_memory_and_the_spread_cap():
-    parts = [Partition("m", f"m{i}", 0.5, 30) for i in range(4)]
-    p = place(parts, [Device(f"g{i}", 40) for i in range(4)], max_devices_per_model=2)
-    assert p.spread("m") == 2 and len(p.unplaced) == 2  # 30 GB each, one per 40 GB GPU, two GPUs
-    p = place(parts, [Device(f"g{i}", 40) for i in range(4)])
-    assert p.spread("m") == 4 and p.unplaced == ()
-    tiny = place([Partition("x", "x0", 0.5, 100)], [Device("g0", 40)])
-    assert tiny.unplaced and not any(tiny.bins.values())
-
-
+# --------------------------------------------------------------------------- sensitivity score (§3.1)
 def test_placement_uses_a_real_sensitivity_score():
     prefill_heavy = gm.llm_request(prefill_ms=400.0, decode_ms=100.0).sensitivity_score()
     decode_heavy = gm.llm_request(prefill_ms=20.0, decode_ms=2000.0).sensitivity_score()

@@ -153,3 +153,51 @@ def test_hold_decision_keeps_signal_scalers_within_bounds():
     assert policy.hold_decision(0, sc).desired == 1
     assert policy.hold_decision(5, sc).desired == 3
     assert "grows on scale signals from miad" in policy.hold_decision(2, sc).reason
+
+
+# --------------------------------------------------------------------------- PlannerState
+def test_planner_state_windows_lengths_and_forget():
+    from polyserve.planner.state import PlannerState
+
+    m = PlannerState(max_samples=3)
+    for t in (1.0, 2.0, 3.0, 4.0):
+        m.add_completed("enc", Sample(ts=t, e2e_ms=10.0, output_tokens=1), input_tokens=-5 if t == 4.0 else 7)
+    m.add_completed("llm", Sample(ts=4.0, e2e_ms=10.0, output_tokens=1), input_tokens=9)
+    assert m.sample_count("enc") == 3 and [n for _, n in m.lengths["enc"]] == [7, 7, 7, 0]
+    assert [s.ts for s in m.samples("enc", now=5.0, window_s=2.5, reset_on_scale=True)] == [3.0, 4.0]
+    m.last_change["enc"] = 3.5
+    assert [s.ts for s in m.samples("enc", now=5.0, window_s=2.5, reset_on_scale=True)] == [4.0]
+    assert [s.ts for s in m.samples("enc", now=5.0, window_s=2.5, reset_on_scale=False)] == [3.0, 4.0]
+    m.decisions["gone"] = None
+    m.forget(known={"enc", "llm"}, other={"llm"})
+    assert "llm" not in m.lengths and "gone" not in m.decisions and "enc" in m.windows
+    m.add_completed("llm", Sample(ts=5.0, e2e_ms=1.0, output_tokens=1), input_tokens=9)
+    assert "llm" not in m.lengths  # known not to be an encoder deployment: no lengths kept
+
+
+def test_planner_state_workers_pending_and_loads():
+    from polyserve.planner.state import PlannerState
+    from polyserve.proto import AgentInfo, Heartbeat
+
+    m = PlannerState()
+    agents = [AgentInfo(gpu_id="g0", simulated=True, control_subject="x", workers={"w1": "d", "w2": "d"})]
+    m.track_workers(agents, now=100.0, stale_s=600.0)
+    assert m.pending(["w1", "w2"], now=110.0, grace_s=60.0) == 2
+    m.heartbeat(Heartbeat(worker_id="w1", deployment="d", model="m", engine="sim", running=2, waiting=1), 111.0)
+    assert m.pending(["w1", "w2"], now=112.0, grace_s=60.0) == 1
+    assert m.pending(["w1", "w2"], now=200.0, grace_s=60.0) == 0  # past the grace: not counted as starting
+    assert [(w.worker_id, w.load) for w in m.worker_loads(["w1", "w2"])] == [("w1", 3.0)]
+    m.track_workers([], now=2000.0, stale_s=600.0)  # unlisted and stale: forgotten
+    assert m.heartbeats == {} and m.loads == {} and m.first_seen == {}
+
+
+def test_planner_state_keeps_a_scalers_state_while_its_name_stays():
+    from polyserve.planner import autoscalers as A
+    from polyserve.planner.state import PlannerState
+
+    m = PlannerState()
+    tt = A.TargetTracking(slo_ms=100.0)
+    assert m.scaler_for("d", tt) == tt.initial()
+    m.keep_scaler("d", tt, A.TrackingState(below_since=5.0))
+    assert m.scaler_for("d", A.TargetTracking(slo_ms=200.0)) == A.TrackingState(below_since=5.0)
+    assert m.scaler_for("d", A.HpaScaler("pertoken")) == ()  # another scaler starts afresh

@@ -9,6 +9,7 @@ import pytest
 from polyserve.core.perf import PerfModel, WorkerPerf
 from polyserve.dispatcher import policy as p
 from polyserve.dispatcher import policy_aladdin as a
+from polyserve.dispatcher.live import RequestBook
 
 pytestmark = pytest.mark.unit
 
@@ -154,7 +155,7 @@ def test_error_ledger_and_request_book():
     led.finished("w", predicted=10, real=40, now=0.0, step_ms=50.0)  # ran longer: not an over-estimate
     assert led.errors("w", 1.0) == (-60.0, -1.0)
     assert led.errors("w", 4.0) == (0.0, 0.0)
-    book = a.RequestBook()
+    book = RequestBook()
     book.place("w1", p.RequestView(request_id="r", input_tokens=100, predicted_tokens=30, adapter_rank=8))
     (r,) = book.requests("w1", now=0.0, perf=PERF)
     assert not r.started and r.rank == 8
@@ -198,3 +199,23 @@ def test_perf_models_are_fitted_online_from_the_profile_and_report_their_error()
     fit.observe_completed(input_tokens=1000, output_tokens=20, ttft_ms=200.0, queue_ms=50.0, atgt_ms=40.0,
                           mean_batch=8, mean_context=1000)
     assert fit.prefill.n == before + 1 and fit.decode.n == 601
+
+
+def test_max_tokens_caps_every_output_aladdin_plans_with():
+    """A request's hard cap bounds its planned output: the new entry, a re-prediction once
+    it outlives its prediction, and the book's estimate of what it generated so far."""
+    req = p.RequestView(request_id="r", input_tokens=100, predicted_tokens=500, max_tokens=64)
+    assert a.new_output(req) == 64 and a.as_new(req).predicted_tokens == 64 and a.as_new(req).max_tokens == 64
+    assert a.new_output(p.RequestView(predicted_tokens=0, max_tokens=64)) == 1
+    past = p.RunningRequest(input_tokens=100, predicted_tokens=20, generated=40, max_tokens=50)
+    assert a.planned_output(past, CFG) == 50  # re-predicted 2 x 40 = 80, capped
+    assert a.planned_output(p.RunningRequest(predicted_tokens=20, generated=40), CFG) == 80
+    # a worker whose KV holds 100 + 64 tokens but not 100 + 500: the cap makes it fit
+    w = p.WorkerView(worker_id="w", kv_capacity=200, requests=())
+    assert a.check(w, req, CFG) == ""
+    assert a.check(w, p.RequestView(request_id="r", input_tokens=100, predicted_tokens=500), CFG) == "kv"
+    book = RequestBook()
+    book.place("w", req)
+    book.first_token("r", now=0.0)
+    (r,) = book.requests("w", now=100.0, perf=PERF)  # 100 s of decoding: far past its cap
+    assert r.generated == 64 and a.planned_output(r, CFG) == 64

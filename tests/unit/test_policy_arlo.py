@@ -148,8 +148,15 @@ def test_workload_allocation_and_simulator():
     # Arlo §2.1: median 21, P98 72 tokens, stretched by 512/125
     assert 80 <= xs[len(xs) // 2] <= 92 and 280 <= xs[int(0.98 * len(xs))] <= 310 and xs[-1] <= 512
     prof = _toy_profile()
-    alloc = bsim.allocate(8, prof.runtimes, xs, rate=300.0)
+    alloc = bsim.allocate(8, prof, xs, rate=300.0)
     assert sum(alloc.values()) == 8 and alloc.get(512, 0) >= 1 and len(alloc) > 1
+    # the planner's §3.3 ILP: the optimum of its objective (checked by enumeration)
+    from polyserve.planner import arlo_ilp
+
+    ps = [arlo_ilp.from_runtime_spec(r) for r in prof.runtimes]
+    demand = arlo_ilp.demand_per_slo(xs, len(xs) / 300.0, prof.slo_ms / 1e3, [p.max_len for p in ps])
+    best, _ = arlo_ilp.brute_force(8, demand, ps)
+    assert arlo_ilp.evaluate([alloc.get(p.max_len, 0) for p in ps], demand, ps)[0] == pytest.approx(best)
     trace = bsim.arrivals(300.0, 20.0, random.Random(2), lengths=xs)
     assert 5000 < len(trace) < 7000 and all(a.t < 20.0 for a in trace)
     fl = bsim.fleets(prof, 8, xs, 300.0)

@@ -42,6 +42,19 @@ def test_prior_before_data_then_model_mean_then_bucket_mean():
     assert p.estimate(stats, 10, min_samples=50, prior_tokens=7).tokens == 7
 
 
+def test_estimate_never_exceeds_max_tokens():
+    assert [p.capped(129, m) for m in (0, -1, 20, 129, 500)] == [129, 129, 20, 129, 129]
+    est = p.estimate(None, 100, max_tokens=20)  # the prior (129, class 2) capped: class of 20
+    assert (est.tokens, est.source, est.length_class) == (20, "prior", 0)
+    assert p.estimate(None, 100, max_tokens=0).tokens == 129  # 0: no cap known
+    stats = p.ModelStats()
+    for _ in range(5):
+        stats = p.observe(stats, 100, 300)
+    est = p.estimate(stats, 100, max_tokens=100)
+    assert (est.tokens, est.source, est.length_class, est.samples) == (100, "history", 1, 5)
+    assert p.estimate(stats, 100, max_tokens=4096).tokens == 300
+
+
 def test_redis_hash_round_trip_and_std():
     stats = p.ModelStats()
     fields: dict[str, float] = {}

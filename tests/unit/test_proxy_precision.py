@@ -17,7 +17,7 @@ from polyserve.predictor.proxy.infer import ProxyPredictor  # noqa: E402
 from polyserve.shared.settings import SettingsError, load  # noqa: E402
 from tests.unit.test_proxy_train import tiny_dataset  # noqa: E402
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.torch]  # torch: builds torch models
 
 
 def test_auto_precision_follows_the_artifact_and_the_cpu(monkeypatch):

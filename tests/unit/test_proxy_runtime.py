@@ -13,6 +13,7 @@ from polyserve.predictor.config import PredictorSettings
 from polyserve.predictor.proxy.artifact import default_dir
 from polyserve.predictor.proxy.runtime import ModelRunner, Unavailable
 from polyserve.shared.settings import SettingsError, load
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.unit
 
@@ -33,7 +34,7 @@ class FakePredictor:
     def predict(self, prompts, models, ids=None):
         self.threads.add(threading.current_thread().name)
         self.batches.append(list(prompts))
-        time.sleep(self.delay_s)
+        time.sleep(self.delay_s)  # the fake model's compute time (on the runner's model thread), not a wait
         answers = [types.SimpleNamespace(length_class=len(p.split()) % 5, tokens=10 * len(p.split()),
                                          value=float(len(p.split()) % 5), known_model=True) for p in prompts]
         return answers, np.ones((len(prompts), 4), dtype=np.float32)
@@ -79,7 +80,7 @@ async def test_budget_and_queue_bound_fall_back():
             await runner.predict("slow one", "m", 0.05)
         assert err.value.reason == "timeout"
         waiting = [asyncio.ensure_future(runner.predict(f"p{i}", "m", 5.0)) for i in range(2)]
-        await asyncio.sleep(0)
+        await wait_for(runner.queue.full, 2, what="two jobs queued behind the busy model")
         with pytest.raises(Unavailable) as err:
             await runner.predict("one too many", "m", 5.0)
         assert err.value.reason == "queue_full"

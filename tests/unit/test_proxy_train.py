@@ -13,7 +13,7 @@ pytest.importorskip("peft")
 from polyserve.predictor.proxy import artifact, data, encoder, train  # noqa: E402
 from polyserve.predictor.proxy.infer import ProxyPredictor  # noqa: E402
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.torch]  # torch: builds torch models
 
 
 def tiny_dataset() -> data.Dataset:

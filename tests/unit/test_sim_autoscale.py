@@ -38,7 +38,7 @@ def _step_trace():
                          + _poisson(0.2, 120.0, 320.0, 100, 50, 2))
 
 
-@pytest.mark.parametrize("scaler", ["pertoken", "request", "tracking", "muserve"])
+@pytest.mark.parametrize("scaler", ["pertoken", "request", "target_tracking", "muserve"])
 def test_each_autoscaler_scales_out_under_a_load_step_and_back_in(scaler):
     res = simulate(_step_trace(), PERF, SimConfig(autoscaler=scaler, pertoken_threshold_ms=25.0,
                                                   request_threshold_ms=1000.0, tracking_slo_ms=40.0,
@@ -73,7 +73,8 @@ def test_the_simulator_drives_the_planners_own_scaler_objects():
     from polyserve.simulator.cluster import Cluster
 
     tr = _step_trace()
-    kinds = {"pertoken": HpaScaler, "request": HpaScaler, "tracking": TargetTracking, "muserve": MuServeScaler}
+    kinds = {"pertoken": HpaScaler, "request": HpaScaler, "target_tracking": TargetTracking, "muserve": MuServeScaler,
+             "tracking": TargetTracking, "museserve": MuServeScaler}  # older spellings accepted on input
     for name, cls in kinds.items():
         c = Cluster(tr, PERF, SimConfig(autoscaler=name, **FAST))
         assert type(c.planner.scaler) is cls
@@ -116,12 +117,13 @@ def test_cli_compares_autoscalers_in_one_table_and_plots_workers(tmp_path: Path)
     csv = tmp_path / "step.csv"
     csv.write_text("\n".join(rows) + "\n")
     out = tmp_path / "out"
-    rc = cli_main(["--trace", str(csv), "--autoscaler", "pertoken,request,tracking,muserve", "--planner-period-s", "5",
+    rc = cli_main(["--trace", str(csv), "--autoscaler", "pertoken,request,target_tracking,muserve",
+                   "--planner-period-s", "5",
                    "--scaler-window-s", "30", "--cold-start-s", "5", "--max-workers", "8", "--atgt-slo-ms", "20",
                    "--pertoken-threshold-ms", "25", "--out", str(out)])
     assert rc == 0
     data = json.loads((out / "results.json").read_text())
-    assert [r["autoscaler"] for r in data["rows"]] == ["hpa-pertoken", "hpa-request", "target-tracking", "museserve"]
+    assert [r["autoscaler"] for r in data["rows"]] == ["hpa-pertoken", "hpa-request", "target_tracking", "muserve"]
     for r in data["rows"]:
         assert r["viol_any"] >= r["viol_ttft"] and r["gpu_seconds"] > 0 and r["workers_peak"] >= 1
     assert data["rows"][0]["scaler"]["threshold_ms"] == 25.0
@@ -131,9 +133,9 @@ def test_cli_compares_autoscalers_in_one_table_and_plots_workers(tmp_path: Path)
 
 def test_start_above_the_minimum_and_scale_in_to_it():
     tr = from_requests(_poisson(0.5, 0.0, 150.0, 100, 50, 4))
-    res = simulate(tr, PERF, SimConfig(autoscaler="tracking", workers=1, initial_workers=3, tracking_slo_ms=40.0,
-                                       **FAST))
+    res = simulate(tr, PERF, SimConfig(autoscaler="target_tracking", workers=1, initial_workers=3,
+                                       tracking_slo_ms=40.0, **FAST))
     assert res.timeline[0][1] >= 1 and max(n for _, n in res.timeline) == 3
     assert res.timeline[-1][1] == 1 and res.extra["scale_ins"] == 2 and res.extra["first_scale_out_s"] is None
     with pytest.raises(ValueError, match="initial_workers"):
-        SimConfig(autoscaler="tracking", workers=2, initial_workers=1).validate()
+        SimConfig(autoscaler="target_tracking", workers=2, initial_workers=1).validate()

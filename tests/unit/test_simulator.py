@@ -100,15 +100,16 @@ def test_deterministic_with_a_seed(policy):
     assert all(r.finish > 0 for r in a.requests)
 
 
-def test_the_simulator_calls_the_dispatchers_policies_and_worker_orders():
-    assert cluster.POLICIES is dispatch_policy.POLICIES
+def test_the_simulator_calls_the_dispatchers_policies_and_worker_orders(monkeypatch):
+    from polyserve.simulator import placement
+
+    assert cluster.POLICIES is dispatch_policy.POLICIES and placement.POLICIES is dispatch_policy.POLICIES
     seen = []
-    original = dispatch_policy.POLICIES["round_robin"]
-    dispatch_policy.POLICIES["round_robin"] = lambda *a: seen.append(1) or original(*a)
-    try:
-        simulate_requests([(0.0, 10, 3), (0.0, 10, 3), (0.0, 10, 3)], PERF, workers=2, policy="round_robin")
-    finally:
-        dispatch_policy.POLICIES["round_robin"] = original
+    original = dispatch_policy.POLICIES["round_robin"]  # POLICIES is frozen: spy on the simulator's reference
+    monkeypatch.setattr(placement, "POLICIES",
+                        {**dispatch_policy.POLICIES, "round_robin": lambda *a: seen.append(1) or original(*a)})
+    simulate_requests([(0.0, 10, 3), (0.0, 10, 3), (0.0, 10, 3)], PERF, workers=2, policy="round_robin")
+    monkeypatch.undo()
     assert len(seen) == 3
     # oracle SJF on one busy worker: the shortest job of the queue goes first
     out = simulate_requests([(0.0, 10, 50), (0.001, 10, 40), (0.002, 10, 3)], PERF, max_batch=1,

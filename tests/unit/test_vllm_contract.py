@@ -1,7 +1,8 @@
 """CONTRACT tests of the `vllm` engine adapter against a FAKE of vLLM's API (tests/fakes/fake_vllm.py).
 
 vLLM cannot be installed here, so these tests check that the adapter speaks vLLM's
-documented API shape (pinned: TARGET_VLLM_VERSION) and maps it onto polyserve's Engine
+API shape (pinned: TARGET_VLLM_VERSION; the fake's shapes are checked against the release's
+sources by tests/unit/test_vllm_surface.py) and maps it onto polyserve's Engine
 contract: streaming deltas, n choices, finish reasons, cancellation -> abort, LoRARequest
 per request, priority scheduling, load for heartbeats, and clear errors. They say nothing
 about vLLM on a GPU; the adapter is untested on a GPU in this project so far.
@@ -24,7 +25,7 @@ from tests.helpers import wait_for
 
 pytestmark = pytest.mark.unit
 
-ALL_FLAVORS = ["v1", "v1-sync-tokenizer", "v0"]
+ALL_FLAVORS = ["v1", "v1-async-tokenizer", "v0"]  # 0.33.0, 0.11-era V1, pre-V1
 
 
 def settings(**kw):
@@ -190,7 +191,7 @@ async def test_contract_withdraw_gives_back_only_a_request_without_output(build)
     fake.engine.gate = asyncio.Event()  # later requests wait inside "vLLM"
     queued = engine.generate(EngineRequest("q", "hello", SamplingParams(max_tokens=5)))
     first = asyncio.ensure_future(queued.__anext__())
-    await asyncio.sleep(0.05)
+    await wait_for(lambda: engine.load().waiting == 1, timeout=2, what="q waiting in vLLM")
     assert engine.load().waiting == 1
     assert engine.withdraw("q") is True
     with pytest.raises(Withdrawn):
@@ -330,7 +331,7 @@ async def test_contract_waiting_queue_bound_is_429(build):
     for rid in ("w1", "w2"):
         stream = engine.generate(EngineRequest(rid, "hi", SamplingParams(max_tokens=3)))
         firsts.append((stream, asyncio.ensure_future(stream.__anext__())))
-    await asyncio.sleep(0)
+    await wait_for(lambda: engine.load().waiting == 2, timeout=2, what="both requests admitted")
     assert (engine.load().running, engine.load().waiting) == (0, 2)
     with pytest.raises(EngineOverloaded) as err:
         await engine.generate(EngineRequest("w3", "hi", SamplingParams())).__anext__()
@@ -347,7 +348,7 @@ async def test_contract_duplicate_request_id_is_409(build):
     fake.engine.gate = asyncio.Event()
     first = engine.generate(EngineRequest("dup", "hi", SamplingParams(max_tokens=2)))
     pending = asyncio.ensure_future(first.__anext__())
-    await asyncio.sleep(0)
+    await wait_for(lambda: engine.load().waiting == 1, timeout=2, what="the first 'dup' admitted")
     with pytest.raises(EngineError) as err:
         await engine.generate(EngineRequest("dup", "hi", SamplingParams())).__anext__()
     assert err.value.status == 409
@@ -434,3 +435,27 @@ async def test_contract_make_engine_tokens_and_card(monkeypatch):
     assert card["simulated"] is False and card["kv_capacity_tokens"] == 16000
     assert engine.format_chat([{"role": "user", "content": "hi"}]).endswith("assistant:")
     await engine.stop()
+
+
+async def test_contract_vllm_queue_overflow_is_its_http_status(build):
+    """0.33's admission control (max_num_queued_reqs) raises QueueOverflowError, a GracefulHTTPError
+    carrying 503: the client gets that status, not a generic 500."""
+    engine, fake = await build(vllm_engine_args={"max_num_queued_reqs": 2})
+    fake.engine.gate = asyncio.Event()
+    held = engine.generate(EngineRequest("q1", "hi", SamplingParams(n=2, max_tokens=2)))
+    first = asyncio.ensure_future(held.__anext__())
+    await wait_for(lambda: "q1" in fake.engine.live, timeout=2, what="q1 inside vLLM")
+    with pytest.raises(EngineError) as err:
+        await collect(engine, "q2", max_tokens=2)
+    assert err.value.status == 503 and "busy" in str(err.value)
+    fake.engine.gate.set()
+    await first
+    await held.aclose()
+
+
+async def test_contract_max_lora_rank_is_rounded_up_to_a_rank_vllm_accepts(build, tmp_path):
+    engine, fake = await build(max_lora_rank=48)  # vLLM accepts only 1, 8, 16, 32, 64, ... (MaxLoRARanks)
+    assert fake.engine.engine_args.max_lora_rank == 64
+    with pytest.raises(EngineError) as err:  # polyserve still enforces the configured 48
+        await engine.load_adapter("big", str(adapter_dir(tmp_path, "big", 56)))
+    assert err.value.status == 400 and "max_lora_rank of 48" in str(err.value)

@@ -16,8 +16,8 @@ whether it is the one the artifact was trained with.
 from __future__ import annotations
 
 import json
-from importlib import resources
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 

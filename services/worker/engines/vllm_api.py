@@ -1,10 +1,13 @@
 """The slice of vLLM's Python API that the `vllm` engine uses, imported lazily and
 detected once, so `vllm_engine` never touches `vllm` at import time.
 
-Everything here is written against vLLM's documented engine API (see `vllm_engine`
-for the version pinned and the sources checked). Detection, in order:
+Everything here is written against vLLM's engine API as extracted from the release's
+sources by `scripts/vllm-surface` into `vllm_surface.json` (next to this file); the
+names used are listed in `SURFACE_USED`, and tests/unit/test_vllm_surface.py checks that
+each of them exists in that JSON and that the fake of tests/fakes/fake_vllm.py matches it.
+Detection, in order:
 
-- engine class: `vllm.v1.engine.async_llm.AsyncLLM` (the V1 engine; in 0.11 the
+- engine class: `vllm.v1.engine.async_llm.AsyncLLM` (the V1 engine; from 0.11 on the
   old `AsyncLLMEngine` name is only an alias of it), else `vllm.AsyncLLMEngine`
   (the V0 engine of releases before V1 existed);
 - streaming mode: `vllm.sampling_params.RequestOutputKind.DELTA` when it exists
@@ -27,9 +30,73 @@ from polyserve.worker.engine import EngineError
 logger = logging.getLogger(__name__)
 
 # vLLM's CompletionOutput.finish_reason strings (vllm/v1/engine/__init__.py
-# FINISH_REASON_STRINGS: "stop", "length", "abort", later also "error", "repetition").
+# FINISH_REASON_STRINGS: "stop", "length", "abort", "error", "repetition" in 0.33).
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled", "repetition": "stop"}
 ERROR_REASON = "error"
+
+# vLLM's allowed max_lora_rank values (vllm/config/lora.py MaxLoRARanks, a Literal in 0.33):
+# a configured rank between two of them is rounded up to the next.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+# Every vLLM name the `vllm` engine (this module and vllm_engine.py) uses, by where vLLM
+# defines it (literals only: it is read with ast.literal_eval). Read with `ast` by scripts/vllm-surface (drift check) and checked by
+# tests/unit/test_vllm_surface.py against vllm_surface.json and against the code.
+SURFACE_USED = {
+    "modules": {
+        "vllm": ["__version__", "AsyncEngineArgs", "SamplingParams", "AsyncLLMEngine"],
+        "vllm.v1.engine.async_llm": ["AsyncLLM"],
+        "vllm.engine.arg_utils": ["AsyncEngineArgs"],
+        "vllm.engine.async_llm_engine": ["AsyncLLMEngine"],
+        "vllm.sampling_params": ["SamplingParams", "RequestOutputKind"],
+        "vllm.lora.request": ["LoRARequest"],
+    },
+    "methods": {  # method -> the parameters polyserve passes (by name or position)
+        "vllm.v1.engine.async_llm.AsyncLLM": {
+            "from_engine_args": ["engine_args"],
+            "generate": ["prompt", "sampling_params", "request_id", "lora_request", "priority"],
+            "abort": ["request_id"],
+            "get_tokenizer": [],
+            "add_lora": ["lora_request"],
+            "remove_lora": ["lora_id"],
+            "shutdown": [],
+        },
+        "vllm.tokenizers.protocol.TokenizerLike": {
+            "encode": ["text"],
+            "apply_chat_template": ["messages", "tokenize", "add_generation_prompt"],
+        },
+    },
+    "attributes": {
+        "vllm.v1.engine.async_llm.AsyncLLM": ["vllm_config", "model_config"],
+        "vllm.config.vllm.VllmConfig": ["cache_config", "model_config"],
+        "vllm.config.cache.CacheConfig": ["num_gpu_blocks", "block_size"],
+        "vllm.config.model.ModelConfig": ["max_model_len"],
+        "vllm.outputs.RequestOutput": ["outputs", "finished"],
+        "vllm.outputs.CompletionOutput": ["index", "text", "token_ids", "finish_reason"],
+    },
+    "fields": {  # constructor keywords
+        "vllm.engine.arg_utils.AsyncEngineArgs": [
+            "model", "served_model_name", "dtype", "max_num_seqs", "max_model_len", "scheduling_policy",
+            "enable_lora", "max_lora_rank", "max_loras", "gpu_memory_utilization", "seed"],
+        "vllm.sampling_params.SamplingParams": [
+            "n", "temperature", "top_p", "top_k", "seed", "stop", "max_tokens", "min_tokens", "output_kind"],
+        "vllm.lora.request.LoRARequest": ["lora_name", "lora_int_id", "lora_path"],
+        "vllm.inputs.llm.TokensPrompt": ["prompt_token_ids"],
+    },
+    "members": {"vllm.sampling_params.RequestOutputKind": ["DELTA"]},
+    "constants": {
+        "vllm.v1.engine.FINISH_REASON_STRINGS": ["abort", "error", "length", "repetition", "stop"],
+        "vllm.config.lora.MaxLoRARanks": [1, 8, 16, 32, 64, 128, 256, 320, 512],
+    },
+    # Names tried only when the above are missing (older releases); not in 0.33, not checked.
+    "legacy_fallbacks": {
+        "vllm.v1.engine.async_llm.AsyncLLM": ["get_vllm_config", "shutdown_background_loop", "engine"],
+    },
+    "exceptions": [  # matched by class name in error_status()
+        "vllm.v1.engine.exceptions.EngineDeadError", "vllm.exceptions.VLLMValidationError",
+        "vllm.exceptions.VLLMClientError", "vllm.exceptions.GracefulHTTPError",
+        "vllm.exceptions.QueueOverflowError", "vllm.exceptions.MaxQueuedTokensError",
+    ],
+}
 
 
 @dataclass
@@ -114,11 +181,23 @@ def sampling_params(api: VllmApi, p: ProtoSamplingParams) -> Any:
         raise EngineError(f"sampling parameters rejected by vLLM: {exc}", 400) from exc
 
 
+def lora_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that is at least `rank` (LORA_RANKS)."""
+    return next((r for r in LORA_RANKS if r >= rank), rank)
+
+
 def error_status(exc: BaseException) -> int:
-    """HTTP status for an exception out of vLLM's generate(): 400 for validation, 503 for a dead engine."""
+    """HTTP status for an exception out of vLLM's generate(): 400 for validation, 503 for a dead
+    engine, and the status vLLM attaches to its admission rejections (GracefulHTTPError's
+    `http_status`: 503 for QueueOverflowError / MaxQueuedTokensError in 0.33)."""
     names = {c.__name__ for c in type(exc).__mro__}
     if names & {"EngineDeadError", "AsyncEngineDeadError"}:
         return 503
+    if "GracefulHTTPError" in names:
+        try:
+            return int(getattr(exc, "http_status", 503))
+        except (TypeError, ValueError):
+            return 503
     if isinstance(exc, (ValueError, TypeError)) or names & {"VLLMValidationError", "VLLMClientError"}:
         return 400
     return 500

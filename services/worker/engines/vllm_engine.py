@@ -1,26 +1,37 @@
 """The `vllm` engine: vLLM's async engine in-process, for GPU operators.
 
 UNTESTED ON A GPU IN THIS PROJECT SO FAR. vLLM cannot be installed where polyserve is
-developed; this adapter is written against vLLM's documented API at TARGET_VLLM_VERSION
-and covered by contract tests against a fake of that API's shape
-(tests/unit/test_vllm_contract.py, tests/fakes/fake_vllm.py).
+developed. This adapter targets vLLM TARGET_VLLM_VERSION (0.33.0, the newest release on
+PyPI when checked) and is grounded in that release's sources, not in its docs:
+`scripts/vllm-surface` downloads the release (no install, no import), extracts with `ast`
+the API below into `vllm_surface.json` (next to this file), and reports drift for a newer
+release. tests/unit/test_vllm_surface.py checks that every vLLM name this engine uses
+(`vllm_api.SURFACE_USED`) exists in that JSON and that the fake the contract tests run
+against (tests/fakes/fake_vllm.py; tests/unit/test_vllm_contract.py) has vLLM's
+signatures and fields.
 
-vLLM API used (checked against the 0.11.2 docs and sources; `vllm_api` detects the rest):
+vLLM API used (as in the 0.33.0 sources; `vllm_api` detects the rest):
 - `AsyncEngineArgs(model=..., served_model_name=..., dtype=..., max_num_seqs=..., max_model_len=...,
   scheduling_policy="fcfs"|"priority", enable_lora=..., max_lora_rank=..., max_loras=...,
-  gpu_memory_utilization=..., seed=...)`;
-- `AsyncLLM.from_engine_args(args)` (`vllm.v1.engine.async_llm`; falls back to V0's
-  `vllm.AsyncLLMEngine.from_engine_args` on releases without V1);
-- `engine.generate({"prompt_token_ids": ids}, SamplingParams, request_id, lora_request=..., priority=...)`:
-  an async generator of `RequestOutput` (`.outputs[i]` = `CompletionOutput` with `.index`, `.text`,
-  `.token_ids`, `.finish_reason` in "stop"/"length"/"abort"; `.finished`). With n > 1 an output may
-  carry only some choices, so choices are keyed by `.index`, never by position;
+  gpu_memory_utilization=..., seed=...)`; max_lora_rank must be one of vLLM's MaxLoRARanks
+  (1, 8, 16, 32, 64, 128, 256, 320, 512): a setting in between is rounded up for vLLM;
+- `AsyncLLM.from_engine_args(args)` (`vllm.v1.engine.async_llm`; `vllm.AsyncLLMEngine` is an alias
+  of it; falls back to V0's `vllm.AsyncLLMEngine.from_engine_args` on releases without V1);
+- `engine.generate({"prompt_token_ids": ids}, SamplingParams, request_id, lora_request=..., priority=...)`
+  (a `TokensPrompt`): an async generator of `RequestOutput` (`.outputs[i]` = `CompletionOutput` with
+  `.index`, `.text`, `.token_ids`, `.finish_reason` in "stop"/"length"/"abort"/"error"/"repetition";
+  `.finished`). With n > 1 an output may carry only some choices, so choices are keyed by `.index`,
+  never by position. vLLM makes the request id unique internally (a random suffix) but `abort()`
+  takes the id passed to generate();
 - `SamplingParams(n, temperature, top_p, top_k, seed, stop, max_tokens, min_tokens,
   output_kind=RequestOutputKind.DELTA)`; without RequestOutputKind outputs are cumulative and diffed;
-- `await engine.abort(request_id)`; `engine.get_tokenizer()` (a coroutine in 0.11, plain in newer
-  releases: both handled); `add_lora` / `remove_lora(lora_int_id)`; `shutdown()`;
+- `await engine.abort(request_id)`; `engine.get_tokenizer()` (plain in 0.33, a coroutine in 0.11:
+  both handled); `add_lora(lora_request)` / `remove_lora(lora_id)`; `shutdown()`;
 - `LoRARequest(lora_name, lora_int_id, lora_path)`, one per request; the int id is allocated once per
-  adapter name (vLLM caches adapters by it: "lora_int_id must be globally unique for a given adapter").
+  adapter name (vLLM caches adapters by it: "lora_int_id must be globally unique for a given adapter");
+- errors: `EngineDeadError` -> 503, `VLLMValidationError`/`VLLMClientError`/ValueError -> 400, vLLM's
+  admission rejections (`GracefulHTTPError`: QueueOverflowError, MaxQueuedTokensError) -> their
+  `http_status` (503).
 
 Mapping to polyserve: `max_batch` -> max_num_seqs; `scheduling` "priority" -> scheduling_policy
 "priority" and each request's priority passed through (vLLM: lower value = earlier, the same
@@ -76,7 +87,7 @@ from polyserve.worker.lora import AdapterError, AdapterRegistry, check_name, rea
 
 logger = logging.getLogger(__name__)
 
-TARGET_VLLM_VERSION = "0.11.2"
+TARGET_VLLM_VERSION = "0.33.0"
 
 
 class _Req:
@@ -131,7 +142,7 @@ class VllmEngine(Engine):
             max_model_len=max_len or None,
             scheduling_policy=self.scheduling,
             enable_lora=self.enable_lora,
-            max_lora_rank=self.max_lora_rank,
+            max_lora_rank=vllm_api.lora_rank(self.max_lora_rank),
             max_loras=int(getattr(settings, "max_loras", 4)),
             gpu_memory_utilization=float(getattr(settings, "gpu_memory_utilization", 0.9)),
             seed=int(getattr(settings, "seed", 0) or 0),
@@ -372,8 +383,12 @@ class VllmEngine(Engine):
     def format_chat(self, messages: list[dict]) -> str:
         """Chat messages as one prompt, with the model's chat template when it has one."""
         tok = self._tokenizer
-        if tok is not None and getattr(tok, "chat_template", None):
-            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        apply = getattr(tok, "apply_chat_template", None)
+        if apply is not None:  # vLLM's TokenizerLike forwards these keywords to the HF tokenizer
+            try:
+                return apply(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as exc:  # noqa: BLE001 - e.g. no chat template: fall back to plain lines
+                logger.debug("apply_chat_template failed (%s); plain chat format", exc)
         return "\n".join([f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages] + ["assistant:"])
 
     # ----------------------------------------------------------------- adapters

@@ -1,0 +1,350 @@
+"""`LiveView`: the dispatcher's whole in-memory state and the decisions made over it.
+
+It owns the live worker registry (heartbeats, TTLs, tombstones), this dispatcher's
+outstanding placements, the model book of aladdin/caraserve (`live.ModelBook`: placed
+requests, fitted models) and, per deployment, a `dispatcher.index.WorkerIndex` with what
+tells whether it may answer a request (`_DepIndex`). The handlers feed it events and ask
+it for decisions; it does no I/O, so it is tested without NATS or Redis.
+
+With `index` on (the default; `POLYSERVE_DISPATCHER_INDEX=false` turns it off) a worker's
+view is rebuilt and upserted in its deployment's index whenever something it is made of
+changes — its heartbeat, the outstanding count (placements, completed/failed, expiry), and
+for aladdin/caraserve its `ModelBook` entries and fit (placement, first_token, completed/
+failed, moves; the sweep refreshes them every `sweep_s` as well) — and the policy's fast
+twin answers in O(log n) instead of a scan over freshly built views. The scan still
+answers, over the filtered list exactly as before, a request with `exclude`, a deployment
+with a worker at `max_outstanding` or one whose `max_input_len` is below the request
+(Arlo policies handle that themselves), while a worker's TTL has run out but the sweep has
+not removed it yet, and every error case. One difference for aladdin/caraserve: the time-
+based estimates of a view (tokens generated so far) are as of its last refresh, where the
+scan computes them at the dispatch.
+
+What a request is placed with (`request_view`): the SLOs of the deployment it is for
+(`Deployment.ttft_slo_ms` / `atgt_slo_ms`; `DispatcherSettings.ttft_slo_ms` / `atgt_slo_ms`
+override them when > 0) and its predicted output clamped to its `max_tokens` (when > 0).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from polyserve.core.names import MODEL_POLICIES
+from polyserve.dispatcher import index as dindex
+from polyserve.dispatcher import policy, policy_aladdin
+from polyserve.dispatcher.config import DispatcherSettings
+from polyserve.dispatcher.live import ModelBook
+from polyserve.dispatcher.registry import Outstanding, WorkerRegistry
+from polyserve.dispatcher.views import Decision, PolicyState, RequestView, WorkerView
+from polyserve.proto import Completed, Deployment, DispatchRequest, Failed, FirstToken, Heartbeat, WorkerDown
+from polyserve.shared.bus import BusError
+
+logger = logging.getLogger(__name__)
+_NO_STATE = PolicyState()
+
+
+class Choice(NamedTuple):
+    """A decision and what recording and answering it need."""
+
+    decision: Decision
+    worker: Heartbeat  # the chosen worker's last heartbeat
+    request: RequestView  # what the policy was given
+    candidates: int  # workers the policy chose among
+    indexed: bool = False  # the fast twin over the index answered (not the scan)
+
+
+class _DepIndex:
+    """One deployment's `WorkerIndex` and what tells whether it may answer a request."""
+
+    def __init__(self, dep: Deployment, key: tuple, cap: int):
+        self.key = key  # (policy, TTFT SLO, ATGT SLO) it was built for
+        self.modelled = dep.policy in MODEL_POLICIES
+        self.arlo = dep.policy.startswith("arlo")
+        self.fast = dindex.FAST_POLICIES[dep.policy]
+        # aladdin's structure is per SLO pair: built at the first decision, for the deployment's
+        self.index = dindex.WorkerIndex(policies=() if dep.policy == "aladdin" else (dep.policy,),
+                                        track_requests=False)
+        self.cap = cap
+        self.capped: set[str] = set()  # workers at max_outstanding
+        self.limits: dict[str, int] = {}  # worker -> max_input_len, when > 0
+        self._min_limit: float | None = math.inf  # None: recompute
+
+    def upsert(self, v: WorkerView) -> None:
+        wid = v.worker_id
+        self.index.upsert(v)
+        if self.cap > 0 and v.outstanding >= self.cap:
+            self.capped.add(wid)
+        else:
+            self.capped.discard(wid)
+        if self.limits.get(wid, 0) != v.max_input_len:
+            if v.max_input_len > 0:
+                self.limits[wid] = v.max_input_len
+            else:
+                self.limits.pop(wid, None)
+            self._min_limit = None
+
+    def remove(self, wid: str) -> None:
+        self.index.remove(wid)
+        self.capped.discard(wid)
+        if self.limits.pop(wid, None) is not None:
+            self._min_limit = None
+
+    def answers(self, input_tokens: int) -> bool:
+        """Whether the fast policy gives the scan's decision for a request without `exclude`."""
+        if not len(self.index) or self.capped:
+            return False
+        if self.arlo:  # the levels logic: the same decision as over the workers that fit, when one does
+            return self.index._struct("arlo").lengths[-1] >= input_tokens
+        if self._min_limit is None:
+            self._min_limit = min(self.limits.values(), default=math.inf)
+        return input_tokens <= self._min_limit
+
+
+class LiveView:
+    """Workers, placements, the model book and the per-deployment indexes (module docstring)."""
+
+    def __init__(self, settings: DispatcherSettings, rng: random.Random | None = None, *,
+                 registry: WorkerRegistry | None = None, outstanding: Outstanding | None = None,
+                 models: ModelBook | None = None):
+        self.settings = settings
+        if rng is None:
+            rng = random.Random(settings.seed) if settings.seed >= 0 else random.Random()
+        self.rng = rng
+        # (`is None`, not `or`: an empty registry or Outstanding is falsy)
+        self.registry = WorkerRegistry() if registry is None else registry
+        self.outstanding = (Outstanding(settings.max_tracked, settings.placement_ttl_s)
+                            if outstanding is None else outstanding)
+        self.models = (ModelBook(settings.max_tracked, signal_interval_s=settings.scale_signal_interval_s)
+                       if models is None else models)
+        self.policy_state: dict[str, PolicyState] = {}
+        self.placed = 0
+        self.indexed_decisions = 0
+        self._model_deps: set[str] = set()  # deployments placed with a model policy (for re-balancing)
+        self._indexes: dict[str, _DepIndex] = {}  # deployment -> its index (settings.index)
+        self._indexed_in: dict[str, str] = {}  # worker -> the deployment whose index holds it
+        self._dirty: set[str] = set()  # workers whose view changed since the last refresh
+        if settings.index:
+            self.outstanding.on_change = self._dirty.add
+
+    # ---------------------------------------------------------------- decisions
+    def slos(self, dep: Deployment) -> tuple[float, float]:
+        """(TTFT, ATGT) SLOs in ms the deployment's requests are placed against."""
+        s = self.settings
+        return (s.ttft_slo_ms if s.ttft_slo_ms > 0 else dep.ttft_slo_ms,
+                s.atgt_slo_ms if s.atgt_slo_ms > 0 else dep.atgt_slo_ms)
+
+    def request_view(self, dep: Deployment, req: DispatchRequest,
+                     slos: tuple[float, float] | None = None) -> RequestView:
+        """What the policy sees of `req`: the deployment's SLOs, the prediction within `max_tokens`."""
+        ttft, atgt = self.slos(dep) if slos is None else slos
+        cap = max(0, req.max_tokens)
+        predicted = min(req.predicted_tokens, cap) if cap else req.predicted_tokens
+        return RequestView(request_id=req.request_id, input_tokens=req.input_tokens, predicted_tokens=predicted,
+                           length_class=req.length_class, adapter=req.adapter, priority=req.priority,
+                           adapter_rank=req.adapter_rank, ttft_slo_ms=ttft, atgt_slo_ms=atgt, max_tokens=cap)
+
+    def decide(self, dep: Deployment, req: DispatchRequest) -> Choice:
+        """The deployment's policy over its live workers: the index's fast twin when it gives
+        the scan's answer, else the scan (BusError 503/429 when no worker may take `req`;
+        UnknownPolicy for a deployment whose policy is not in `POLICIES`)."""
+        choose = policy.get_policy(dep.policy)
+        slos = self.slos(dep)
+        rview = self.request_view(dep, req, slos)
+        state = self.policy_state.get(dep.id, _NO_STATE)
+        di = self._index_for(dep, slos) if self.settings.index else None
+        if di is not None and not req.exclude and di.answers(req.input_tokens) \
+                and not self.registry.any_expired():
+            decision = di.fast(di.index, rview, state, self.rng)
+            self.indexed_decisions += 1
+            return Choice(decision, self.registry.get(decision.worker_id), rview, len(di.index), True)
+        workers, beats = self.candidates(dep, req)
+        decision = choose(workers, rview, state, self.rng)
+        return Choice(decision, beats[decision.worker_id], rview, len(workers))
+
+    def record(self, dep: Deployment, choice: Choice) -> None:
+        """Account the placement `choice` (outstanding, policy state, model book, index)."""
+        wid = choice.worker.worker_id
+        self.policy_state[dep.id] = choice.decision.state
+        self.outstanding.place(choice.request.request_id, wid)
+        self.placed += 1
+        if dep.policy in MODEL_POLICIES:
+            self.models.placed(wid, choice.request)
+            self._model_deps.add(dep.id)
+            self._dirty.add(wid)
+        self._refresh()
+
+    def views(self, beats: Iterable[Heartbeat], modelled: bool) -> list[WorkerView]:
+        """Fresh views of the workers (with their book entries and fits when `modelled`)."""
+        if not modelled:
+            return [_view(h, self.outstanding.count(h.worker_id)) for h in beats]
+        now = self.models.clock()
+        return [_view(h, self.outstanding.count(h.worker_id), self.models.extras(h, now)) for h in beats]
+
+    def candidates(self, dep: Deployment, req: DispatchRequest) -> tuple[list[WorkerView], dict[str, Heartbeat]]:
+        """Live workers of the deployment that may take `req` (views and heartbeats by id),
+        or a BusError saying why there is none."""
+        live = self.registry.live(dep.id)
+        excluded = set(req.exclude)
+        allowed = [h for h in live if h.worker_id not in excluded]
+        fits = [h for h in allowed if h.max_input_len <= 0 or req.input_tokens <= h.max_input_len]
+        views = self.views(fits, dep.policy in MODEL_POLICIES)
+        cap = self.settings.max_outstanding
+        free = [v for v in views if cap <= 0 or v.outstanding < cap]
+        if free:
+            return free, {h.worker_id: h for h in fits}
+        if views:
+            raise BusError(429, f"all {len(views)} workers of deployment {dep.id!r} have "
+                                f"{cap} outstanding requests (max_outstanding); retry later")
+        known = self.registry.known(dep.id)
+        if known == 0:
+            raise BusError(503, f"no worker available for deployment {dep.id!r}: none is running; "
+                                "start one (the planner and gpu-agent do) and retry")
+        why = []
+        if len(live) < known:
+            why.append(f"{known - len(live)} not heard from within their heartbeat TTL")
+        if len(allowed) < len(live):
+            why.append(f"{len(live) - len(allowed)} excluded by the caller")
+        if len(fits) < len(allowed):
+            why.append(f"{len(allowed) - len(fits)} with max_input_len below the request's "
+                       f"{req.input_tokens} input tokens")
+        raise BusError(503, f"no worker available for deployment {dep.id!r} ({known} registered: "
+                            f"{', '.join(why)}); retry later")
+
+    # ---------------------------------------------------------------- Alg. 2
+    def model_deployments(self) -> list[str]:
+        """Deployments this dispatcher placed on with a model policy."""
+        return sorted(self._model_deps)
+
+    def rebalance_plan(self, dep: Deployment, max_moves: int) -> list[tuple[policy_aladdin.Move, Heartbeat]]:
+        """Aladdin Alg. 2 over the deployment's live workers: the moves (each with its
+        destination's heartbeat) from under- to over-estimated workers."""
+        beats = {h.worker_id: h for h in self.registry.live(dep.id)}
+        if len(beats) < 2:
+            return []
+        views = self.views(beats.values(), True)
+        if not any(not r.started for v in views for r in v.requests):
+            return []
+        ttft, atgt = self.slos(dep)
+        cfg = policy_aladdin.config_for(RequestView(ttft_slo_ms=ttft, atgt_slo_ms=atgt))
+        return [(mv, beats[mv.dst]) for mv in policy_aladdin.rebalance(views, cfg, max_moves=max_moves)]
+
+    def moved(self, mv: policy_aladdin.Move) -> None:
+        """The source worker gave the request back: it now waits on `mv.dst`."""
+        self.models.moved(mv.request_id, mv.dst)
+        self.outstanding.place(mv.request_id, mv.dst)
+        self.models.moves += 1
+        self._dirty.update((mv.src, mv.dst))
+        self._refresh()
+
+    # ---------------------------------------------------------------- events
+    def seed(self, beats: Iterable[Heartbeat]) -> int:
+        """Workers registered in Redis at start (those not live already); how many were added."""
+        n = 0
+        for hb in beats:
+            if hb.worker_id not in {w.worker_id for w in self.registry.live(hb.deployment)} \
+                    and self.registry.heartbeat(hb, seeded=True):
+                self._dirty.add(hb.worker_id)
+                n += 1
+        self._refresh()
+        return n
+
+    def heartbeat(self, hb: Heartbeat) -> bool:
+        """A worker's heartbeat; False when it predates that worker's WorkerDown (ignored)."""
+        if not self.registry.heartbeat(hb):
+            return False
+        self._dirty.add(hb.worker_id)
+        self._refresh()
+        return True
+
+    def worker_down(self, ev: WorkerDown) -> tuple[bool, int]:
+        """Stop placing on a worker at once; (whether it was live, placements dropped)."""
+        known = self.registry.down(ev)
+        dropped = self.outstanding.forget_worker(ev.worker_id)
+        self.models.forget_worker(ev.worker_id)
+        self._dirty.add(ev.worker_id)
+        self._refresh()
+        return known, dropped
+
+    def finished(self, ev: Completed | Failed) -> None:
+        """A request ended: it no longer counts against its worker; its timings refit the
+        worker's models (aladdin/caraserve)."""
+        self.outstanding.finish(ev.request_id)
+        self.models.finished(ev)
+        self._dirty.add(ev.worker_id)
+        self._refresh()
+
+    def first_token(self, ev: FirstToken) -> None:
+        """A request started decoding (its worker's book entry becomes ongoing)."""
+        self.models.first_token(ev)
+        self._dirty.add(ev.worker_id)
+        self._refresh()
+
+    def sweep(self) -> None:
+        """Forget expired workers and placements (memory bound; dispatch also checks TTLs itself)."""
+        for wid in self.registry.sweep():
+            logger.info("worker %s expired: no heartbeat within its TTL", wid)
+            self._dirty.add(wid)
+        if n := self.outstanding.expire():
+            logger.warning("%d placements expired without a completed/failed event", n)
+        for di in self._indexes.values():  # time-based estimates (tokens so far) go stale
+            if di.modelled:
+                self._dirty.update(v.worker_id for v in di.index.views() if any(r.started for r in v.requests))
+        self._refresh()
+
+    # ---------------------------------------------------------------- the indexes
+    def _index_for(self, dep: Deployment, slos: tuple[float, float]) -> _DepIndex:
+        """The deployment's index: built from the registry at its first dispatch, rebuilt
+        when its policy or its SLOs change."""
+        di = self._indexes.get(dep.id)
+        if di is not None and di.key[0] == dep.policy and di.key[1:] == slos:
+            return di
+        key = (dep.policy, *slos)
+        if di is not None:
+            del self._indexes[dep.id]
+            for v in di.index.views():
+                self._indexed_in.pop(v.worker_id, None)
+        self._refresh()
+        di = self._indexes[dep.id] = _DepIndex(dep, key, self.settings.max_outstanding)
+        now = self.models.clock()
+        for hb in self.registry.of(dep.id):
+            self._upsert(di, hb, now)
+        return di
+
+    def _upsert(self, di: _DepIndex, hb: Heartbeat, now: float) -> None:
+        wid = hb.worker_id
+        extras = self.models.extras(hb, now) if di.modelled else None
+        di.upsert(_view(hb, self.outstanding.count(wid), extras))
+        self._indexed_in[wid] = hb.deployment
+
+    def _refresh(self) -> None:
+        """Rebuild the views of the workers marked dirty in their deployment's index; a
+        worker no longer in the registry (or now in another deployment) leaves it."""
+        if not self._indexes:
+            self._dirty.clear()
+            return
+        workers = list(self._dirty)
+        self._dirty.clear()
+        now = None
+        for wid in workers:
+            hb = self.registry.get(wid)
+            dep = self._indexed_in.get(wid)
+            if dep is not None and (hb is None or hb.deployment != dep):
+                del self._indexed_in[wid]
+                if dep in self._indexes:
+                    self._indexes[dep].remove(wid)
+            if hb is None:
+                continue
+            di = self._indexes.get(hb.deployment)
+            if di is not None:
+                if now is None:
+                    now = self.models.clock()
+                self._upsert(di, hb, now)
+
+
+def _view(hb: Heartbeat, outstanding: int, extras: dict | None = None) -> WorkerView:
+    return WorkerView(worker_id=hb.worker_id, outstanding=outstanding, running=hb.running,
+                      waiting=hb.waiting, kv_used=hb.kv_used, kv_capacity=hb.kv_capacity,
+                      max_input_len=hb.max_input_len, gpu_id=hb.gpu_id,
+                      adapters=tuple(a.name for a in hb.adapters), **(extras or {}))

@@ -1,0 +1,160 @@
+"""`GatewayState`: everything the gateway's routes work with, in one object that the
+service creates and hands to the route modules (they never reach into the service).
+
+It holds the bus and the Redis state (filled in when the service starts), settings,
+subjects, tracer and metrics, the in-flight count and draining flag, the deployment
+cache (keeps serving when Redis is briefly down), the live workers of each deployment
+(cached briefly) and a view of worker liveness (to fail streams of a dead worker fast).
+Routes take it as a parameter of type `Gateway` (a FastAPI dependency)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Annotated
+
+from fastapi import Depends, Request
+from opentelemetry import trace
+
+from polyserve.proto import AdapterSpec, Deployment, Heartbeat, Subjects, WorkerDown
+from polyserve.shared.bus import Bus
+from polyserve.shared.state import State
+
+from .config import GatewaySettings
+from .errors import GatewayError
+from .metrics import Metrics
+
+logger = logging.getLogger(__name__)
+WORKERS_CACHE_S = 1.0  # how long the live workers of a deployment are taken from memory
+
+
+class GatewayState:
+    """The gateway's shared state; `bus` and `state` are set once the service is connected."""
+
+    def __init__(self, settings: GatewaySettings, subjects: Subjects, tracer: trace.Tracer,
+                 ready: asyncio.Event):
+        self.settings = settings
+        self.subjects = subjects
+        self.tracer = tracer
+        self.ready = ready  # the service's readiness (set once it listens)
+        self.metrics = Metrics()
+        self.bus: Bus = None  # type: ignore[assignment]  # set by the service on start
+        self.state: State = None  # type: ignore[assignment]
+        self.inflight = 0
+        self.draining = False
+        self.adapters: dict[str, AdapterSpec] = {}
+        self._deployments: dict[str, Deployment] = {}
+        self._deployments_at = 0.0
+        self._deployments_lock = asyncio.Lock()
+        self._heartbeats: dict[str, tuple[float, float]] = {}  # worker -> (monotonic seen, ttl)
+        self._down: dict[str, tuple[float, str]] = {}  # worker -> (monotonic, reason)
+        self._workers: dict[str, tuple[float, list[Heartbeat]]] = {}  # deployment -> (monotonic, live)
+        self._workers_lock = asyncio.Lock()
+        self._cleanup: set[asyncio.Task] = set()
+
+    # ---------------------------------------------------------------- helpers
+    def spawn(self, coro) -> None:
+        """Run clean-up work that must finish even if the caller is being cancelled."""
+        task = asyncio.ensure_future(coro)
+        self._cleanup.add(task)
+        task.add_done_callback(self._cleanup.discard)
+
+    async def wait_cleanup(self, timeout: float) -> None:
+        """Wait (at most `timeout` seconds) for the clean-up work started with `spawn`."""
+        if self._cleanup:
+            await asyncio.wait(set(self._cleanup), timeout=max(0.1, timeout))
+
+    async def event(self, kind: str, event) -> None:
+        """Publish a lifecycle event, best effort: a request goes on when it cannot be sent."""
+        try:
+            await self.bus.publish(self.subjects.event(kind), event)
+        except Exception:  # noqa: BLE001 - events are best effort; the request goes on
+            logger.warning("could not publish %s for %s", kind, getattr(event, "request_id", "?"))
+
+    def ready_to_serve(self) -> bool:
+        return self.ready.is_set() and not self.draining and self.bus is not None and self.bus.nc.is_connected
+
+    # ---------------------------------------------------------------- worker liveness
+    async def on_heartbeat(self, hb: Heartbeat) -> None:
+        self._heartbeats[hb.worker_id] = (time.monotonic(), hb.ttl_s)
+        self._down.pop(hb.worker_id, None)
+
+    async def on_down(self, ev: WorkerDown) -> None:
+        self._down[ev.worker_id] = (time.monotonic(), ev.reason)
+        self._heartbeats.pop(ev.worker_id, None)
+
+    def worker_gone(self, worker_id: str, since: float) -> str:
+        """Why `worker_id` is known dead since `since` (monotonic), or '' if it is not."""
+        down = self._down.get(worker_id)
+        if down and down[0] >= since - 1.0:
+            return down[1]
+        seen = self._heartbeats.get(worker_id)
+        if seen and time.monotonic() - seen[0] > seen[1]:
+            return f"no heartbeat for {time.monotonic() - seen[0]:.1f}s (ttl {seen[1]:.1f}s)"
+        return ""
+
+    async def live_workers(self, dep_id: str) -> list[Heartbeat]:
+        """Live workers of a deployment, from the Redis registry, cached for WORKERS_CACHE_S;
+        on a Redis error the last copy answers, else GatewayError 503."""
+        hit = self._workers.get(dep_id)
+        if hit and time.monotonic() - hit[0] < WORKERS_CACHE_S:
+            return hit[1]
+        async with self._workers_lock:
+            hit = self._workers.get(dep_id)
+            if hit and time.monotonic() - hit[0] < WORKERS_CACHE_S:
+                return hit[1]
+            try:
+                live = await asyncio.wait_for(self.state.live_workers(), timeout=2.0)
+            except Exception as exc:
+                if hit:
+                    return hit[1]
+                raise GatewayError(503, f"cluster state (Redis) unavailable: {exc}", retry_after=1) from exc
+            ws = [hb for hb in live if hb.deployment == dep_id]
+            self._workers[dep_id] = (time.monotonic(), ws)
+            return ws
+
+    # ---------------------------------------------------------------- deployments
+    async def refresh_deployments(self, force: bool = False) -> dict[str, Deployment]:
+        """Deployments from Redis, cached; on a Redis error the cached copy answers."""
+        if not force and time.monotonic() - self._deployments_at < self.settings.deployment_cache_s:
+            return self._deployments
+        async with self._deployments_lock:
+            if not force and time.monotonic() - self._deployments_at < self.settings.deployment_cache_s:
+                return self._deployments
+            try:
+                deps = await asyncio.wait_for(self.state.list_deployments(), timeout=2.0)
+                adapters = await asyncio.wait_for(self.state.list_adapters(), timeout=2.0)
+            except Exception as exc:
+                if not self._deployments:
+                    raise
+                logger.warning("Redis unavailable (%s); serving %d cached deployments", exc,
+                               len(self._deployments))
+                self._deployments_at = time.monotonic()
+                return self._deployments
+            self._deployments = {d.id: d for d in deps}
+            self.adapters = {a.name: a for a in adapters}
+            self._deployments_at = time.monotonic()
+            return self._deployments
+
+    async def find_deployment(self, model: str) -> tuple[Deployment | None, AdapterSpec | None]:
+        """What a request's `model` names: a deployment (by id, else model name), or a
+        registered LoRA adapter, which resolves to its base deployment (as in vLLM)."""
+        deps = await self.refresh_deployments()
+        if model in deps:
+            return deps[model], None
+        for dep in deps.values():
+            if dep.model == model:
+                return dep, None
+        spec = self.adapters.get(model)
+        if spec is not None:
+            return deps.get(spec.deployment), spec
+        return None, None
+
+
+def gateway_state(request: Request) -> GatewayState:
+    """FastAPI dependency: the GatewayState of the app that serves the request."""
+    return request.app.state.gateway
+
+
+Gateway = Annotated[GatewayState, Depends(gateway_state)]
+"""A route parameter of this type receives the gateway's state."""
