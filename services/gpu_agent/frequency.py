@@ -21,14 +21,16 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from polyserve.gpu_agent import gpu_model, miad
 from polyserve.gpu_agent.clock_control import ClockActuator, choose_actuator
+from polyserve.gpu_agent.config import GpuAgentSettings
+from polyserve.gpu_agent.gpu import Gpu, GpuReading
+from polyserve.gpu_agent.workers import WorkerProc
 from polyserve.proto import Completed, ScaleSignal, Subjects
-
-if TYPE_CHECKING:
-    from polyserve.gpu_agent.service import GpuAgentService
+from polyserve.shared.bus import Bus
+from polyserve.shared.state import State
 
 logger = logging.getLogger(__name__)
 SLO_REFRESH_S = 5.0
@@ -44,10 +46,24 @@ class LatencySample:
     decode_ms: float
 
 
+class AgentPort(Protocol):
+    """What the MIAD loop uses of its gpu-agent (the service implements it)."""
+
+    settings: GpuAgentSettings
+    gpu: Gpu | None
+    gpu_id: str
+    bus: Bus
+    state: State
+    subjects: Subjects
+    workers: dict[str, WorkerProc]
+
+    async def read_gpu(self) -> GpuReading: ...
+
+
 class FrequencyController:
     """State of the MIAD loop of one agent."""
 
-    def __init__(self, agent: GpuAgentService):
+    def __init__(self, agent: AgentPort):
         self.agent = agent
         self.samples: dict[str, deque[LatencySample]] = {}
         self.targets: dict[str, tuple[str, float]] = {}  # deployment -> (metric, target ms)

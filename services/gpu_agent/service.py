@@ -13,14 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
-import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from opentelemetry.sdk.trace.export import SpanExporter
 
@@ -30,6 +23,7 @@ from polyserve.gpu_agent.energy import EnergyMeter, energy_source
 from polyserve.gpu_agent.frequency import FrequencyController
 from polyserve.gpu_agent.gpu import Gpu, GpuReading, detect_gpu
 from polyserve.gpu_agent.handlers import AgentHandlers
+from polyserve.gpu_agent.workers import WorkerPool, WorkerProc
 from polyserve.proto import (
     AgentInfo,
     Completed,
@@ -45,25 +39,6 @@ from polyserve.shared.lifecycle import ServiceBase
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class WorkerProc:
-    """A worker process this agent started."""
-
-    worker_id: str
-    deployment: str
-    model: str
-    engine: str
-    proc: subprocess.Popen
-    log_path: Path
-    started_at: float = field(default_factory=time.time)
-    stopping: bool = False
-    kill_at: float | None = None  # monotonic deadline for SIGKILL once stopping
-    killed: bool = False
-
-    def view(self) -> policy.WorkerView:
-        return policy.WorkerView(self.worker_id, self.deployment, self.started_at, self.stopping)
-
-
 class GpuAgentService(ServiceBase):
     """Publishes GPU telemetry, keeps AgentInfo in Redis, starts/stops/watches workers."""
 
@@ -75,12 +50,11 @@ class GpuAgentService(ServiceBase):
         self.settings: GpuAgentSettings = settings
         self.gpu: Gpu | None = gpu
         self.gpu_id = settings.gpu_id
-        self.workers: dict[str, WorkerProc] = {}
-        self.load: dict[str, int] = {}  # worker_id -> running + waiting, from heartbeats
-        self.log_dir = Path(settings.worker_log_dir) if settings.worker_log_dir else None
-        self.handlers = AgentHandlers(self)
-        self.frequency = FrequencyController(self)
+        self.pool = WorkerPool(settings)
         self.energy = EnergyMeter(settings.gpu_id)
+        self.handlers = AgentHandlers(settings, self.pool, self.energy, spawn=self.spawn_worker,
+                                      publish_info=self.publish_info, gpu_id=lambda: self.gpu_id)
+        self.frequency = FrequencyController(self)
 
     # ------------------------------------------------------------------ lifecycle
     async def on_start(self) -> None:
@@ -89,9 +63,7 @@ class GpuAgentService(ServiceBase):
             self.gpu = await asyncio.to_thread(detect_gpu, s.gpu_index, s.force_simulated)
         self.gpu_id = policy.resolve_gpu_id(s.gpu_id, s.gpu_index, self.gpu.simulated)
         self.energy.gpu_id = self.gpu_id
-        if self.log_dir is None:
-            self.log_dir = Path(tempfile.mkdtemp(prefix=f"polyserve-{self.gpu_id}-"))
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.pool.open_log_dir(self.gpu_id)
         for other in await self.state.live_agents():
             if other.gpu_id == self.gpu_id:
                 logger.warning("another gpu-agent (pid %d) is live for %s; ids will clash",
@@ -107,7 +79,7 @@ class GpuAgentService(ServiceBase):
             await self.frequency.start()
             self.background(self.frequency.loop(), "miad")
         logger.info("gpu-agent %s (%s, simulated=%s); worker logs in %s",
-                    self.gpu_id, self.gpu.name, self.gpu.simulated, self.log_dir)
+                    self.gpu_id, self.gpu.name, self.gpu.simulated, self.pool.log_dir)
 
     async def on_drain(self, timeout: float) -> None:
         """SIGTERM every worker, wait up to `timeout`, SIGKILL stragglers, leave Redis."""
@@ -136,6 +108,16 @@ class GpuAgentService(ServiceBase):
             self.gpu.close()
 
     # ------------------------------------------------------------------ state
+    @property
+    def workers(self) -> dict[str, WorkerProc]:
+        """This agent's worker processes by id (the pool's)."""
+        return self.pool.workers
+
+    @property
+    def load(self) -> dict[str, int]:
+        """worker_id -> running + waiting, from heartbeats (the pool's)."""
+        return self.pool.load
+
     def info(self) -> AgentInfo:
         """This agent as the planner sees it: workers not being stopped."""
         return AgentInfo(gpu_id=self.gpu_id, simulated=bool(self.gpu and self.gpu.simulated),
@@ -152,69 +134,20 @@ class GpuAgentService(ServiceBase):
 
     # ------------------------------------------------------------------ workers
     def spawn_worker(self, req: StartWorker) -> str:
-        """Start one worker process for `req`; returns its id. Raises OSError if it cannot."""
-        s = self.settings
-        worker_id = f"w-{uuid.uuid4().hex[:10]}"
-        cmd = policy.worker_command(s.worker_cmd, s.worker_module, sys.executable)
-        cuda = "" if self.gpu is None or self.gpu.simulated else (self.gpu.uuid or str(s.gpu_index))
-        env = policy.worker_env(os.environ, nats_url=s.nats_url, redis_url=s.redis_url, prefix=s.prefix,
-                                worker_id=worker_id, deployment=req.deployment, model=req.model,
-                                engine=req.engine, gpu_id=self.gpu_id, time_scale=s.worker_time_scale,
-                                cuda_device=cuda, extra=req.extra_env)
-        assert self.log_dir is not None
-        log_path = self.log_dir / f"{worker_id}.log"
-        with open(log_path, "ab") as log:  # the child keeps its own descriptor
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True)
-        self.workers[worker_id] = WorkerProc(worker_id, req.deployment, req.model, req.engine, proc, log_path)
-        logger.info("started worker %s (pid %d) for %s/%s engine=%s; log %s",
-                    worker_id, proc.pid, req.deployment, req.model, req.engine, log_path)
-        return worker_id
+        """Start one worker process for `req` on this GPU; returns its id. Raises OSError if it cannot."""
+        cuda = "" if self.gpu is None or self.gpu.simulated else (self.gpu.uuid or str(self.settings.gpu_index))
+        return self.pool.spawn(req, self.gpu_id, cuda)
 
     def stop_workers(self, worker_ids: list[str], timeout: float) -> list[str]:
         """SIGTERM the named workers; the watcher SIGKILLs them after `timeout`."""
-        stopped = []
-        for wid in worker_ids:
-            w = self.workers.get(wid)
-            if w is None or w.stopping:
-                continue
-            w.stopping = True
-            w.kill_at = time.monotonic() + timeout
-            try:
-                os.kill(w.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass  # already gone; the watcher reaps it
-            stopped.append(wid)
-            logger.info("stopping worker %s (pid %d), SIGKILL after %.1fs", wid, w.proc.pid, timeout)
-        return stopped
+        return self.pool.stop(worker_ids, timeout)
 
     async def reap(self) -> None:
-        """Collect exited workers; SIGKILL stopping ones past their deadline."""
-        changed = False
-        now = time.monotonic()
-        for w in list(self.workers.values()):
-            if not _exited(w.proc):
-                if w.stopping and w.kill_at is not None and now >= w.kill_at and not w.killed:
-                    logger.warning("worker %s ignored SIGTERM for its drain timeout; SIGKILL", w.worker_id)
-                    _kill_group(w.proc.pid)
-                    w.killed = True
-                continue
-            _kill_group(w.proc.pid)  # orphans of the worker; the zombie keeps the group id ours
-            rc = w.proc.wait()
-            if self.workers.pop(w.worker_id, None) is None:
-                continue  # a concurrent reap (watcher and drain) already reported it
-            self.load.pop(w.worker_id, None)
-            if w.stopping:
-                how = "killed by gpu-agent after its drain timeout" if w.killed else "stopped by gpu-agent"
-                reason = f"{how} ({policy.exit_reason(rc)})"
-                logger.info("worker %s %s", w.worker_id, reason)
-            else:
-                reason = policy.exit_reason(rc)
-                changed = True
-                logger.warning("worker %s (%s) exited on its own: %s; log %s",
-                               w.worker_id, w.deployment, reason, w.log_path)
+        """Collect exited workers (SIGKILL stopping ones past their deadline) and tell the cluster."""
+        gone = self.pool.reap()
+        for w, reason, _ in gone:
             await self._worker_gone(w, reason)
-        if changed:
+        if any(unexpected for _, _, unexpected in gone):
             await self.publish_info()
 
     async def _worker_gone(self, w: WorkerProc, reason: str) -> None:
@@ -250,7 +183,7 @@ class GpuAgentService(ServiceBase):
     async def read_gpu(self) -> GpuReading:
         """One reading; the simulation is fed the load its workers report."""
         assert self.gpu is not None
-        active = [w for w in self.workers.values() if not w.stopping]
+        active = self.pool.active()
         self.gpu.set_load(sum(self.load.get(w.worker_id, 0) for w in active), len(active))
         if self.gpu.simulated:
             return self.gpu.read()
@@ -288,23 +221,3 @@ class GpuAgentService(ServiceBase):
         except Exception as exc:  # noqa: BLE001
             logger.warning("cannot store the energy report of %s: %s", self.gpu_id, exc)
         return rep
-
-
-def _exited(proc: subprocess.Popen) -> bool:
-    """True when the process has exited, without reaping it (so its pid stays ours)."""
-    if proc.returncode is not None:
-        return True
-    try:
-        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:
-        return proc.poll() is not None
-    except AttributeError:  # no waitid on this platform
-        return proc.poll() is not None
-
-
-def _kill_group(pid: int) -> None:
-    """SIGKILL the session/process group a worker leads (start_new_session=True)."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
