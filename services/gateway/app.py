@@ -1,12 +1,16 @@
-"""The gateway's FastAPI app: health, readiness, metrics and the model list here; the
-OpenAI-compatible endpoints in completions.py and embeddings.py, the management API in
-admin.py. Every route receives the GatewayState the app was built with."""
+"""The gateway's FastAPI app: health, readiness, metrics, version and the model list here
+(`/health` and `/ping`, GET and POST, answer as `/readyz`, as vLLM's server has them); the
+OpenAI-compatible endpoints in completions.py and embeddings.py, `/tokenize` and
+`/detokenize` in tokens.py, the management API in admin.py. Every route receives the
+GatewayState the app was built with."""
 from __future__ import annotations
+
+from importlib import metadata
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from . import admin, completions, embeddings
+from . import admin, completions, embeddings, tokens
 from .context import Gateway, GatewayState
 from .errors import add_error_handlers
 
@@ -18,6 +22,17 @@ async def healthz() -> dict:
 async def readyz(gs: Gateway) -> JSONResponse:
     ok = gs.ready_to_serve()
     return JSONResponse({"ready": ok, "draining": gs.draining}, status_code=200 if ok else 503)
+
+
+def polyserve_version() -> str:
+    try:
+        return metadata.version("polyserve")
+    except metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
+async def version() -> dict:
+    return {"version": polyserve_version()}
 
 
 async def metrics(gs: Gateway) -> Response:
@@ -36,14 +51,18 @@ async def models(gs: Gateway) -> dict:
 
 def build_app(gs: GatewayState) -> FastAPI:
     """The app serving `gs`: error envelopes, then every route."""
-    app = FastAPI(title="polyserve gateway", version="0.1.0")
+    app = FastAPI(title="polyserve gateway", version=polyserve_version())
     app.state.gateway = gs
     add_error_handlers(app)
     app.add_api_route("/healthz", healthz, methods=["GET"])
     app.add_api_route("/readyz", readyz, methods=["GET"])
+    app.add_api_route("/health", readyz, methods=["GET"], include_in_schema=False)  # vLLM's names for readiness
+    app.add_api_route("/ping", readyz, methods=["GET", "POST"], include_in_schema=False)
+    app.add_api_route("/version", version, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/v1/models", models, methods=["GET"])
     completions.add_completion_routes(app)
     embeddings.add_embedding_routes(app)
+    tokens.add_token_routes(app)
     admin.add_admin_routes(app)
     return app

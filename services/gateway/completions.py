@@ -1,17 +1,27 @@
 """OpenAI-compatible `POST /v1/completions` and `POST /v1/chat/completions`: validate the
-body, `admit()` it (admission.py), run it (handlers.RequestRun) and answer in one JSON
-body or as server-sent events."""
+body (compat.py refuses the fields polyserve does not honour), `admit()` it (admission.py),
+run it (handlers.RequestRun) and answer in one JSON body or as server-sent events.
+
+A completions request with a list of prompts is a batch: every prompt runs as a request
+of its own (its own id `<id>-<i>`, prediction, placement and terminal event) under the
+one admission; choice `j` of prompt `i` has index `i * n + j`, as OpenAI numbers them,
+and usage is summed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 
-from . import policy
+from polyserve.proto import TokenChunk
+
+from . import compat, policy
 from .admission import Admission, admit
 from .context import Gateway, GatewayState
 from .errors import GatewayError
@@ -25,42 +35,53 @@ def add_completion_routes(app: FastAPI) -> None:
 
 
 async def completions(body: CompletionBody, request: Request, gs: Gateway) -> Response:
-    return await serve(gs, request, body, policy.completion_prompt(body), chat=False)
+    return await serve(gs, request, body, policy.completion_prompts(body, gs.settings.max_prompts), chat=False)
 
 
 async def chat(body: ChatBody, request: Request, gs: Gateway) -> Response:
-    return await serve(gs, request, body, policy.render_chat(body.messages), chat=True)
+    return await serve(gs, request, body, [policy.render_chat(body.messages)], chat=True)
 
 
-async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatBody, prompt: str,
+async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatBody, prompts: list[str],
                 chat: bool) -> Response:
-    """Validate, admit and run one completion; a stream keeps the in-flight slot until it ends."""
+    """Validate, admit and run the prompts; a stream keeps the in-flight slot until it ends."""
     s = gs.settings
-    if len(prompt) > s.max_prompt_chars:
-        raise policy.InvalidRequest(f"prompt is {len(prompt)} characters; the limit is {s.max_prompt_chars}",
-                                    "prompt")
+    chars = sum(len(p) for p in prompts)
+    if chars > s.max_prompt_chars:
+        raise policy.InvalidRequest(f"prompt is {chars} characters; the limit is {s.max_prompt_chars}", "prompt")
     params = policy.sampling_params(body, default_max_tokens=s.default_max_tokens,
                                     max_tokens_limit=s.max_tokens_limit, max_n=s.max_n)
     adm = await admit(gs, body.model, adapter=body.adapter)
-    run = RequestRun(gs=gs, deployment=adm.deployment, prompt=prompt, params=params, stream=body.stream,
-                     adapter=adm.adapter, priority=body.priority)
+    engine = adm.deployment.engine
+    if engine not in compat.ENDPOINTS["chat"][1] and engine in compat.ENGINES:
+        raise policy.InvalidRequest(f"'{adm.deployment.id}' is an embedding model (engine {engine}); it serves "
+                                    "/v1/embeddings, not completions", "model")
+    headers = compat.ignored_header(compat.check("chat" if chat else "completions", body, engine))
+    batch_id = "cmpl-" + uuid.uuid4().hex[:24]
+    runs = [RequestRun(gs=gs, deployment=adm.deployment, prompt=p, params=params, stream=bool(body.stream),
+                       adapter=adm.adapter, priority=body.priority,
+                       **({"request_id": f"{batch_id}-{i}"} if len(prompts) > 1 else {}))
+            for i, p in enumerate(prompts)]
+    rid = runs[0].request_id if len(runs) == 1 else batch_id
     span = adm.begin("gateway " + ("chat" if chat else "completion"), request.headers)
-    span.set_attribute("polyserve.request_id", run.request_id)
+    span.set_attribute("polyserve.request_id", rid)
     handed_off = False
     try:
         with trace.use_span(span, end_on_exit=False):
-            await run.start()
+            await _start(runs)
         if body.stream:
             handed_off = True
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(adm, run, chat, include_usage), media_type="text/event-stream",
-                                     headers=_sim_header(adm.deployment.engine == "sim"))
+            headers.update(_sim_header(adm.deployment.engine == "sim") or {})
+            return StreamingResponse(_stream(adm, runs, rid, chat, include_usage), media_type="text/event-stream",
+                                     headers=headers)
         with trace.use_span(span, end_on_exit=False):
-            out = await _collect(request, run)
+            out = await _collect(request, runs)
+        headers.update(_sim_header(out.simulated) or {})
         return JSONResponse(policy.full_response(
-            chat=chat, request_id=run.request_id, model=adm.deployment.id, texts=out.texts, finish=out.finish,
+            chat=chat, request_id=rid, model=adm.deployment.id, texts=out.texts, finish=out.finish,
             prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-            simulated=out.simulated), headers=_sim_header(out.simulated))
+            simulated=out.simulated), headers=headers)
     except GatewayError as exc:
         adm.failed(exc)
         raise
@@ -69,43 +90,110 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
             adm.end()
 
 
-async def _collect(request: Request, run: RequestRun) -> Outcome:
-    """Collect a non-streamed answer; a client that goes away cancels it at the worker."""
-    task = asyncio.ensure_future(run.collect())
+async def _start(runs: list[RequestRun]) -> None:
+    """Start every run (predict, dispatch, hand to a worker); if one fails, cancel the others."""
+    results = await asyncio.gather(*(r.start() for r in runs), return_exceptions=True)
+    failure = next((r for r in results if isinstance(r, BaseException)), None)
+    if failure is not None:
+        for run, res in zip(runs, results):
+            if not isinstance(res, BaseException):
+                await run.cancel("another prompt of the batch failed")
+        raise failure
+
+
+async def _collect(request: Request, runs: list[RequestRun]) -> Outcome:
+    """Collect the non-streamed answers; a client that goes away, or one failed prompt of a batch,
+    cancels the rest at their workers."""
+    tasks = [asyncio.ensure_future(r.collect()) for r in runs]
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                await run.cancel("client disconnected")
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, timeout=0.5, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                if t.exception() is not None:
+                    raise t.exception()
+            if pending and await request.is_disconnected():
                 raise GatewayError(499, "client disconnected")
+        return _merge([t.result() for t in tasks])
+    except BaseException as exc:
+        reason = "client disconnected" if isinstance(exc, GatewayError) and exc.status == 499 else \
+            "another prompt of the batch failed"
+        for task, run in zip(tasks, runs):
+            if not task.done():
+                task.cancel()
+                await run.cancel(reason)
+        raise
+
+
+def _merge(outs: list[Outcome]) -> Outcome:
+    """One Outcome for a batch: choices in prompt order (index = prompt * n + j), usage summed."""
+    if len(outs) == 1:
+        return outs[0]
+    return Outcome(texts=[t for o in outs for t in o.texts], finish=[f for o in outs for f in o.finish],
+                   prompt_tokens=sum(o.prompt_tokens for o in outs),
+                   completion_tokens=sum(o.completion_tokens for o in outs),
+                   simulated=any(o.simulated for o in outs))
+
+
+async def _chunks(runs: list[RequestRun]) -> AsyncIterator[tuple[int, TokenChunk]]:
+    """(prompt index, chunk) of every run, as they come; a failure of one run ends it all."""
+    if len(runs) == 1:
+        async for chunk in runs[0].chunks():
+            yield 0, chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, run: RequestRun) -> None:
+        try:
+            async for chunk in run.chunks():
+                queue.put_nowait((i, chunk, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((i, None, exc))
+        queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(runs)]
+    try:
+        open_runs = len(runs)
+        while open_runs:
+            i, chunk, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if chunk is None:
+                open_runs -= 1
+                continue
+            yield i, chunk
     finally:
-        if not task.done():
-            task.cancel()
+        for t in tasks:
+            if not t.done():
+                t.cancel()  # RequestRun.chunks() cancels its request at the worker
+        with contextlib.suppress(BaseException):
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _stream(adm: Admission, run: RequestRun, chat: bool, include_usage: bool):
+async def _stream(adm: Admission, runs: list[RequestRun], rid: str, chat: bool, include_usage: bool):
     """The SSE body; an error after the first byte goes out as an error chunk."""
     firsts: set[int] = set()
-    model = run.deployment.id
+    model = runs[0].deployment.id
+    n = runs[0].params.n
+    usage = [0, 0]
     try:
         with trace.use_span(adm.span, end_on_exit=False):
-            async for chunk in run.chunks():
+            async for i, chunk in _chunks(runs):
                 if chunk.done:
-                    if include_usage and chunk.stats:
-                        yield _sse(policy.usage_chunk(chat=chat, request_id=run.request_id, model=model,
-                                                      prompt_tokens=chunk.stats.input_tokens,
-                                                      completion_tokens=chunk.stats.output_tokens))
+                    if chunk.stats:
+                        usage[0] += chunk.stats.input_tokens
+                        usage[1] += chunk.stats.output_tokens
                     continue  # chunks() ends after the done chunk
                 if not chunk.text and not chunk.finish_reason:
                     continue
-                yield _sse(policy.stream_chunk(chat=chat, request_id=run.request_id, model=model,
-                                               index=chunk.index, text=chunk.text,
-                                               finish_reason=chunk.finish_reason,
-                                               first=chunk.index not in firsts, simulated=chunk.simulated))
-                firsts.add(chunk.index)
+                index = i * n + chunk.index
+                yield _sse(policy.stream_chunk(chat=chat, request_id=rid, model=model, index=index,
+                                               text=chunk.text, finish_reason=chunk.finish_reason,
+                                               first=index not in firsts, simulated=chunk.simulated))
+                firsts.add(index)
+        if include_usage:
+            yield _sse(policy.usage_chunk(chat=chat, request_id=rid, model=model, prompt_tokens=usage[0],
+                                          completion_tokens=usage[1]))
         yield b"data: [DONE]\n\n"
     except GatewayError as exc:
         adm.failed(exc)

@@ -17,6 +17,7 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     max_tokens_limit: int = 4096
     default_max_tokens: int = 16
     max_n: int = 8
+    max_prompts: int = 64  # prompts in one /v1/completions request (each runs as a request of its own)
     max_embedding_inputs: int = 2048
     max_prompt_chars: int = 200_000
     deployment_cache_s: float = 5.0

@@ -40,6 +40,7 @@ from polyserve.proto import (
 )
 from polyserve.shared.bus import BusError
 
+from . import compat
 from .admission import admit, place
 from .context import Gateway, GatewayState
 from .errors import GatewayError, status_of
@@ -58,6 +59,7 @@ class EmbeddingBody(BaseModel):
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
     truncate: bool = False  # extension: cut inputs longer than the largest runtime instead of a 400
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: -1 = the largest runtime, k = k tokens
 
 
 def _as_items(body: EmbeddingBody) -> tuple[list[str] | None, list[list[int]] | None]:
@@ -155,8 +157,13 @@ async def embeddings(body: EmbeddingBody, request: Request, gs: Gateway) -> JSON
     _check_size(gs, texts, arrays)
     adm = await admit(gs, body.model)
     dep = adm.deployment
+    unknown = compat.check("embeddings", body, dep.engine)
+    cut = body.truncate_prompt_tokens
+    if cut == 0:
+        raise InvalidRequest("truncate_prompt_tokens must be -1 (the largest runtime) or a number of tokens",
+                             "truncate_prompt_tokens")
     encoders = await _encoders(gs, dep)
-    rows, dim = await _tokenized(dep, encoders, texts, arrays, body.truncate)
+    rows, dim = await _tokenized(dep, encoders, texts, arrays, -1 if body.truncate and cut is None else cut)
     if body.dimensions is not None and body.dimensions != dim:
         raise InvalidRequest(f"'{dep.id}' embeds into {dim} dimensions; it cannot produce "
                              f"{body.dimensions}", "dimensions")
@@ -177,7 +184,7 @@ async def embeddings(body: EmbeddingBody, request: Request, gs: Gateway) -> JSON
     finally:
         adm.end()
     gs.metrics.finished(dep.id, 200, time.monotonic() - run.t0)
-    return _response(dep, replies, body.encoding_format)
+    return _response(dep, replies, body.encoding_format, compat.ignored_header(unknown))
 
 
 def _check_size(gs: GatewayState, texts: list[str] | None, arrays: list[list[int]] | None) -> None:
@@ -205,9 +212,10 @@ async def _encoders(gs: GatewayState, dep: Deployment) -> list[Heartbeat]:
 
 
 async def _tokenized(dep: Deployment, encoders: list[Heartbeat], texts: list[str] | None,
-                     arrays: list[list[int]] | None, truncate: bool) -> tuple[list[list[int]], int]:
+                     arrays: list[list[int]] | None, cut: int | None) -> tuple[list[list[int]], int]:
     """(token rows with special tokens, embedding dimension); every row fits the largest runtime
-    of `dep`, cut to it with `truncate`, else an over-long input is a 400 saying the limit."""
+    of `dep`: `cut` -1 cuts rows to it, `cut` k to k tokens, else an over-long input is a 400
+    saying the limit."""
     from polyserve.core.encoder_text import EncoderNotFound, load_text_tokenizer, model_dir_for, truncate_ids
 
     try:
@@ -226,9 +234,11 @@ async def _tokenized(dep: Deployment, encoders: list[Heartbeat], texts: list[str
         rows = [tok.wrap(ids) for ids in arrays]
     limit = max(hb.max_input_len if hb.max_input_len > 0 else tok.max_positions for hb in encoders)
     limit = min(limit, tok.max_positions)
+    if cut is not None and cut > 0:
+        rows = [truncate_ids(r, min(cut, limit), tok.sep_id) for r in rows]
     for i, r in enumerate(rows):
         if len(r) > limit:
-            if not truncate:
+            if cut is None:
                 raise InvalidRequest(f"input[{i}] is {len(r)} tokens; the largest runtime of '{dep.id}' "
                                      f"takes at most {limit} tokens (special tokens included). Shorten it, "
                                      f"or send \"truncate\": true to cut inputs to {limit}", "input",
@@ -237,14 +247,15 @@ async def _tokenized(dep: Deployment, encoders: list[Heartbeat], texts: list[str
     return rows, tok.dim
 
 
-def _response(dep: Deployment, replies: list[EmbedReply], encoding_format: str) -> JSONResponse:
+def _response(dep: Deployment, replies: list[EmbedReply], encoding_format: str,
+              headers: dict[str, str]) -> JSONResponse:
     tokens = sum(sum(r.tokens) for r in replies)
     simulated = any(r.simulated for r in replies)
     out = {"object": "list", "model": dep.id,
            "data": [{"object": "embedding", "index": i, "embedding": _vector(r.embeddings[0], encoding_format)}
                     for i, r in enumerate(replies)],
            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-    headers = {"X-Polyserve-Runtimes": ",".join(sorted({r.runtime for r in replies}))}
+    headers = {**headers, "X-Polyserve-Runtimes": ",".join(sorted({r.runtime for r in replies}))}
     if simulated:
         out["simulated"] = True
         headers["X-Polyserve-Simulated"] = "true"

@@ -51,18 +51,27 @@ def render_chat(messages: list[ChatMessage]) -> str:
     return "\n".join(lines) + "\nassistant:"
 
 
-def completion_prompt(body: CompletionBody) -> str:
-    if isinstance(body.prompt, list):
-        if len(body.prompt) != 1:
-            raise InvalidRequest("send exactly one prompt per request (a list of one string is fine)",
-                                 "prompt")
-        return body.prompt[0]
-    return body.prompt
+def completion_prompts(body: CompletionBody, max_prompts: int) -> list[str]:
+    """The prompts of a completions request: one string, or a list of strings (a batch, each
+    prompt a request of its own). Token-id prompts are refused: the workers take text."""
+    p = body.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise InvalidRequest("prompt is an empty list; send a string or a list of strings", "prompt")
+    if not all(isinstance(x, str) for x in p):
+        raise InvalidRequest("token-id prompts are not supported by polyserve (its workers take text); send the "
+                             "prompt as text (POST /detokenize turns token ids into text)", "prompt",
+                             code="unsupported_parameter")
+    if len(p) > max_prompts:
+        raise InvalidRequest(f"{len(p)} prompts in one request; the limit is {max_prompts}: split it", "prompt")
+    return list(p)
 
 
 def sampling_params(body: CompletionBody | ChatBody, *, default_max_tokens: int, max_tokens_limit: int,
                     max_n: int) -> SamplingParams:
-    """Validate the sampling fields and turn them into the wire SamplingParams."""
+    """Validate the sampling fields and turn them into the wire SamplingParams (None: the default;
+    top_k -1 or 0: off; ignore_eos: min_tokens = max_tokens)."""
     max_tokens = body.max_tokens
     if isinstance(body, ChatBody) and body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
@@ -73,16 +82,19 @@ def sampling_params(body: CompletionBody | ChatBody, *, default_max_tokens: int,
     if max_tokens > max_tokens_limit:
         raise InvalidRequest(f"max_tokens {max_tokens} is above this deployment's limit of "
                              f"{max_tokens_limit}; ask for fewer", "max_tokens")
-    if body.n > max_n:
-        raise InvalidRequest(f"n must be between 1 and {max_n}, got {body.n}", "n")
+    n = 1 if body.n is None else body.n
+    if n > max_n:
+        raise InvalidRequest(f"n must be between 1 and {max_n}, got {n}", "n")
     if body.min_tokens > max_tokens:
         raise InvalidRequest(f"min_tokens ({body.min_tokens}) cannot exceed max_tokens ({max_tokens})",
                              "min_tokens")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > 4 or any(not s for s in stop):
         raise InvalidRequest("stop takes up to 4 non-empty strings", "stop")
-    return SamplingParams(max_tokens=max_tokens, min_tokens=body.min_tokens, temperature=body.temperature,
-                          top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=stop, n=body.n)
+    return SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens if body.ignore_eos else body.min_tokens,
+                          temperature=1.0 if body.temperature is None else body.temperature,
+                          top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0),
+                          seed=body.seed, stop=stop, n=n)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

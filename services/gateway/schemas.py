@@ -11,32 +11,38 @@ from polyserve.proto import ATGT_SLO_MS, TTFT_SLO_MS
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # ignored: usage comes once, in the final chunk
 
 
 class _Sampling(BaseModel):
+    """Fields polyserve honours; every other field stays in `model_extra` and compat.py
+    (the table in compat_table.py) refuses it, lets it pass or logs it."""
+
     model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: int | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1)
-    stream: bool = False
+    temperature: float | None = Field(None, ge=0.0, le=2.0)  # None: 1.0
+    top_p: float | None = Field(None, gt=0.0, le=1.0)  # None: 1.0
+    n: int | None = Field(None, ge=1)  # None: 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None
     # extensions (vLLM-style)
-    top_k: int = Field(0, ge=0)
+    top_k: int | None = Field(None, ge=-1)  # None, 0 or -1: off
     min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool | None = False
     priority: int = 0
     adapter: str | None = None
 
 
 class CompletionBody(_Sampling):
-    prompt: str | list[str]
-    echo: bool = False
+    prompt: str | list[str] | list[int] | list[list[int]]
 
 
 class ChatMessage(BaseModel):
@@ -73,7 +79,7 @@ class DeploymentBody(BaseModel):
 
     id: str | None = Field(None, pattern=r"^[A-Za-z0-9_\-]{1,64}$")
     model: str = Field(min_length=1, max_length=200)
-    engine: Literal["sim", "hf", "vllm", "encoder"] = "sim"
+    engine: Literal["sim", "hf", "vllm", "encoder", "openai-http"] = "sim"
     policy: str = "least_outstanding"
     scaler: ScalerBody = ScalerBody()
     ttft_slo_ms: float = Field(TTFT_SLO_MS, gt=0)  # time-to-first-token SLO

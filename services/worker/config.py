@@ -9,7 +9,7 @@ import msgspec
 from polyserve.shared import settings as settings_mod
 from polyserve.shared.settings import CommonSettings, SettingsError
 
-ENGINES = ("sim", "hf", "vllm", "encoder")
+ENGINES = ("sim", "hf", "vllm", "encoder", "openai-http")
 LORA_COLD_START = ("cpu_assisted", "on_demand")
 SCHEDULING = ("fcfs", "priority", "ssjf")
 
@@ -63,12 +63,27 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
     lora_long_window_s: float = 60.0  # ... > lora_rise_factor x the long-window rate
     lora_rise_factor: float = 2.0
     lora_prefetch_min_rate: float = 0.5  # requests/s in the short window before prefetch
+    # openai-http engine: an OpenAI-compatible engine server (vllm serve, SGLang, TGI, transformers serve)
+    upstream_url: str = ""  # its address, e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)
+    upstream_model: str = ""  # the model name it serves; "" = the first of its GET /v1/models
+    upstream_api_key: str = ""  # sent as "Authorization: Bearer ..." ("" = none)
+    upstream_metrics_url: str = ""  # Prometheus text; "" = <upstream_url>/metrics, "off" = none
+    upstream_metrics_interval_s: float = 1.0  # how often /metrics is read for the heartbeat load
+    upstream_connect_timeout_s: float = 5.0
+    upstream_timeout_s: float = 600.0  # read timeout: longest wait for the next bytes of an answer
+    upstream_start_timeout_s: float = 60.0  # how long start-up waits for GET /v1/models to answer
+    upstream_stream: bool = True  # SSE streaming (false: one non-streamed answer per request)
+    upstream_include_usage: bool = True  # ask for stream_options.include_usage (token counts)
+    upstream_extra_body: str = ""  # JSON object merged into every request body
+    upstream_tokenizer: str = ""  # tokenizer.json (or its directory) for exact counts; "" = model_path's
 
     def validate(self) -> None:
         """Raise SettingsError naming the worker setting that cannot be used."""
         super().validate()
         if self.engine not in ENGINES:
             raise SettingsError(f"engine {self.engine!r} is unknown; choose one of {', '.join(ENGINES)}")
+        if self.engine == "openai-http":
+            self._validate_upstream()
         if self.scheduling not in SCHEDULING:
             raise SettingsError(f"scheduling {self.scheduling!r} is unknown; choose one of {', '.join(SCHEDULING)}")
         if self.worker_id and any(c in self.worker_id for c in " .*>:"):
@@ -89,6 +104,27 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
             CachePolicy.from_settings(self)
         except CacheError as exc:
             raise SettingsError(f"LoRA cache (lora_* settings): {exc}") from None
+
+    def _validate_upstream(self) -> None:
+        if not self.upstream_url.startswith(("http://", "https://")):
+            raise SettingsError("engine openai-http needs upstream_url, the engine server's http(s):// address "
+                                "(env POLYSERVE_WORKER_UPSTREAM_URL)")
+        if self.upstream_metrics_interval_s <= 0 or self.upstream_connect_timeout_s <= 0 \
+                or self.upstream_timeout_s <= 0 or self.upstream_start_timeout_s < 0:
+            raise SettingsError("upstream_metrics_interval_s, upstream_connect_timeout_s and upstream_timeout_s "
+                                "must be > 0, upstream_start_timeout_s >= 0")
+        if self.upstream_extra_body:
+            _check_json_object(self.upstream_extra_body, "upstream_extra_body")
+
+
+def _check_json_object(text: str, name: str) -> None:
+    import json
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise SettingsError(f"{name} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise SettingsError(f"{name} must be a JSON object")
 
 
 def with_worker_id(settings: WorkerSettings) -> WorkerSettings:

@@ -270,3 +270,56 @@ async def test_redis_briefly_down_gateway_serves_cached_reads(plane, infra_serve
             assert [m.id for m in models.data] == [MODEL]
         finally:
             os.kill(infra_servers.redis_pid, signal.SIGCONT)
+
+
+async def test_health_ping_version_answer_as_readyz(plane):
+    from polyserve.gateway.app import polyserve_version
+
+    async with plane() as p:
+        async with httpx.AsyncClient(base_url=p.url) as h:
+            ready = await h.get("/readyz")
+            for method, path in (("GET", "/health"), ("GET", "/ping"), ("POST", "/ping")):
+                r = await h.request(method, path)
+                assert (r.status_code, r.json()) == (200, ready.json()), (method, path)
+            assert (await h.get("/version")).json() == {"version": polyserve_version()}
+            p.gateway.gs.draining = True  # cannot serve: 503, as /readyz
+            try:
+                assert [(await h.get(u)).status_code for u in ("/readyz", "/health", "/ping")] == [503] * 3
+            finally:
+                p.gateway.gs.draining = False
+
+
+async def test_batched_prompts_are_requests_of_their_own(plane, bus, subjects):
+    """A list of prompts: each through the predictor and dispatcher with its own id and events;
+    choice j of prompt i has index i * n + j; usage summed; streamed and not."""
+    events: list = []
+    await collect_events(bus, subjects, events)
+    async with plane() as p:
+        one = await p.client.completions.create(model=MODEL, prompt="alpha beta", max_tokens=4, n=2, seed=3,
+                                                extra_body={"min_tokens": 4})
+        two = await p.client.completions.create(model=MODEL, prompt="gamma", max_tokens=4, n=2, seed=3,
+                                                extra_body={"min_tokens": 4})
+        both = await p.client.completions.create(model=MODEL, prompt=["alpha beta", "gamma"], max_tokens=4, n=2,
+                                                 seed=3, extra_body={"min_tokens": 4})
+        assert [c.index for c in both.choices] == [0, 1, 2, 3]
+        assert [c.text for c in both.choices] == [c.text for c in one.choices + two.choices]
+        assert both.usage.prompt_tokens == one.usage.prompt_tokens + two.usage.prompt_tokens
+        assert both.usage.completion_tokens == 16
+        stream = await p.client.completions.create(model=MODEL, prompt=["alpha beta", "gamma"], max_tokens=4, n=2,
+                                                   seed=3, stream=True, stream_options={"include_usage": True},
+                                                   extra_body={"min_tokens": 4})
+        texts: dict[int, str] = {}
+        chunks = [c async for c in stream]
+        for c in chunks:
+            for ch in c.choices:
+                texts[ch.index] = texts.get(ch.index, "") + ch.text
+        assert [texts[i] for i in range(4)] == [c.text for c in both.choices]
+        assert chunks[-1].usage.total_tokens == both.usage.total_tokens
+        with pytest.raises(openai.BadRequestError, match="limit is 64"):
+            await p.client.completions.create(model=MODEL, prompt=["x"] * 65, max_tokens=1)
+    for i in (0, 1):
+        rid = f"{both.id}-{i}"
+        await wait_for(lambda rid=rid: any(getattr(e, "request_id", None) == rid and kind(e) == "completed"
+                                           for e in events), what=f"completed event of {rid}")
+        kinds = [kind(e) for e in events if getattr(e, "request_id", None) == rid]
+        assert kinds == ["admitted", "predicted", "dispatched", "first_token", "completed"]

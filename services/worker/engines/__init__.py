@@ -1,7 +1,8 @@
 """Engine implementations and the factory the worker uses to pick one.
 
 `sim` is always available. `hf` and `vllm` import heavy libraries (torch,
-transformers, vllm), so they are imported only when chosen.
+transformers, vllm), so they are imported only when chosen; `openai-http` fronts an
+engine server over HTTP and needs the `openai` package.
 """
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import importlib
 
 from polyserve.worker.engine import Engine, EngineError
 
-ENGINES = ("sim", "hf", "vllm", "encoder")
+ENGINES = ("sim", "hf", "vllm", "encoder", "openai-http")
 _LAZY = {
     "hf": ("polyserve.worker.engines.hf", "HfEngine"),
     "vllm": ("polyserve.worker.engines.vllm_engine", "VllmEngine"),
     "encoder": ("polyserve.worker.engines.encoder", "EncoderEngine"),
+    "openai-http": ("polyserve.worker.engines.openai_http", "OpenAIHttpEngine"),
 }
 
 

@@ -1,0 +1,233 @@
+"""The OpenAI/vLLM request-field contract of the gateway, as data: for every request field
+of the OpenAI API that vLLM's OpenAI-compatible server (0.33) accepts, per endpoint, whether
+polyserve honours it, refuses it (400 naming the field) or ignores it on purpose (with the
+reason). `compat.py` enforces it, docs/openai-compatibility.md is generated from it
+(`python -m polyserve.gateway.compat`) and tests/integration/test_openai_compat.py walks it
+with the official `openai` client, so the three cannot drift apart.
+
+A refused field is still accepted at its no-op values (`noop`: e.g. `echo: false`,
+`logprobs: null`), which clients send by default. `example` is a value that the
+conformance test sends (never a no-op). Engines: what one engine does differently from
+the rest goes into `engines`; everything else goes through the same wire SamplingParams."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+HONOURED, REFUSED, IGNORED = "honoured", "refused", "ignored"
+GENERATIVE = ("sim", "hf", "vllm", "openai-http")
+ENGINES = GENERATIVE + ("encoder",)
+ENDPOINTS = {  # endpoint -> (method and path, the engines that serve it)
+    "completions": ("POST /v1/completions", GENERATIVE),
+    "chat": ("POST /v1/chat/completions", GENERATIVE),
+    "embeddings": ("POST /v1/embeddings", ("encoder",)),
+    "tokenize": ("POST /tokenize", ("hf", "vllm", "openai-http", "encoder")),  # sim: 501, no token ids
+    "detokenize": ("POST /detokenize", ("hf", "vllm", "openai-http", "encoder")),
+}
+LATER = "not implemented yet (issue 18: logprobs/echo, structured outputs and tools come next)"
+
+
+@dataclass(frozen=True)
+class Rule:
+    status: str
+    why: str
+    noop: tuple = ()  # values accepted although the field is refused (they ask for nothing)
+    example: Any = None  # a value the conformance test sends; None: not walked (shape needs a worker)
+    engines: Mapping[str, tuple[str, str]] = field(default_factory=dict)  # engine -> (status, why) where it differs
+
+    def status_for(self, engine: str) -> str:
+        return self.engines.get(engine, (self.status, self.why))[0]
+
+    def why_for(self, engine: str) -> str:
+        return self.engines.get(engine, (self.status, self.why))[1]
+
+
+def H(why: str, example: Any = None, **engines: tuple[str, str]) -> Rule:
+    return Rule(HONOURED, why, example=example, engines=engines)
+
+
+def R(why: str, noop: tuple = (None,), example: Any = None) -> Rule:
+    return Rule(REFUSED, why, noop=noop, example=example)
+
+
+def I(why: str, example: Any = None) -> Rule:
+    return Rule(IGNORED, why, example=example)
+
+
+SIM_IGNORES = (IGNORED, "the sim draws pseudo-words (labelled simulated); only seed and temperature 0 shape them")
+
+# Fields of both /v1/completions and /v1/chat/completions.
+SAMPLING: dict[str, Rule] = {
+    "model": H("a deployment id or model name, or a registered LoRA adapter"),
+    "max_tokens": H("per choice; capped by the gateway's max_tokens_limit", 3),
+    "n": H("choices per prompt, up to the gateway's max_n", 2),
+    "temperature": H("0 is greedy", 0.5, sim=(HONOURED, "0: the same prompt gives the same text")),
+    "top_p": H("nucleus sampling", 0.9, sim=SIM_IGNORES),
+    "top_k": H("0 or -1: off (vLLM's convention)", 5, sim=SIM_IGNORES),
+    "seed": H("the same seed gives the same text", 7),
+    "stop": H("up to 4 strings; the text ends before the stop string", ["zzz"]),
+    "stream": H("server-sent events, ending with `data: [DONE]`", True),
+    "stream_options": H("`include_usage` adds a final usage chunk; `continuous_usage_stats` is ignored: usage "
+                        "comes once, in that final chunk (guidellm sends it and reads the last usage)",
+                        {"include_usage": True}),
+    "min_tokens": H("no EOS and no stop string before this many tokens", 2),
+    "ignore_eos": H("generate to max_tokens (min_tokens = max_tokens); refused together with `stop`", True),
+    "priority": H("lower is served first, as in vLLM, by workers with a priority-aware `scheduling`", 1),
+    "adapter": H("polyserve extension: a registered LoRA adapter of the deployment"),
+    "user": I("polyserve keeps no per-user accounting; the field is not forwarded", "someone"),
+    "metadata": I("OpenAI's stored-completion tags; polyserve stores no completions", {"k": "v"}),
+    "request_id": I("polyserve assigns its own request ids (the response's `id`)", "my-id"),
+    "session_id": I("a routing hint; the dispatcher places by load and SLO, not by session", "s1"),
+    "stream_interval": I("chunks are relayed as the worker emits them; the text is the same", 2),
+    "service_tier": I("polyserve schedules by priority and SLO, not by OpenAI's service tiers", "default"),
+    "prompt_cache_key": I("a cache-routing hint; the dispatcher does not route by cache key", "k"),
+    "safety_identifier": I("polyserve keeps no per-user accounting", "someone"),
+    "store": R("polyserve stores no completions", (None, False), True),
+    "frequency_penalty": R("no engine applies penalties yet", (None, 0, 0.0), 0.5),
+    "presence_penalty": R("no engine applies penalties yet", (None, 0, 0.0), 0.5),
+    "repetition_penalty": R("no engine applies penalties yet", (None, 1, 1.0), 1.2),
+    "logit_bias": R("no engine applies logit biases", (None, {}), {"50256": -100}),
+    "min_p": R("not applied by the samplers", (None, 0, 0.0), 0.1),
+    "use_beam_search": R("no beam search", (None, False), True),
+    "length_penalty": R("beam search only; no beam search", (None, 1, 1.0), 0.5),
+    "best_of": R("OpenAI's best_of (removed from vLLM): not supported", (None, 1), 2),
+    "stop_token_ids": R("stop strings only", (None, []), [2]),
+    "include_stop_str_in_output": R("the stop string is never included", (None, False), True),
+    "skip_special_tokens": R("special tokens are always skipped in the text", (None, True), False),
+    "spaces_between_special_tokens": R("special tokens are always skipped", (None, True), False),
+    "truncate_prompt_tokens": R("prompts are never truncated; an over-long prompt is a 400", (None,), 8),
+    "truncation_side": R("prompts are never truncated", (None,), "left"),
+    "allowed_token_ids": R("no token restrictions", (None,), [1, 2]),
+    "bad_words": R("no token restrictions", (None, []), ["bad"]),
+    "prompt_logprobs": R(LATER, (None,), 1),
+    "logprob_token_ids": R(LATER, (None,), [1]),
+    "return_tokens_as_token_ids": R(LATER, (None, False), True),
+    "return_token_ids": R("responses carry text only", (None, False), True),
+    "return_token_offsets": R("responses carry text only", (None, False), True),
+    "return_weight_versions": R("no weight versions", (None, False), True),
+    "routed_experts_prompt_start": R("no expert routing data", (None, 0), 1),
+    "response_format": R(LATER, (None, {"type": "text"}), {"type": "json_object"}),
+    "structured_outputs": R(LATER, (None,), {"regex": "[a-z]+"}),
+    "guided_json": R(LATER + "; vLLM's removed guided_* fields", (None,), {"type": "object"}),
+    "guided_regex": R(LATER + "; vLLM's removed guided_* fields", (None,), "[a-z]+"),
+    "guided_choice": R(LATER + "; vLLM's removed guided_* fields", (None,), ["a", "b"]),
+    "guided_grammar": R(LATER + "; vLLM's removed guided_* fields", (None,), "root ::= \"a\""),
+    "guided_decoding_backend": R(LATER + "; vLLM's removed guided_* fields", (None,), "xgrammar"),
+    "guided_whitespace_pattern": R(LATER + "; vLLM's removed guided_* fields", (None,), " "),
+    "prompt_embeds": R("text prompts only", (None,), "AAAA"),
+    "mm_payload": R("no multimodal inputs", (None, "tensors"), "none"),
+    "return_mm_kwargs": R("no multimodal inputs", (None, False), True),
+    "mm_processor_kwargs": R("no multimodal inputs", (None, {}), {"x": 1}),
+    "cache_salt": R("no per-request prefix-cache isolation", (None,), "salt"),
+    "kv_transfer_params": R("no KV transfer between engines", (None,), {"x": 1}),
+    "ec_transfer_params": R("no encoder-cache transfer", (None,), {"x": 1}),
+    "vllm_xargs": R("no extra engine arguments per request", (None, {}), {"x": 1}),
+    "repetition_detection": R("not applied", (None,), {"x": 1}),
+    "thinking_token_budget": R("no reasoning budget", (None,), 10),
+    "watermarking": R("no watermarking", (None, False), True),
+}
+
+COMPLETIONS: dict[str, Rule] = {
+    **SAMPLING,
+    "prompt": H("a string, or a list of strings (each its own request; choice index = prompt × n + j); "
+                "token-id prompts are refused (workers take text)", ["one", "two"]),
+    "echo": R(LATER, (None, False), True),
+    "logprobs": R(LATER, (None,), 1),
+    "suffix": R("no insertion (fill-in-the-middle)", (None, ""), "end"),
+    "add_special_tokens": R("the engine adds the special tokens its model needs", (None, True), False),
+}
+
+CHAT: dict[str, Rule] = {
+    **SAMPLING,
+    "messages": H("text content (strings or `text` parts), rendered as a role-prefixed transcript; "
+                  "other content parts and `tool_calls` are refused"),
+    "max_completion_tokens": H("as max_tokens (wins over it)", 3),
+    "logprobs": R(LATER, (None, False), True),
+    "top_logprobs": R(LATER, (None, 0), 2),
+    "echo": R(LATER, (None, False), True),
+    "tools": R(LATER, (None, []), [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    "tool_choice": R(LATER + "; `none` and `auto` without tools ask for nothing", (None, "none", "auto"),
+                     "required"),
+    "parallel_tool_calls": I("only meaningful with tools, which are refused", False),
+    "functions": R(LATER, (None, []), [{"name": "f", "parameters": {}}]),
+    "function_call": R(LATER, (None, "none", "auto"), {"name": "f"}),
+    "reasoning_effort": R("no reasoning control", (None,), "low"),
+    "include_reasoning": R("no reasoning parser: reasoning text stays in the content", (None, True), False),
+    "verbosity": R("no verbosity control", (None,), "low"),
+    "modalities": R("text output only", (None, ["text"]), ["text", "audio"]),
+    "audio": R("text output only", (None,), {"voice": "alloy", "format": "wav"}),
+    "prediction": R("no predicted outputs", (None,), {"type": "content", "content": "x"}),
+    "web_search_options": R("no web search", (None,), {}),
+    "add_generation_prompt": R("the transcript always ends with the assistant's turn", (None, True), False),
+    "continue_final_message": R("the transcript always opens a new assistant turn", (None, False), True),
+    "add_special_tokens": R("the engine adds the special tokens its model needs", (None, False), True),
+    "documents": R("no RAG documents in the prompt", (None,), [{"text": "x"}]),
+    "chat_template": R("a role-prefixed transcript, not a chat template", (None,), "{{ messages }}"),
+    "chat_template_kwargs": R("a role-prefixed transcript, not a chat template", (None, {}), {"x": 1}),
+    "media_io_kwargs": R("no multimodal inputs", (None, {}), {"x": {}}),
+    "return_prompt_text": R("responses carry the completion only", (None, False), True),
+}
+
+# Fields of a chat message (`messages[i].<field>`).
+MESSAGE: dict[str, Rule] = {
+    "role": H("system, developer, user, assistant, tool"),
+    "content": H("a string or `text` parts; image, audio and file parts are refused"),
+    "name": I("the role-prefixed transcript has no participant names"),
+    "tool_call_id": I("a tool message is rendered as `tool: <content>`"),
+    "tool_calls": R(LATER, (None, [])),
+    "function_call": R(LATER, (None,)),
+    "reasoning_content": I("earlier reasoning is not part of the transcript"),
+    "reasoning": I("earlier reasoning is not part of the transcript"),
+    "refusal": I("an assistant refusal is not part of the transcript"),
+}
+
+EMBEDDINGS: dict[str, Rule] = {
+    "model": H("a deployment of the encoder engine"),
+    "input": H("a string, a list of strings, token ids or a list of token-id lists"),
+    "encoding_format": H("float or base64 (little-endian float32)", "base64"),
+    "dimensions": H("only the model's own dimension (no Matryoshka truncation)"),
+    "truncate_prompt_tokens": H("-1: cut to the largest runtime; k: cut to k tokens (specials included)", -1),
+    "truncate": H("polyserve extension: true is truncate_prompt_tokens -1", True),
+    "user": I("polyserve keeps no per-user accounting", "someone"),
+    "request_id": I("polyserve assigns its own request ids", "my-id"),
+    "priority": I("encoder runtimes serve their queue in order (Arlo)", 1),
+    "cache_salt": I("encoders keep no cache across requests", "salt"),
+    "add_special_tokens": R("[CLS] and [SEP] are always added", (None, True), False),
+    "padding": R("each runtime pads to its own length", (None,), "max_length"),
+    "truncation_side": R("inputs are cut on the right", (None, "right"), "left"),
+    "embed_dtype": R("float32 only", (None, "float32"), "float16"),
+    "endianness": R("little-endian only", (None, "native", "little"), "big"),
+    "use_activation": R("the pooled, normalised vector only", (None,), False),
+    "normalize": R("vectors are always normalised", (None, True), False),
+    "mm_processor_kwargs": R("no multimodal inputs", (None, {}), {"x": 1}),
+    "messages": R("chat embeddings are not served: send `input`", (None,), [{"role": "user", "content": "x"}]),
+    "add_generation_prompt": R("chat embeddings are not served", (None, False), True),
+    "continue_final_message": R("chat embeddings are not served", (None, False), True),
+    "chat_template": R("chat embeddings are not served", (None,), "{{ messages }}"),
+    "chat_template_kwargs": R("chat embeddings are not served", (None, {}), {"x": 1}),
+    "media_io_kwargs": R("no multimodal inputs", (None, {}), {"x": {}}),
+}
+
+TOKENIZE: dict[str, Rule] = {
+    "model": H("a deployment whose tokenizer the gateway can load (\"Which tokenizer\" above); optional with one deployment"),
+    "prompt": H("text, tokenized as the engine tokenizes prompts"),
+    "messages": H("rendered as the transcript the gateway sends for chat completions"),
+    "add_special_tokens": H("default: what the engine does for a prompt", False),
+    "add_generation_prompt": H("false leaves the closing `assistant:` line out", False),
+    "return_token_strs": H("adds `token_strs`", True),
+    "continue_final_message": R("the transcript always opens a new assistant turn", (None, False), True),
+    "chat_template": R("a role-prefixed transcript, not a chat template", (None,), "{{ messages }}"),
+    "chat_template_kwargs": R("a role-prefixed transcript, not a chat template", (None, {}), {"x": 1}),
+    "media_io_kwargs": R("no multimodal inputs", (None, {}), {"x": {}}),
+    "mm_processor_kwargs": R("no multimodal inputs", (None, {}), {"x": 1}),
+    "tools": R(LATER, (None, []), [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+}
+
+DETOKENIZE: dict[str, Rule] = {
+    "model": H("as for /tokenize"),
+    "tokens": H("token ids inside the vocabulary"),
+}
+
+TABLES: dict[str, dict[str, Rule]] = {"completions": COMPLETIONS, "chat": CHAT, "embeddings": EMBEDDINGS,
+                                      "tokenize": TOKENIZE, "detokenize": DETOKENIZE}

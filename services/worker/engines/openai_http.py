@@ -1,0 +1,499 @@
+"""The `openai-http` engine: a worker in front of an OpenAI-compatible engine server.
+
+The model runs in another process — `vllm serve`, SGLang, TGI, `transformers serve` —
+and this engine drives it through its `/v1` HTTP endpoints, the way AIBrix, llm-d and
+production-stack drive vLLM. Tested in this project against `transformers serve`
+(tests/integration/test_openai_http_engine.py); vLLM, SGLang and TGI speak the same wire
+format but were not run here.
+
+Requests (the official `openai` async client, `AsyncOpenAI.completions.create`):
+- every request goes to `POST /v1/completions` with the prompt the worker received (the
+  gateway renders chat messages into that prompt, so the upstream's own chat template is
+  not applied); the model is `upstream_model`, or the adapter's name when the request
+  names a LoRA adapter (vLLM serves adapters as model names);
+- streamed (`upstream_stream`, the default) with `stream_options.include_usage` (off with
+  `upstream_include_usage=false` for servers that reject it): each SSE chunk's text becomes
+  a Delta counted as one token; the upstream's `usage` (prompt and completion tokens) gives
+  the Finished stats when it sends one, else the chunk count and the `count_tokens` estimate;
+- sampling: max_tokens, temperature, top_p, seed, stop (when given), n (when > 1); top_k
+  and min_tokens only when set (> 0), as extra body fields (vLLM and SGLang accept them; a
+  server that does not, such as `transformers serve`, answers 422); `upstream_extra_body`
+  (JSON) is merged into every request;
+- cancel() cancels the request's task, which closes the HTTP response: the upstream sees
+  the client disconnect and stops generating (vLLM aborts the request, `transformers serve`
+  cancels its streamer);
+- errors: an HTTP error answer becomes an EngineError with the upstream's status and
+  message; a connection failure 502, a timeout 504, an error event inside the stream 502.
+  The worker accepts a request before the upstream answers, so the gateway reports
+  upstream errors as a 502 whose message carries the upstream status.
+
+Load (heartbeats): the upstream's Prometheus `/metrics`, read by `openai_http_metrics`
+(vLLM, SGLang and TGI gauges; requests sent since the last scrape count as waiting); a
+server without usable metrics falls back to this engine's own in-flight count (a request
+is waiting until its first token, then running).
+
+LoRA: `load_adapter` POSTs vLLM's runtime endpoint `/v1/load_lora_adapter`
+{lora_name, lora_path} (vLLM needs `--enable-lora` and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True),
+`unload_adapter` `/v1/unload_lora_adapter` {lora_name}. The path is the upstream's path;
+when it is readable here its PEFT config gives the rank, else the rank is reported as 0.
+A server without those endpoints (404/405) makes adapter loads fail with 501.
+
+Tokens: `count_tokens` uses `upstream_tokenizer` (or `model_path`'s tokenizer.json), else 1.3 x words.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+
+from polyserve.proto import AdapterInfo
+from polyserve.worker.engine import (
+    Delta,
+    Engine,
+    EngineError,
+    EngineLoad,
+    EngineOverloaded,
+    EngineRequest,
+    Finished,
+    check_request,
+    free_adapter,
+    make_stats,
+    relay,
+)
+from polyserve.worker.engines.openai_http_metrics import (  # noqa: F401
+    KV_FRACTION_METRICS,
+    KV_INFO_METRIC,
+    RUNNING_METRICS,
+    WAITING_METRICS,
+    MetricsPoller,
+    UpstreamLoad,
+    parse_metrics,
+    server_root,
+    words_estimate,
+)
+from polyserve.worker.lora import AdapterError, AdapterRegistry, AdapterSpec, check_name, read_adapter
+
+logger = logging.getLogger(__name__)
+
+FINISH_REASONS = {"abort": "cancelled", "eos_token": "stop", "stop_sequence": "stop"}
+
+
+@dataclass(eq=False)
+class _Flight:
+    """One request sent upstream: its task, its event queue, per-choice progress."""
+
+    req: EngineRequest
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    task: asyncio.Task | None = None
+    start: float = field(default_factory=time.monotonic)
+    first: float | None = None
+    step_times: list[float] = field(default_factory=list)
+    tokens: dict[int, int] = field(default_factory=dict)
+    seen: set[int] = field(default_factory=set)
+    ended: set[int] = field(default_factory=set)
+    usage: tuple[int, int] | None = None  # (prompt_tokens, completion_tokens) from the upstream
+    done: bool = False
+
+
+class OpenAIHttpEngine(Engine):
+    """polyserve's Engine over an OpenAI-compatible server's /v1 API."""
+
+    name = "openai-http"
+    simulated = False
+
+    def __init__(self, settings: Any):
+        def g(key: str, default: Any) -> Any:
+            return getattr(settings, key, default)
+
+        url = str(g("upstream_url", "") or "")
+        if not url.startswith(("http://", "https://")):
+            raise EngineError("the openai-http engine needs upstream_url, the engine server's address "
+                              "(e.g. http://127.0.0.1:8000 for `vllm serve`; env POLYSERVE_WORKER_UPSTREAM_URL)",
+                              400)
+        self.root = server_root(url)
+        self.api_url = self.root + "/v1"
+        self.upstream_model = str(g("upstream_model", "") or "")
+        self.model_name = str(g("model", "") or "") or self.upstream_model or "upstream-model"
+        self.api_key = str(g("upstream_api_key", "") or "")
+        metrics = str(g("upstream_metrics_url", "") or "")
+        self.metrics_url = None if metrics.lower() in ("off", "none", "-") else (metrics or self.root + "/metrics")
+        self.metrics_interval = float(g("upstream_metrics_interval_s", 1.0))
+        self.connect_timeout = float(g("upstream_connect_timeout_s", 5.0))
+        self.read_timeout = float(g("upstream_timeout_s", 600.0))
+        self.start_timeout = float(g("upstream_start_timeout_s", 60.0))
+        self.stream = bool(g("upstream_stream", True))
+        self.include_usage = bool(g("upstream_include_usage", True))
+        extra = g("upstream_extra_body", "") or {}
+        try:
+            self.extra_body: dict = json.loads(extra) if isinstance(extra, str) else dict(extra)
+        except ValueError as exc:
+            raise EngineError(f"upstream_extra_body is not JSON: {exc}", 400) from exc
+        self.max_waiting = int(g("max_waiting", 256))
+        self.max_batch = int(g("max_batch", 64))
+        self.max_input_len = int(g("max_input_len", 4096))
+        self.kv_capacity_setting = int(g("kv_capacity_tokens", 0) or 0)
+        self.tokenizer_path = str(g("upstream_tokenizer", "") or "") or str(g("model_path", "") or "")
+        self.adapters = AdapterRegistry()
+        self.lora_supported: bool | None = None  # unknown until the first load
+        self.upstream_models: list[str] = []
+        self.poller: MetricsPoller | None = None
+        self._tokenizer: Any = None
+        self._client: Any = None
+        self._http: httpx.AsyncClient | None = None
+        self._flights: dict[str, _Flight] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._stopping = False
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> OpenAIHttpEngine:
+        return cls(settings)
+
+    # ----------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """Connect, wait up to `upstream_start_timeout_s` for GET /v1/models, poll /metrics."""
+        try:
+            import openai
+        except ImportError as exc:
+            raise EngineError(f"the openai-http engine needs the 'openai' package ({exc}); "
+                              "pip install openai", 500) from exc
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        timeout = httpx.Timeout(self.read_timeout, connect=self.connect_timeout)
+        limits = httpx.Limits(max_connections=self.max_batch + self.max_waiting + 8, max_keepalive_connections=32)
+        self._http = httpx.AsyncClient(timeout=timeout, headers=headers, limits=limits)
+        self._client = openai.AsyncOpenAI(base_url=self.api_url, api_key=self.api_key or "EMPTY", max_retries=0,
+                                          timeout=timeout, http_client=self._http)
+        self._tokenizer = self._load_tokenizer()
+        await self._wait_upstream()
+        self._stopping = False
+        if self.metrics_url is not None:
+            self.poller = MetricsPoller(self._http, self.metrics_url, self.metrics_interval,
+                                        lambda: {self.upstream_model, self.model_name, *self.adapters.names()})
+            await self.poller.start()
+        logger.info("openai-http engine: %s serving %r at %s; load from %s", self.model_name, self.upstream_model,
+                    self.api_url, self.metrics_url if self.metrics_state == "ok" else "in-flight count")
+
+    async def _wait_upstream(self) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        last = ""
+        while True:
+            try:
+                page = await self._client.models.list()
+                self.upstream_models = [m.id for m in page.data]
+                break
+            except Exception as exc:  # noqa: BLE001 - connection refused while the server starts, 5xx, ...
+                last = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() >= deadline:
+                await self._close_clients()
+                raise EngineError(f"the upstream engine server at {self.api_url} did not answer GET /v1/models "
+                                  f"within {self.start_timeout:g}s ({last})", 503)
+            await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        if not self.upstream_model:
+            if not self.upstream_models:
+                await self._close_clients()
+                raise EngineError(f"{self.api_url}/models lists no model; set upstream_model", 503)
+            self.upstream_model = self.upstream_models[0]
+        elif self.upstream_models and self.upstream_model not in self.upstream_models:
+            # Some servers (transformers serve) load models on demand and list only loaded ones.
+            logger.warning("upstream_model %r is not among the models %s lists: %s", self.upstream_model,
+                           self.api_url, ", ".join(self.upstream_models))
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self.poller is not None:
+            await self.poller.stop()
+        for fl in list(self._flights.values()):
+            self._fail(fl, EngineError("the worker's engine is stopping", 503))
+        tasks = [t for t in self._tasks if not t.done()]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=10)
+        await self._close_clients()
+
+    async def _close_clients(self) -> None:
+        http, self._http, self._client = self._http, None, None
+        if http is not None:
+            await http.aclose()
+
+    # ----------------------------------------------------------------- requests
+    async def generate(self, req: EngineRequest) -> AsyncIterator[Delta | Finished]:
+        fl = self._admit(req)  # raises on the first __anext__, before any suspension
+        async with contextlib.aclosing(relay(fl.queue, req.request_id, lambda: fl.done, self.cancel)) as events:
+            async for event in events:
+                yield event
+
+    def _admit(self, req: EngineRequest) -> _Flight:
+        if self._client is None or self._stopping:
+            raise EngineError("the openai-http engine is not running", 503)
+        check_request(req, max_batch=self.max_batch, adapters=self.adapters, known=self._flights,
+                      unit="sequences")
+        if not req.prompt:
+            raise EngineError("the prompt is empty", 400)
+        waiting = sum(1 for f in self._flights.values() if f.first is None)
+        if len(self._flights) >= self.max_batch + self.max_waiting or waiting >= self.max_waiting:
+            raise EngineOverloaded(f"{len(self._flights)} requests in flight to the upstream ({waiting} without "
+                                   f"output; max_waiting {self.max_waiting}); retry later")
+        fl = _Flight(req)
+        self._flights[req.request_id] = fl
+        fl.task = asyncio.create_task(self._pump(fl), name=f"openai-http:{req.request_id}")
+        self._tasks.add(fl.task)  # kept until it has closed its HTTP response, even after cancel()
+        fl.task.add_done_callback(self._tasks.discard)
+        return fl
+
+    def request_body(self, req: EngineRequest) -> tuple[dict, dict]:
+        """The create() keywords and the extra body fields for one request."""
+        p = req.params
+        kw: dict[str, Any] = dict(model=req.adapter or self.upstream_model, prompt=req.prompt,
+                                  max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p)
+        if p.n > 1:
+            kw["n"] = p.n
+        if p.stop:
+            kw["stop"] = list(p.stop)
+        if p.seed is not None:
+            kw["seed"] = p.seed
+        extra = dict(self.extra_body)
+        if p.top_k > 0:
+            extra["top_k"] = p.top_k
+        if p.min_tokens > 0:
+            extra["min_tokens"] = p.min_tokens
+        return kw, extra
+
+    async def _pump(self, fl: _Flight) -> None:
+        """Send the request and turn the upstream's answer into events (a task, so cancel() can close it)."""
+        import openai
+
+        kw, extra = self.request_body(fl.req)
+        try:
+            if self.stream:
+                if self.include_usage:
+                    kw["stream_options"] = {"include_usage": True}
+                stream = await self._client.completions.create(stream=True, extra_body=extra or None, **kw)
+                try:
+                    async for chunk in stream:
+                        if fl.done:
+                            break
+                        self._on_chunk(fl, chunk)
+                finally:
+                    await stream.close()  # closes the HTTP response: the upstream sees the disconnect
+            else:
+                resp = await self._client.completions.create(stream=False, extra_body=extra or None, **kw)
+                self._on_chunk(fl, resp, whole=True)
+            if not fl.done:
+                self._end(fl)
+        except asyncio.CancelledError:
+            if not fl.done:  # not by cancel(): the loop shutting down
+                self._fail(fl, EngineError("upstream request cancelled", 503))
+            raise
+        except openai.APIStatusError as exc:
+            self._fail(fl, EngineError(f"upstream {self.api_url} answered {exc.status_code}: "
+                                       f"{_detail(exc)}", exc.status_code))
+        except openai.APITimeoutError as exc:
+            self._fail(fl, EngineError(f"upstream {self.api_url} timed out: {exc}", 504))
+        except openai.APIConnectionError as exc:
+            self._fail(fl, EngineError(f"upstream {self.api_url} unreachable: {exc.__cause__ or exc}", 502))
+        except openai.APIError as exc:  # an error event inside the stream
+            self._fail(fl, EngineError(f"upstream {self.api_url} failed mid-stream: {_detail(exc)}", 502))
+        except Exception as exc:  # noqa: BLE001 - every upstream failure must reach the client
+            logger.warning("upstream request %s failed: %s: %s", fl.req.request_id, type(exc).__name__, exc)
+            self._fail(fl, EngineError(f"upstream {self.api_url}: {type(exc).__name__}: {exc}", 502))
+
+    def _on_chunk(self, fl: _Flight, chunk: Any, whole: bool = False) -> None:
+        now = time.monotonic()
+        usage = getattr(chunk, "usage", None)
+        if usage is not None and getattr(usage, "completion_tokens", None) is not None:
+            fl.usage = (int(usage.prompt_tokens or 0), int(usage.completion_tokens or 0))
+        stepped = False
+        n = fl.req.params.n
+        for choice in getattr(chunk, "choices", None) or ():
+            i = int(getattr(choice, "index", 0) or 0)
+            if i in fl.ended or not 0 <= i < n:
+                continue
+            fl.seen.add(i)
+            text = getattr(choice, "text", None) or ""
+            reason = getattr(choice, "finish_reason", None)
+            reason = FINISH_REASONS.get(reason, reason) if reason else None
+            count = 1 if text else 0
+            if whole:  # one answer for the whole request: its usage counts the tokens when n == 1
+                count = fl.usage[1] if fl.usage and n == 1 else words_estimate(text)
+            fl.tokens[i] = fl.tokens.get(i, 0) + count
+            stepped = stepped or count > 0
+            if text or count or reason:
+                fl.queue.put_nowait(Delta(index=i, text=text, tokens=count, finish_reason=reason))
+            if reason:
+                fl.ended.add(i)
+        if stepped:
+            if fl.first is None:
+                fl.first = now
+            fl.step_times.append(now)
+
+    def _end(self, fl: _Flight) -> None:
+        """The upstream's answer is complete: close open choices and finish."""
+        n = fl.req.params.n
+        missing = set(range(n)) - fl.seen
+        if missing and fl.seen:
+            self._fail(fl, EngineError(f"the upstream answered {len(fl.seen)} of n={n} choices; it does not "
+                                       "serve n > 1 (send n=1)", 502))
+            return
+        for i in sorted(set(range(n)) - fl.ended):
+            fl.queue.put_nowait(Delta(index=i, text="", tokens=0, finish_reason="stop"))
+            fl.ended.add(i)
+        self._finish(fl)
+
+    def _finish(self, fl: _Flight) -> None:
+        fl.done = True
+        self._flights.pop(fl.req.request_id, None)
+        counted = sum(fl.tokens.values())
+        prompt_tokens, output_tokens = fl.usage if fl.usage else (self.count_tokens(fl.req.prompt), counted)
+        steps = max(fl.tokens.values(), default=0)
+        if fl.usage and fl.req.params.n == 1:
+            steps = output_tokens
+        stats = make_stats(prompt_tokens, steps, fl.req.arrival, fl.start, fl.step_times)
+        fl.queue.put_nowait(Finished(stats=msgspec.structs.replace(stats, output_tokens=output_tokens)))
+
+    def _fail(self, fl: _Flight, exc: EngineError) -> None:
+        if fl.done:
+            return
+        fl.done = True
+        self._flights.pop(fl.req.request_id, None)
+        fl.queue.put_nowait(exc)
+
+    def cancel(self, request_id: str) -> bool:
+        """End a request now ("cancelled") and close its HTTP stream, which the upstream sees."""
+        fl = self._flights.get(request_id)
+        if fl is None or fl.done:
+            return False
+        for i in sorted(set(range(fl.req.params.n)) - fl.ended):
+            fl.queue.put_nowait(Delta(index=i, text="", tokens=0, finish_reason="cancelled"))
+            fl.ended.add(i)
+        self._finish(fl)
+        if fl.task is not None and not fl.task.done() and fl.task is not asyncio.current_task():
+            fl.task.cancel()
+        return True
+
+    # ----------------------------------------------------------------- load
+    @property
+    def metrics_state(self) -> str:
+        """Where the load comes from: ok (the server's /metrics) | absent | failing | unknown | off."""
+        return "off" if self.poller is None and self.metrics_url is None else (
+            self.poller.state if self.poller is not None else "unknown")
+
+    def load(self) -> EngineLoad:
+        own_running = sum(1 for f in self._flights.values() if f.first is not None)
+        own_waiting = len(self._flights) - own_running
+        m = self.poller.fresh() if self.poller is not None else None
+        capacity = (m.kv_capacity if m and m.kv_capacity else 0) or self.kv_capacity_setting
+        if m is None:
+            return EngineLoad(running=own_running, waiting=own_waiting, kv_used=0, kv_capacity=capacity,
+                              max_input_len=self.max_input_len, adapters=self.adapters.infos())
+        running = int(m.running or 0)
+        waiting = int(m.waiting or 0)
+        # Sent since that scrape, so not in it yet: count them as waiting.
+        waiting += sum(1 for f in self._flights.values() if f.start > m.at)
+        kv_used = 0
+        if m.kv_used is not None:
+            kv_used = int(m.kv_used)
+        elif m.kv_fraction is not None and capacity:
+            kv_used = round(m.kv_fraction * capacity)
+        return EngineLoad(running=running, waiting=waiting, kv_used=kv_used, kv_capacity=capacity,
+                          max_input_len=self.max_input_len, adapters=self.adapters.infos())
+
+    # ----------------------------------------------------------------- tokens, card
+    def _load_tokenizer(self) -> Any:
+        if not self.tokenizer_path:
+            return None
+        path = Path(self.tokenizer_path).expanduser()
+        path = path / "tokenizer.json" if path.is_dir() else path
+        if not path.is_file():
+            return None
+        try:
+            from tokenizers import Tokenizer
+            tok = Tokenizer.from_file(str(path))
+            tok.no_padding()  # a saved tokenizer.json may pad or truncate to a fixed length
+            tok.no_truncation()
+            return tok
+        except Exception as exc:  # noqa: BLE001 - fall back to the estimate
+            logger.warning("cannot read tokenizer %s (%s); counting tokens as 1.3 x words", path, exc)
+            return None
+
+    def count_tokens(self, text: str) -> int:
+        """Exact with `upstream_tokenizer` (or model_path's tokenizer.json), else 1.3 x words."""
+        if self._tokenizer is not None:
+            return len(self._tokenizer.encode(text).ids)
+        return words_estimate(text)
+
+    def model_card(self) -> dict:
+        return {"engine": self.name, "simulated": False, "model": self.model_name,
+                "upstream": self.api_url, "upstream_model": self.upstream_model,
+                "upstream_models": list(self.upstream_models), "metrics": self.metrics_url or "off",
+                "metrics_state": self.metrics_state, "streaming": self.stream,
+                "lora": {None: "unknown until the first load", True: "runtime endpoints",
+                         False: "unsupported by the upstream"}[self.lora_supported],
+                "tokenizer": "exact" if self._tokenizer is not None else "estimate (1.3 x words)",
+                "max_input_len": self.max_input_len}
+
+    # ----------------------------------------------------------------- adapters
+    def has_adapter(self, name: str) -> bool:
+        return name in self.adapters
+
+    async def _lora_call(self, endpoint: str, body: dict, what: str) -> None:
+        if self._http is None:
+            raise EngineError("the openai-http engine is not started", 503)
+        url = f"{self.api_url}/{endpoint}"
+        try:
+            resp = await self._http.post(url, json=body)
+        except httpx.HTTPError as exc:
+            raise EngineError(f"{what}: upstream {url} unreachable: {exc}", 502) from exc
+        if resp.status_code in (404, 405):
+            self.lora_supported = False
+            raise EngineError(f"{what}: the upstream at {self.root} does not serve LoRA adapters at runtime "
+                              f"(POST /v1/{endpoint} answered {resp.status_code}); for vLLM start it with "
+                              "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True", 501)
+        if resp.status_code >= 400:
+            raise EngineError(f"{what}: upstream {url} answered {resp.status_code}: {resp.text[:500]}",
+                              resp.status_code)
+        self.lora_supported = True
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """POST /v1/load_lora_adapter {lora_name, lora_path}; the path is as the upstream sees it."""
+        try:
+            check_name(name)
+        except AdapterError as exc:
+            raise EngineError(str(exc), exc.status) from exc
+        if name in self.adapters:
+            raise EngineError(f"adapter {name!r} is already loaded; unload it first", 409)
+        try:
+            spec = read_adapter(path)
+        except AdapterError:  # not readable here (the upstream's filesystem): rank unknown
+            spec = AdapterSpec(path=Path(path), rank=0, alpha=0.0, target_modules=())
+        await self._lora_call("load_lora_adapter", {"lora_name": name, "lora_path": str(path)},
+                              f"load adapter {name!r}")
+        logger.info("upstream %s loaded adapter %s from %s", self.root, name, path)
+        return self.adapters.add(name, spec)
+
+    async def unload_adapter(self, name: str, force: bool = False) -> None:
+        """POST /v1/unload_lora_adapter {lora_name}; 409 while requests use it unless `force`."""
+        free_adapter(name, self.adapters, list(self._flights.values()), force, self.cancel)
+        await self._lora_call("unload_lora_adapter", {"lora_name": name}, f"unload adapter {name!r}")
+        self.adapters.remove(name)
+        logger.info("upstream %s unloaded adapter %s", self.root, name)
+
+
+def _detail(exc: Any) -> str:
+    """The upstream's error message: its JSON body's message/detail/error when there is one."""
+    body = getattr(exc, "body", None)
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict):
+            inner = inner.get("message") or inner.get("detail") or inner
+        body = body.get("detail", inner) if "detail" in body else inner
+    text = body if isinstance(body, str) else (json.dumps(body) if body is not None else str(exc))
+    return text[:1000]
