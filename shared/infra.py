@@ -99,12 +99,20 @@ def start_nats(run_dir: Path, port: int | None = None, monitor_port: int | None 
 
 
 def start_redis(run_dir: Path, port: int | None = None, unix_socket: str | None = None,
-                timeout: float = 10.0) -> tuple[subprocess.Popen, str]:
-    """redis-server on a TCP port (0 = none) and/or a unix socket; returns (process, url)."""
+                timeout: float = 10.0, persist: bool = True) -> tuple[subprocess.Popen, str]:
+    """redis-server on a TCP port (0 = none) and/or a unix socket; returns (process, url).
+
+    `persist`: an append-only file (`appendonly.aof` in `run_dir`, fsynced every second),
+    so a Redis restart on the same `run_dir` keeps deployments and adapters (at most the
+    last second of writes is lost on a crash). `run_dir` is made owner-only (0700)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [find_redis_server(), "--port", str(port or 0), "--bind", "127.0.0.1", "--save", "",
-           "--appendonly", "no", "--dir", str(run_dir)]
+    os.chmod(run_dir, 0o700)
+    aof = ["--appendonly", "yes", "--appendfsync", "everysec"] if persist else ["--appendonly", "no"]
+    cmd = [find_redis_server(), "--port", str(port or 0), "--bind", "127.0.0.1", "--save", "", *aof,
+           "--dir", str(run_dir)]
     if unix_socket:
+        if os.path.exists(unix_socket):  # left by a killed redis-server: a restart re-creates it
+            os.unlink(unix_socket)
         cmd += ["--unixsocket", unix_socket, "--unixsocketperm", "700"]
     proc = _spawn("redis", cmd, run_dir / "redis-server.log")
     url = f"unix://{unix_socket}" if unix_socket else f"redis://127.0.0.1:{port}/0"

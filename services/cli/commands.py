@@ -19,7 +19,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     spec = launcher.ClusterSpec(run_dir=Path(args.run_dir), engine=args.engine, model=args.model or "",
                                 model_path=args.model_path or "", host=args.host, port=args.port,
                                 prefix=args.prefix, policy=args.policy, min_replicas=args.min_replicas,
-                                max_replicas=args.max_replicas, ready_timeout_s=args.timeout)
+                                max_replicas=args.max_replicas, ready_timeout_s=args.timeout,
+                                upstream_url=args.upstream_url or "", upstream_model=args.upstream_model or "",
+                                upstream_metrics_url=args.upstream_metrics_url or "",
+                                config_file=args.config or "", supervise=not args.no_supervisor)
     t0 = time.monotonic()
     try:
         state = launcher.up(spec, progress=_say)
@@ -30,6 +33,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     _say(f"  gateway      {state.gateway_url}/v1   (OpenAI-compatible; try GET {state.gateway_url}/v1/models)")
     _say(f"  events       polyserve events      (or: nats sub '{state.prefix}.>' --server {state.nats_url})")
     _say(f"  status       polyserve status      logs in {state.run_dir}/logs")
+    if spec.supervise:
+        _say(f"  supervisor   restarts a process that dies (pid {state.pids.get('supervisor')}; "
+             "logs/supervisor.log)")
     _say("  stop         polyserve down")
     if args.foreground:
         _say("running in the foreground; Ctrl-C stops everything")
@@ -63,6 +69,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         render_status(status)
     return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    from polyserve.cli import health
+
+    return health.main(args.service)
 
 
 def cmd_events(args: argparse.Namespace) -> int:
@@ -131,10 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     up = sub.add_parser("up", help="start nats, redis and the six services")
-    up.add_argument("--engine", default="auto", choices=["auto", "sim", "hf", "vllm"],
-                    help="auto: vllm with a GPU and vLLM, else hf, else sim")
+    up.add_argument("--engine", default="auto", choices=["auto", "sim", "hf", "vllm", "openai-http"],
+                    help="auto: vllm with a GPU and vLLM, else hf, else sim; openai-http: front an "
+                         "OpenAI-compatible engine server (--upstream-url)")
     up.add_argument("--model", help="model name to serve (default depends on the engine)")
     up.add_argument("--model-path", help="local Hugging Face checkpoint directory (hf/vllm engines)")
+    up.add_argument("--upstream-url", help="openai-http engine: the engine server's address, e.g. "
+                    "http://127.0.0.1:8001 (`vllm serve`, SGLang, TGI, `transformers serve`); an API key goes in "
+                    "env POLYSERVE_WORKER_UPSTREAM_API_KEY")
+    up.add_argument("--upstream-model", help="openai-http engine: the model name the server serves "
+                    "(default: the first it lists)")
+    up.add_argument("--upstream-metrics-url", help="openai-http engine: its Prometheus metrics "
+                    "(default <upstream-url>/metrics; 'off' = none)")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--prefix", default="polyserve")
@@ -142,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--min-replicas", type=int, default=1)
     up.add_argument("--max-replicas", type=int, default=2)
     up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")
+    up.add_argument("--config", metavar="FILE", help="desired state (YAML: deployments, adapters; "
+                    "docs/configuration.md): applied at start and again whenever Redis has no deployment")
+    up.add_argument("--no-supervisor", action="store_true", help="do not restart processes that die")
     up.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops everything")
     up.set_defaults(fn=cmd_up)
 
@@ -159,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--count", type=int, default=0, help="stop after this many messages")
     ev.add_argument("--seconds", type=float, default=0, help="stop after this long")
     ev.set_defaults(fn=cmd_events)
+
+    hc = sub.add_parser("health", help="container healthcheck: the gateway's /readyz, else a live registration")
+    hc.add_argument("service", nargs="?", help="gateway, predictor, dispatcher, planner, gpu-agent, worker "
+                                               "(default: the service this container's PID 1 runs)")
+    hc.set_defaults(fn=cmd_health)
 
     for name, (_, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)

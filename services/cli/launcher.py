@@ -1,6 +1,10 @@
 """Start and stop a whole polyserve cluster on one machine: nats-server,
 redis-server and the six services as separate processes. `polyserve up/down`
-and the system tests use this same code path."""
+and the system tests use this same code path.
+
+Once everything is ready, `up` hands the processes to a supervisor
+(`polyserve.cli.supervisor`, its pid under "supervisor" in state.json) that restarts
+any that dies, with backoff; `down` stops the supervisor first, then the rest."""
 from __future__ import annotations
 
 import json
@@ -44,6 +48,11 @@ class ClusterSpec:
     threshold_ms: float = 50.0
     extra_env: dict[str, str] = field(default_factory=dict)
     ready_timeout_s: float = 120.0
+    upstream_url: str = ""  # openai-http engine: the engine server polyserve fronts
+    upstream_model: str = ""
+    upstream_metrics_url: str = ""
+    config_file: str = ""  # desired-state YAML (planner.reconcile): applied at start, re-applied on data loss
+    supervise: bool = True  # restart services, nats-server and redis-server that die
 
 
 @dataclass
@@ -57,9 +66,13 @@ class ClusterState:
     engine: str
     model: str
     pids: dict[str, int]
+    restarts: dict[str, int] = field(default_factory=dict)  # by the supervisor, per process
 
     def save(self) -> None:
-        Path(self.run_dir, "state.json").write_text(json.dumps(asdict(self), indent=2))
+        path = Path(self.run_dir, "state.json")
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        os.replace(tmp, path)  # readers never see half a file
 
     @classmethod
     def load(cls, run_dir: Path) -> "ClusterState | None":
@@ -91,7 +104,17 @@ def pick_engine(engine: str) -> str:
 
 
 def default_model(engine: str) -> str:
-    return {"sim": "sim-llama2-70b", "hf": "tiny-llama-random", "vllm": "vllm-model"}.get(engine, engine)
+    return {"sim": "sim-llama2-70b", "hf": "tiny-llama-random", "vllm": "vllm-model",
+            "openai-http": "upstream-model"}.get(engine, engine)
+
+
+def upstream_env(spec: ClusterSpec) -> dict[str, str]:
+    """The openai-http worker settings `up` passes on (workers inherit the gpu-agent's env)."""
+    env = {}
+    for name in ("upstream_url", "upstream_model", "upstream_metrics_url"):
+        if getattr(spec, name):
+            env[f"POLYSERVE_WORKER_{name.upper()}"] = getattr(spec, name)
+    return env
 
 
 def _port(wanted: int) -> int:
@@ -104,6 +127,57 @@ def _env(state: ClusterState, spec: ClusterSpec) -> dict[str, str]:
                 "POLYSERVE_PREFIX": state.prefix, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
     env.update(spec.extra_env)
     return env
+
+
+def spawn_service(svc: str, env: dict[str, str], run_dir: Path) -> subprocess.Popen:
+    """One service process (`svc` as in SERVICES), its output appended to logs/<svc>.log."""
+    log = open(Path(run_dir) / "logs" / f"{svc}.log", "ab")
+    try:
+        return subprocess.Popen([sys.executable, "-m", f"polyserve.{svc}"], stdout=log, stderr=log,
+                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    finally:
+        log.close()
+
+
+def load_config(spec: ClusterSpec):
+    """The validated desired-state file of `spec` (None without one); LaunchError says what is wrong."""
+    if not spec.config_file:
+        return None
+    from polyserve.planner.reconcile import ConfigError, load_desired_state
+
+    try:
+        return load_desired_state(spec.config_file)
+    except ConfigError as exc:
+        raise LaunchError(str(exc)) from exc
+
+
+def apply_config(redis_url: str, prefix: str, desired) -> None:
+    import asyncio
+
+    from polyserve.planner.reconcile import apply_desired_state
+    from polyserve.shared.state import State, connect
+
+    async def run() -> None:
+        st = State(connect(redis_url), Keys(prefix))
+        try:
+            await apply_desired_state(st, desired)
+        finally:
+            await st.close()
+
+    asyncio.run(run())
+
+
+def start_supervisor(state: ClusterState, env: dict[str, str]) -> int:
+    """Hand the processes to `polyserve.cli.supervisor` (it inherits the services' env)."""
+    log = open(Path(state.run_dir) / "logs" / "supervisor.log", "ab")
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "polyserve.cli.supervisor", state.run_dir], stdout=log,
+                                stderr=log, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    finally:
+        log.close()
+    state.pids["supervisor"] = proc.pid
+    state.save()
+    return proc.pid
 
 
 def _ensure_deployment(r: redis.Redis, keys: Keys, spec: ClusterSpec, engine: str, model: str) -> None:
@@ -124,18 +198,32 @@ def _live(r: redis.Redis, keys: Keys) -> tuple[set[str], int]:
     return services, workers
 
 
-def up(spec: ClusterSpec, progress=print) -> ClusterState:
-    """Start everything and wait until every service and one worker report ready."""
-    run_dir = spec.run_dir
-    old = ClusterState.load(run_dir)
+def _check(spec: ClusterSpec) -> tuple[str, str, object]:
+    """The engine, the model and the desired state `up` will start with; LaunchError if it cannot."""
+    old = ClusterState.load(spec.run_dir)
     if old and any(infra.pid_alive(p) for p in old.pids.values()):
-        raise LaunchError(f"polyserve is already running from {run_dir} (gateway {old.gateway_url}); "
+        raise LaunchError(f"polyserve is already running from {spec.run_dir} (gateway {old.gateway_url}); "
                           "run `polyserve down` first")
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    desired = load_config(spec)
     engine = pick_engine(spec.engine)
     if engine == "vllm" and not spec.model_path:
         raise LaunchError("the vllm engine needs a model: pass --model-path DIR (a local checkpoint)")
-    model = spec.model or default_model(engine)
+    if engine == "openai-http" and not (spec.upstream_url or spec.extra_env.get("POLYSERVE_WORKER_UPSTREAM_URL")
+                                        or os.environ.get("POLYSERVE_WORKER_UPSTREAM_URL")):
+        raise LaunchError("the openai-http engine needs the engine server's address: pass --upstream-url URL "
+                          "(e.g. http://127.0.0.1:8001 where `vllm serve` listens)")
+    model = spec.model or (spec.upstream_model if engine == "openai-http" else "") or default_model(engine)
+    if desired is not None and desired.deployments:  # the file's deployments replace the default one
+        engine, model = desired.deployments[0].engine, desired.deployments[0].model
+    return engine, model, desired
+
+
+def up(spec: ClusterSpec, progress=print) -> ClusterState:
+    """Start everything, wait until every service and one worker report ready, then hand
+    the processes to the supervisor (unless `spec.supervise` is off)."""
+    run_dir = spec.run_dir
+    engine, model, desired = _check(spec)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     progress(f"starting nats-server and redis-server (run dir {run_dir})")
     nats_proc, nats_url, mon = infra.start_nats(run_dir / "nats", port=_port(spec.nats_port))
     pids = {"nats-server": nats_proc.pid}
@@ -150,22 +238,20 @@ def up(spec: ClusterSpec, progress=print) -> ClusterState:
         state.save()
         keys = Keys(spec.prefix)
         r = redis.Redis.from_url(redis_url)
-        _ensure_deployment(r, keys, spec, engine, model)
-        env = _env(state, spec)
-        env.update({"POLYSERVE_GATEWAY_PORT": str(port), "POLYSERVE_GATEWAY_HOST": spec.host,
-                    "POLYSERVE_GPU_AGENT_WORKER_LOG_DIR": str(run_dir / "logs" / "workers")})
-        if spec.model_path:
-            env["POLYSERVE_WORKER_MODEL_PATH"] = spec.model_path
+        wait_redis(r, 10.0)
+        if desired is not None:
+            apply_config(redis_url, spec.prefix, desired)
+        if desired is None or not desired.deployments:
+            _ensure_deployment(r, keys, spec, engine, model)
+        env = _service_env(state, spec, port)
         for svc in SERVICES:
-            log = open(run_dir / "logs" / f"{svc}.log", "ab")
-            proc = subprocess.Popen([sys.executable, "-m", f"polyserve.{svc}"], stdout=log, stderr=log,
-                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-            log.close()
-            pids[SERVICE_NAMES.get(svc, svc)] = proc.pid
+            pids[SERVICE_NAMES.get(svc, svc)] = spawn_service(svc, env, run_dir).pid
             state.save()
         progress(f"started {', '.join(SERVICE_NAMES.get(s, s) for s in SERVICES)}; waiting for them and a "
                  f"{engine} worker to report ready")
         wait_ready(r, keys, state, spec.ready_timeout_s, progress)
+        if spec.supervise:
+            start_supervisor(state, env)
         return state
     except BaseException:
         st = ClusterState.load(run_dir)
@@ -174,6 +260,31 @@ def up(spec: ClusterSpec, progress=print) -> ClusterState:
         else:
             infra.stop_pid(nats_proc.pid)
         raise
+
+
+def _service_env(state: ClusterState, spec: ClusterSpec, port: int) -> dict[str, str]:
+    env = _env(state, spec)
+    env.update({"POLYSERVE_GATEWAY_PORT": str(port), "POLYSERVE_GATEWAY_HOST": spec.host,
+                "POLYSERVE_GPU_AGENT_WORKER_LOG_DIR": str(spec.run_dir / "logs" / "workers")})
+    if spec.model_path:
+        env["POLYSERVE_WORKER_MODEL_PATH"] = spec.model_path
+    if spec.config_file:
+        env["POLYSERVE_PLANNER_DESIRED_STATE_FILE"] = str(Path(spec.config_file).resolve())
+    env.update(upstream_env(spec))
+    return env
+
+
+def wait_redis(r: redis.Redis, timeout: float) -> None:
+    """Until Redis answers (it loads its append-only file before it does)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            r.ping()
+            return
+        except (redis.BusyLoadingError, redis.ConnectionError):
+            if time.monotonic() > deadline:
+                raise LaunchError(f"redis-server did not answer within {timeout:.0f}s") from None
+            time.sleep(0.05)
 
 
 def wait_ready(r: redis.Redis, keys: Keys, state: ClusterState, timeout: float, progress=print) -> None:
@@ -198,12 +309,19 @@ def wait_ready(r: redis.Redis, keys: Keys, state: ClusterState, timeout: float, 
 
 
 def down(run_dir: Path, timeout: float = 30.0, progress=print) -> bool:
-    """SIGTERM the services (gateway first), then redis and nats; True if all exited gracefully."""
+    """Stop the supervisor (no more restarts), then SIGTERM the services (gateway first),
+    then redis and nats; True if all exited gracefully."""
     state = ClusterState.load(run_dir)
     if state is None:
         progress(f"nothing to stop: no polyserve started from {run_dir}")
         return True
     graceful = True
+    sup = state.pids.get("supervisor")
+    if sup and infra.pid_alive(sup):
+        graceful &= infra.stop_pid(sup, timeout=15.0)  # it finishes a restart under way, then exits
+        state = ClusterState.load(run_dir) or state  # the pids it restarted
+        n = sum(state.restarts.values())
+        progress(f"stopped the supervisor (pid {sup}; {n} restart{'s' if n != 1 else ''})")
     order = [SERVICE_NAMES.get(s, s) for s in STOP_ORDER] + ["redis-server", "nats-server"]
     for name in order:
         pid = state.pids.get(name)

@@ -36,7 +36,8 @@ def cluster_status(state: ClusterState) -> dict:
         raw = r.get(keys.perf_fit(w["worker_id"]))
         if raw:
             fits.append(json.loads(raw))
-    procs = {name: {"pid": pid, "alive": infra.pid_alive(pid)} for name, pid in state.pids.items()}
+    procs = {name: {"pid": pid, "alive": infra.pid_alive(pid), "restarts": state.restarts.get(name, 0)}
+             for name, pid in state.pids.items()}
     return {"gateway_url": state.gateway_url, "nats_url": state.nats_url, "redis_url": state.redis_url,
             "engine": state.engine, "model": state.model, "processes": procs, "services": services,
             "workers": workers, "gpus": agents, "fits": fits}
@@ -47,6 +48,9 @@ def render_status(st: dict) -> None:
     if not console.is_terminal:  # piped or captured: do not wrap the tables at 80 columns
         console = Console(width=200)
     console.print(f"gateway [bold]{st['gateway_url']}[/]  nats {st['nats_url']}  redis {st['redis_url']}")
+    restarts = {n: p["restarts"] for n, p in st.get("processes", {}).items() if p.get("restarts")}
+    if restarts:
+        console.print("restarted by the supervisor: " + ", ".join(f"{n} {c}x" for n, c in sorted(restarts.items())))
     t = Table(title="services")
     for col in ("service", "instance", "state", "pid"):
         t.add_column(col)

@@ -22,6 +22,7 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     max_prompt_chars: int = 200_000
     deployment_cache_s: float = 5.0
     dispatch_retries: int = 2  # re-dispatch when the chosen worker vanished before accepting
+    response_ttl_s: float = 3600.0  # how long a stored /v1/responses response (and its conversation) is kept
 
     def validate(self) -> None:
         super().validate()
@@ -29,3 +30,6 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
             raise SettingsError(f"port {self.port} is not a TCP port")
         if self.max_inflight < 1 or self.max_tokens_limit < 1:
             raise SettingsError("max_inflight and max_tokens_limit must be >= 1")
+        if self.response_ttl_s <= 0:
+            raise SettingsError(f"response_ttl_s must be > 0 (seconds a stored /v1/responses response is kept), "
+                                f"got {self.response_ttl_s}")

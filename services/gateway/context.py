@@ -131,6 +131,13 @@ class GatewayState:
                                len(self._deployments))
                 self._deployments_at = time.monotonic()
                 return self._deployments
+            if not deps and self._deployments and not force:
+                # Redis answered but lists no deployment: a restart without its data or a FLUSHALL,
+                # not a delete (a DELETE through this gateway refreshes with force=True). Keep the
+                # cache until the desired state is back (the planner re-applies --config).
+                logger.warning("Redis lists no deployment; keeping %d cached deployment(s)", len(self._deployments))
+                self._deployments_at = time.monotonic()
+                return self._deployments
             self._deployments = {d.id: d for d in deps}
             self.adapters = {a.name: a for a in adapters}
             self._deployments_at = time.monotonic()

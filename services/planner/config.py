@@ -25,7 +25,17 @@ class PlannerSettings(CommonSettings, frozen=True, kw_only=True):
         count and would make it overshoot).
     tracking_hold_s: a `target_tracking` deployment removes a worker after its P98
         latency stayed below half its SLO this long (Arlo §4: 60 s).
-    stop_orphans: stop workers whose deployment no longer exists in Redis.
+    stop_orphans: stop workers whose deployment was deleted: one this planner saw
+        in Redis and then no longer finds while Redis kept its data (an explicit
+        delete). An empty or failed read after a Redis restart or data loss never
+        stops a worker (`reconcile.OrphanTracker`).
+    orphan_grace_s: workers of a deployment this planner never saw (it restarted
+        after the delete) are stopped after the deployment stayed absent this long
+        while Redis kept its data; 0 = never.
+    desired_state_file: a desired-state YAML file (`polyserve up --config FILE`,
+        docs/configuration.md); applied whenever Redis holds no deployment. "" = none.
+    desired_state_interval_s: how often the planner checks Redis for deployments
+        when desired_state_file is set (one SCARD).
     max_samples: per-deployment bound of the sample window.
     actuator: "agents" (start/stop worker processes through the gpu-agents) or
         "kubernetes" (patch the replicas of one Kubernetes Deployment per
@@ -68,6 +78,9 @@ class PlannerSettings(CommonSettings, frozen=True, kw_only=True):
     reset_window_on_scale: bool = True
     tracking_hold_s: float = 60.0
     stop_orphans: bool = True
+    orphan_grace_s: float = 600.0
+    desired_state_file: str = ""
+    desired_state_interval_s: float = 1.0
     max_samples: int = 10_000
     actuator: str = "agents"
     k8s_namespace: str = "polyserve"
@@ -88,6 +101,8 @@ class PlannerSettings(CommonSettings, frozen=True, kw_only=True):
             raise SettingsError("poll_interval_s must be > 0")
         if min(self.scale_down_stabilization_s, self.worker_start_grace_s, self.tracking_hold_s) < 0:
             raise SettingsError("scale_down_stabilization_s, worker_start_grace_s and tracking_hold_s must be >= 0")
+        if self.orphan_grace_s < 0 or self.desired_state_interval_s <= 0:
+            raise SettingsError("need orphan_grace_s >= 0 and desired_state_interval_s > 0")
         if self.max_step < 0:
             raise SettingsError("max_step must be >= 0 (0 = no limit)")
         if not 0 <= self.tolerance < 1:

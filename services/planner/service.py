@@ -38,6 +38,7 @@ from polyserve.planner.arlo_replan import NO_AGENT, ArloReplanner
 from polyserve.planner.autoscalers import Observation, WorkerLoad
 from polyserve.planner.config import PlannerSettings
 from polyserve.planner.handlers import PlannerHandlers
+from polyserve.planner.reconcile import EPOCH_KEY, DesiredStateKeeper, OrphanTracker, check_epoch
 from polyserve.planner.state import PlannerState
 from polyserve.proto import (
     AgentInfo,
@@ -83,6 +84,8 @@ class PlannerService(ServiceBase):
         self._lock = asyncio.Lock()
         self.k8s = None  # k8s.KubernetesActuator with actuator=kubernetes (set at start, or by tests)
         self.arlo: ArloReplanner | None = None  # set at start (it needs the bus and Redis)
+        self.orphans = OrphanTracker(grace_s=settings.orphan_grace_s)
+        self.epoch: str | None = None  # the Redis epoch token (reconcile.check_epoch)
 
     # ------------------------------------------------------------------ lifecycle
     async def on_start(self) -> None:
@@ -105,6 +108,8 @@ class PlannerService(ServiceBase):
         await self.bus.listen(self.subjects.worker_event("down"), WorkerDown, self.handlers.on_worker_down)
         await self.bus.listen(self.subjects.scale_signal("*"), ScaleSignal, self.handlers.on_scale_signal)
         self.background(self._poll_loop(), "poll")
+        if s.desired_state_file:
+            self.background(self._desired_state_loop(), "desired-state")
         if s.arlo_enabled:
             self.background(self._arlo_loop(), "arlo")
 
@@ -124,6 +129,29 @@ class PlannerService(ServiceBase):
                 logger.warning("reconcile failed: %s: %s", type(exc).__name__, exc)
             await asyncio.sleep(self.settings.poll_interval_s)
 
+    async def _desired_state_loop(self) -> None:
+        """Re-apply the desired-state file whenever Redis holds no deployment."""
+        keeper, last = DesiredStateKeeper(self.settings.desired_state_file, self.state), ""
+        while True:
+            try:
+                await keeper.ensure()
+                last = ""
+            except Exception as exc:  # noqa: BLE001 - Redis down or loading: retry next period
+                if str(exc) != last:
+                    logger.warning("desired-state check failed: %s: %s", type(exc).__name__, exc)
+                last = str(exc)
+            await asyncio.sleep(self.settings.desired_state_interval_s)
+
+    async def _check_epoch(self) -> None:
+        """Notice that Redis lost its data (restart without persistence, FLUSHALL): then no
+        deployment seen before counts as deleted (`reconcile.OrphanTracker`)."""
+        token, lost = await check_epoch(self.state.r, EPOCH_KEY.format(prefix=self.settings.prefix), self.epoch)
+        if lost:
+            logger.warning("Redis lost its data (epoch marker gone); no worker is stopped as an orphan "
+                           "until deployments are explicitly deleted")
+            self.orphans.reset()
+        self.epoch = token
+
     # ------------------------------------------------------------------ reconcile
     def sample_count(self, deployment: str) -> int:
         """Samples held for `deployment` (all of them, not only the current window)."""
@@ -137,6 +165,7 @@ class PlannerService(ServiceBase):
     async def tick(self) -> list[ScaleDecision]:
         """One reconcile over every deployment; returns the published decisions."""
         async with self._lock:
+            await self._check_epoch()
             deployments = await self.state.list_deployments()
             agents = await self.state.live_agents()
             if self.k8s is not None:
@@ -254,14 +283,17 @@ class PlannerService(ServiceBase):
             return None
 
     async def _stop_orphans(self, known: set[str], agents: list[AgentInfo]) -> None:
-        """Stop workers whose deployment was deleted."""
+        """Stop workers whose deployment was deleted (`reconcile.OrphanTracker`: seen, then
+        gone while Redis kept its data; never because a read came back empty after data loss)."""
+        hosted = {dep_id for agent in agents for dep_id in agent.workers.values()}
+        gone = self.orphans.observe(known, hosted, time.time())
         for agent in agents:
             orphans: dict[str, int] = {}
             for dep_id in agent.workers.values():
-                if dep_id not in known:
+                if dep_id in gone:
                     orphans[dep_id] = orphans.get(dep_id, 0) + 1
             for dep_id, count in orphans.items():
-                logger.info("deployment %s is gone; stopping its %d worker(s) on %s", dep_id, count, agent.gpu_id)
+                logger.info("deployment %s was deleted; stopping its %d worker(s) on %s", dep_id, count, agent.gpu_id)
                 await self._ask(agent.gpu_id, "stop", StopWorker(deployment=dep_id, count=count), [])
 
     # ------------------------------------------------------------------ scale signals
