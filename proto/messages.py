@@ -85,6 +85,11 @@ class SamplingParams(Msg, kw_only=True):
     seed: int | None = None
     stop: list[str] = []
     n: int = 1
+    # log-probabilities (OpenAI `logprobs`/`top_logprobs`, vLLM semantics: the raw model
+    # distribution, before temperature/top-k/top-p): None = none; k = each generated token's
+    # logprob and its k most likely alternatives (k = 0: the token's own logprob only)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for every prompt token (completions `echo`)
 
 
 class GenerateRequest(Msg, kw_only=True):
@@ -122,6 +127,22 @@ class RequestStats(Msg, kw_only=True):
     decode_ms: float = 0.0
 
 
+class TopLogprob(Msg, kw_only=True):
+    token: str  # the token's own text (decoded alone)
+    logprob: float
+    token_id: int = -1
+
+
+class TokenLogprob(Msg, kw_only=True):
+    """One token of a choice (or of the prompt) with its log-probability and the top
+    alternatives at its position, most likely first."""
+
+    token: str
+    logprob: float | None = None  # None: the first prompt token (nothing predicts it)
+    token_id: int = -1
+    top: list[TopLogprob] = []
+
+
 class TokenChunk(Msg, kw_only=True):
     request_id: str
     seq: int
@@ -134,6 +155,8 @@ class TokenChunk(Msg, kw_only=True):
     stats: RequestStats | None = None  # on the done chunk
     simulated: bool = False
     redirect: Placement | None = None  # the request was withdrawn before it started: send it there
+    logprobs: list[TokenLogprob] | None = None  # the tokens this chunk adds (params.logprobs set)
+    prompt_logprobs: list[TokenLogprob] | None = None  # on a choice's first chunk (params.prompt_logprobs)
 
 
 class Withdraw(Msg, kw_only=True):

@@ -145,3 +145,7 @@ class Keys:
     def perf_fit(self, worker_id: str) -> str:
         """A dispatcher's online performance-model fit of one worker (coefficients, errors)."""
         return f"{self.prefix}:perffit:{worker_id}"
+
+    def response(self, response_id: str) -> str:
+        """A stored Responses API response and its conversation (`/v1/responses`), with a TTL."""
+        return f"{self.prefix}:response:{response_id}"

@@ -1,6 +1,6 @@
 """The gateway's FastAPI app: health, readiness, metrics, version and the model list here
 (`/health` and `/ping`, GET and POST, answer as `/readyz`, as vLLM's server has them); the
-OpenAI-compatible endpoints in completions.py and embeddings.py, `/tokenize` and
+OpenAI-compatible endpoints in completions.py, embeddings.py and responses.py, `/tokenize` and
 `/detokenize` in tokens.py, the management API in admin.py. Every route receives the
 GatewayState the app was built with."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from importlib import metadata
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from . import admin, completions, embeddings, tokens
+from . import admin, completions, embeddings, responses, tokens
 from .context import Gateway, GatewayState
 from .errors import add_error_handlers
 
@@ -63,6 +63,7 @@ def build_app(gs: GatewayState) -> FastAPI:
     app.add_api_route("/v1/models", models, methods=["GET"])
     completions.add_completion_routes(app)
     embeddings.add_embedding_routes(app)
+    responses.add_response_routes(app)
     tokens.add_token_routes(app)
     admin.add_admin_routes(app)
     return app

@@ -24,6 +24,7 @@ ENDPOINTS = {  # endpoint -> (method and path, the engines that serve it)
     "embeddings": ("POST /v1/embeddings", ("encoder",)),
     "tokenize": ("POST /tokenize", ("hf", "vllm", "openai-http", "encoder")),  # sim: 501, no token ids
     "detokenize": ("POST /detokenize", ("hf", "vllm", "openai-http", "encoder")),
+    "responses": ("POST /v1/responses", GENERATIVE),
 }
 LATER = "not implemented yet (issue 18: logprobs/echo, structured outputs and tools come next)"
 
@@ -53,6 +54,15 @@ def R(why: str, noop: tuple = (None,), example: Any = None) -> Rule:
 
 def I(why: str, example: Any = None) -> Rule:
     return Rule(IGNORED, why, example=example)
+
+
+LOGPROBS_LATER = (REFUSED, "not mapped to this engine yet (issue 18)")
+
+
+def LP(why: str, noop: tuple, example: Any = None) -> Rule:
+    """Logprobs/echo: honoured by hf and sim (simulated values), refused where not mapped yet."""
+    return Rule(HONOURED, why, noop=noop, example=example,
+                engines={"vllm": LOGPROBS_LATER, "openai-http": LOGPROBS_LATER})
 
 
 SIM_IGNORES = (IGNORED, "the sim draws pseudo-words (labelled simulated); only seed and temperature 0 shape them")
@@ -100,7 +110,8 @@ SAMPLING: dict[str, Rule] = {
     "truncation_side": R("prompts are never truncated", (None,), "left"),
     "allowed_token_ids": R("no token restrictions", (None,), [1, 2]),
     "bad_words": R("no token restrictions", (None, []), ["bad"]),
-    "prompt_logprobs": R(LATER, (None,), 1),
+    "prompt_logprobs": R("vLLM's own prompt-logprobs field is not served; use `echo` with `logprobs` "
+                         "(completions)", (None,), 1),
     "logprob_token_ids": R(LATER, (None,), [1]),
     "return_tokens_as_token_ids": R(LATER, (None, False), True),
     "return_token_ids": R("responses carry text only", (None, False), True),
@@ -132,8 +143,11 @@ COMPLETIONS: dict[str, Rule] = {
     **SAMPLING,
     "prompt": H("a string, or a list of strings (each its own request; choice index = prompt × n + j); "
                 "token-id prompts are refused (workers take text)", ["one", "two"]),
-    "echo": R(LATER, (None, False), True),
-    "logprobs": R(LATER, (None,), 1),
+    "echo": LP("the prompt leads each choice's text; with `logprobs`, its tokens and logprobs lead "
+               "`logprobs` (first token: null)", (None, False), True),
+    "logprobs": LP("0-20 alternatives per token: {tokens, token_logprobs, top_logprobs, text_offset}; "
+                   "log-softmax of the raw model distribution (vLLM's default `raw_logprobs`: before "
+                   "temperature, top-k/top-p); sim: simulated values", (None,), 2),
     "suffix": R("no insertion (fill-in-the-middle)", (None, ""), "end"),
     "add_special_tokens": R("the engine adds the special tokens its model needs", (None, True), False),
 }
@@ -143,9 +157,12 @@ CHAT: dict[str, Rule] = {
     "messages": H("text content (strings or `text` parts), rendered as a role-prefixed transcript; "
                   "other content parts and `tool_calls` are refused"),
     "max_completion_tokens": H("as max_tokens (wins over it)", 3),
-    "logprobs": R(LATER, (None, False), True),
-    "top_logprobs": R(LATER, (None, 0), 2),
-    "echo": R(LATER, (None, False), True),
+    "logprobs": LP("`logprobs.content`: token, logprob, bytes and `top_logprobs` per token; log-softmax of "
+                   "the raw model distribution (vLLM's default `raw_logprobs`); sim: simulated values",
+                   (None, False), True),
+    "top_logprobs": LP("0-20 alternatives per token, most likely first; needs `logprobs: true` (400 "
+                       "otherwise, as in vLLM)", (None, 0)),
+    "echo": R("vLLM's chat echo (repeat the last message) is not served", (None, False), True),
     "tools": R(LATER, (None, []), [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     "tool_choice": R(LATER + "; `none` and `auto` without tools ask for nothing", (None, "none", "auto"),
                      "required"),
@@ -229,5 +246,60 @@ DETOKENIZE: dict[str, Rule] = {
     "tokens": H("token ids inside the vocabulary"),
 }
 
+# Fields of POST /v1/responses (OpenAI's Responses API, and vLLM's extensions of it).
+RESPONSES: dict[str, Rule] = {
+    "model": H("a deployment id or model name, or a registered LoRA adapter"),
+    "input": H("a string (one user message) or message items: `role` and string content or `input_text` "
+               "(`output_text` for assistant) parts; other item and part types are refused (400 `input[i]...`)"),
+    "instructions": H("a system message before the conversation; not carried into the next turn", "be brief"),
+    "max_output_tokens": H("as max_tokens; reaching it gives `status: incomplete` (reason `max_output_tokens`); "
+                           "unset: the gateway's default_max_tokens", 3),
+    "temperature": SAMPLING["temperature"],
+    "top_p": SAMPLING["top_p"],
+    "top_k": SAMPLING["top_k"],
+    "seed": SAMPLING["seed"],
+    "stop": SAMPLING["stop"],
+    "priority": SAMPLING["priority"],
+    "stream": H("the Responses SSE events (`response.created` ... `response.completed`), each with a "
+                "`sequence_number`", True),
+    "previous_response_id": H("continues a stored response: its conversation (input and output, not its "
+                              "instructions) comes before `input`; unknown or expired: 404"),
+    "store": H("default true: the response and its conversation are kept in Redis for the gateway's "
+               "`response_ttl_s` (GET/DELETE /v1/responses/{id}, previous_response_id); false: not kept", False),
+    "metadata": H("stored and echoed in the Response object", {"k": "v"}),
+    "user": SAMPLING["user"],
+    "safety_identifier": SAMPLING["safety_identifier"],
+    "prompt_cache_key": SAMPLING["prompt_cache_key"],
+    "prompt_cache_retention": I("a cache-routing hint; the dispatcher does not route by cache key", "24h"),
+    "service_tier": SAMPLING["service_tier"],
+    "request_id": SAMPLING["request_id"],
+    "stream_options": I("`include_obfuscation` pads deltas against side channels; polyserve adds no padding",
+                        {"include_obfuscation": False}),
+    "tools": R(LATER, (None, []), [{"type": "function", "name": "f", "parameters": {}}]),
+    "tool_choice": R(LATER + "; `none` and `auto` without tools ask for nothing", (None, "none", "auto"),
+                     "required"),
+    "parallel_tool_calls": R("only meaningful with tools, which are refused", (None,), True),
+    "max_tool_calls": R("only meaningful with tools, which are refused", (None,), 1),
+    "text": R(LATER + "; plain text output only", (None, {}, {"format": {"type": "text"}}),
+              {"format": {"type": "json_object"}}),
+    "reasoning": R("no reasoning control", (None, {}), {"effort": "low"}),
+    "include": R("no extra output data (logprobs, reasoning, tool results)", (None, []),
+                 ["message.output_text.logprobs"]),
+    "top_logprobs": R(LATER, (None, 0), 2),
+    "truncation": R("the conversation is never truncated; an over-long one is a 400", (None, "disabled"), "auto"),
+    "background": R("responses run in the foreground only", (None, False), True),
+    "conversation": R("no Conversations API: chain turns with previous_response_id", (None,), "conv_1"),
+    "prompt": R("no stored prompt templates", (None,), {"id": "pmpt_1"}),
+    "context_management": R("the conversation is never compacted", (None, []), [{"type": "compaction"}]),
+    "frequency_penalty": SAMPLING["frequency_penalty"],
+    "presence_penalty": SAMPLING["presence_penalty"],
+    "repetition_penalty": SAMPLING["repetition_penalty"],
+    "cache_salt": SAMPLING["cache_salt"],
+    "mm_processor_kwargs": SAMPLING["mm_processor_kwargs"],
+    "previous_input_messages": R("chain turns with previous_response_id", (None, []), [{"role": "user",
+                                                                                       "content": "x"}]),
+    "enable_response_messages": R("responses carry the Response object only", (None, False), True),
+}
+
 TABLES: dict[str, dict[str, Rule]] = {"completions": COMPLETIONS, "chat": CHAT, "embeddings": EMBEDDINGS,
-                                      "tokenize": TOKENIZE, "detokenize": DETOKENIZE}
+                                      "tokenize": TOKENIZE, "detokenize": DETOKENIZE, "responses": RESPONSES}

@@ -21,7 +21,7 @@ from opentelemetry import trace
 
 from polyserve.proto import TokenChunk
 
-from . import compat, policy
+from . import compat, logprobs, policy
 from .admission import Admission, admit
 from .context import Gateway, GatewayState
 from .errors import GatewayError
@@ -51,6 +51,8 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
         raise policy.InvalidRequest(f"prompt is {chars} characters; the limit is {s.max_prompt_chars}", "prompt")
     params = policy.sampling_params(body, default_max_tokens=s.default_max_tokens,
                                     max_tokens_limit=s.max_tokens_limit, max_n=s.max_n)
+    params = logprobs.apply(params, body, chat)
+    render = logprobs.Renderer.of(body, params, chat)
     adm = await admit(gs, body.model, adapter=body.adapter)
     engine = adm.deployment.engine
     if engine not in compat.ENDPOINTS["chat"][1] and engine in compat.ENGINES:
@@ -73,15 +75,19 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
             handed_off = True
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             headers.update(_sim_header(adm.deployment.engine == "sim") or {})
-            return StreamingResponse(_stream(adm, runs, rid, chat, include_usage), media_type="text/event-stream",
+            return StreamingResponse(_stream(adm, runs, rid, chat, include_usage, render),
+                                     media_type="text/event-stream",
                                      headers=headers)
         with trace.use_span(span, end_on_exit=False):
             out = await _collect(request, runs)
         headers.update(_sim_header(out.simulated) or {})
-        return JSONResponse(policy.full_response(
+        answer = policy.full_response(
             chat=chat, request_id=rid, model=adm.deployment.id, texts=out.texts, finish=out.finish,
-            prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-            simulated=out.simulated), headers=headers)
+            prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens, simulated=out.simulated)
+        if render.active:
+            for i, choice in enumerate(answer["choices"]):
+                render.choice(choice, i, out.prompts[i], out.logprobs[i], out.prompt_logprobs[i])
+        return JSONResponse(answer, headers=headers)
     except GatewayError as exc:
         adm.failed(exc)
         raise
@@ -132,7 +138,9 @@ def _merge(outs: list[Outcome]) -> Outcome:
     return Outcome(texts=[t for o in outs for t in o.texts], finish=[f for o in outs for f in o.finish],
                    prompt_tokens=sum(o.prompt_tokens for o in outs),
                    completion_tokens=sum(o.completion_tokens for o in outs),
-                   simulated=any(o.simulated for o in outs))
+                   simulated=any(o.simulated for o in outs), logprobs=[x for o in outs for x in o.logprobs],
+                   prompt_logprobs=[x for o in outs for x in o.prompt_logprobs],
+                   prompts=[x for o in outs for x in o.prompts])
 
 
 async def _chunks(runs: list[RequestRun]) -> AsyncIterator[tuple[int, TokenChunk]]:
@@ -170,7 +178,8 @@ async def _chunks(runs: list[RequestRun]) -> AsyncIterator[tuple[int, TokenChunk
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _stream(adm: Admission, runs: list[RequestRun], rid: str, chat: bool, include_usage: bool):
+async def _stream(adm: Admission, runs: list[RequestRun], rid: str, chat: bool, include_usage: bool,
+                  render: logprobs.Renderer):
     """The SSE body; an error after the first byte goes out as an error chunk."""
     firsts: set[int] = set()
     model = runs[0].deployment.id
@@ -184,12 +193,15 @@ async def _stream(adm: Admission, runs: list[RequestRun], rid: str, chat: bool, 
                         usage[0] += chunk.stats.input_tokens
                         usage[1] += chunk.stats.output_tokens
                     continue  # chunks() ends after the done chunk
-                if not chunk.text and not chunk.finish_reason:
+                if not chunk.text and not chunk.finish_reason and not chunk.logprobs:
                     continue
                 index = i * n + chunk.index
-                yield _sse(policy.stream_chunk(chat=chat, request_id=rid, model=model, index=index,
-                                               text=chunk.text, finish_reason=chunk.finish_reason,
-                                               first=index not in firsts, simulated=chunk.simulated))
+                body = policy.stream_chunk(chat=chat, request_id=rid, model=model, index=index, text=chunk.text,
+                                           finish_reason=chunk.finish_reason, first=index not in firsts,
+                                           simulated=chunk.simulated)
+                if render.active:
+                    render.choice(body["choices"][0], index, runs[i].prompt, chunk.logprobs, chunk.prompt_logprobs)
+                yield _sse(body)
                 firsts.add(index)
         if include_usage:
             yield _sse(policy.usage_chunk(chat=chat, request_id=rid, model=model, prompt_tokens=usage[0],

@@ -28,6 +28,7 @@ from polyserve.proto import (
     PredictRequest,
     SamplingParams,
     TokenChunk,
+    TokenLogprob,
 )
 from polyserve.shared.bus import BusError, decode, error_of
 
@@ -46,6 +47,9 @@ class Outcome:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     simulated: bool = False
+    logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # per choice (params.logprobs set)
+    prompt_logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)  # per choice
+    prompts: list[str] = field(default_factory=list)  # per choice: the prompt it answers (echo)
 
 
 @dataclass
@@ -273,10 +277,14 @@ class RequestRun:
     async def collect(self) -> Outcome:
         """Run to the end and gather the n choices (non-streamed responses)."""
         n = self.params.n
-        out = Outcome(texts=[""] * n, finish=[None] * n)
+        out = Outcome(texts=[""] * n, finish=[None] * n, logprobs=[[] for _ in range(n)],
+                      prompt_logprobs=[None] * n, prompts=[self.prompt] * n)
         async for chunk in self.chunks():
             if 0 <= chunk.index < n:
                 out.texts[chunk.index] += chunk.text
+                out.logprobs[chunk.index] += chunk.logprobs or []
+                if chunk.prompt_logprobs is not None:
+                    out.prompt_logprobs[chunk.index] = chunk.prompt_logprobs
                 if chunk.finish_reason and not chunk.done:
                     out.finish[chunk.index] = chunk.finish_reason
             if chunk.done and chunk.stats:

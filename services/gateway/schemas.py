@@ -43,6 +43,8 @@ class _Sampling(BaseModel):
 
 class CompletionBody(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None  # top alternatives per token (0-20); logprobs.py
+    echo: bool | None = False  # the prompt leads each choice's text (and its logprobs)
 
 
 class ChatMessage(BaseModel):
@@ -55,6 +57,8 @@ class ChatMessage(BaseModel):
 class ChatBody(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool | None = False  # logprobs.py
+    top_logprobs: int | None = None  # 0-20, with logprobs
 
 
 class ScalerBody(BaseModel):

@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from polyserve.proto import AdapterInfo, RequestStats, SamplingParams
+from polyserve.proto import AdapterInfo, RequestStats, SamplingParams, TokenLogprob
 
 
 class EngineError(Exception):
@@ -56,6 +56,8 @@ class Delta:
     text: str
     tokens: int
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token this delta adds (params.logprobs set)
+    prompt_logprobs: list[TokenLogprob] | None = None  # on a choice's first delta (params.prompt_logprobs)
 
 
 @dataclass

@@ -36,6 +36,7 @@ from polyserve.worker.engine import Delta, Engine, EngineError, EngineOverloaded
 logger = logging.getLogger(__name__)
 
 SHUTDOWN = "worker shutting down"
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
 
 
 def validate(req: GenerateRequest) -> None:
@@ -56,6 +57,10 @@ def validate(req: GenerateRequest) -> None:
         problems.append(f"top_p must be in (0, 1] (got {p.top_p})")
     if p.top_k < 0:
         problems.append(f"top_k must be >= 0 (got {p.top_k})")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(p, name)
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            problems.append(f"{name} must be between 0 and {MAX_LOGPROBS} (got {k})")
     if problems:
         raise BusError(400, "; ".join(problems))
 
@@ -180,7 +185,8 @@ class WorkerHandlers:
                         if isinstance(ev, Delta):
                             await self.bus.publish(req.stream_to, TokenChunk(
                                 request_id=req.request_id, seq=seq, index=ev.index, text=ev.text,
-                                tokens=ev.tokens, finish_reason=ev.finish_reason, simulated=simulated))
+                                tokens=ev.tokens, finish_reason=ev.finish_reason, simulated=simulated,
+                                logprobs=ev.logprobs, prompt_logprobs=ev.prompt_logprobs))
                             seq += 1
                             tokens += ev.tokens
                             if ev.finish_reason:

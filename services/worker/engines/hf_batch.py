@@ -50,8 +50,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from polyserve.proto import SamplingParams
+from polyserve.proto import SamplingParams, TokenLogprob
 from polyserve.worker.engine import Delta
+from polyserve.worker.engines import hf_logprobs
 from polyserve.worker.engines.hf_text import IncrementalDetokenizer, StopMatcher
 
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
@@ -79,13 +80,18 @@ class Row:
         self.n_out = 0
         self.out_ids: list[int] = []
         self.finish: str | None = None
+        wants = params.logprobs is not None or params.prompt_logprobs is not None
+        self.texts = hf_logprobs.TokenTexts(tokenizer) if wants else None
+        self.logprob: TokenLogprob | None = None  # of the token being accepted
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # sent with the first delta
 
     @property
     def gone(self) -> bool:
         return self.finish is not None or bool(getattr(self.owner, "cancelled", False))
 
     def accept(self, token: int) -> Delta:
-        """Take the sampled token; return its Delta (finish_reason set if this row is done)."""
+        """Take the sampled token (its logprob entry set just before, if asked for); return its
+        Delta (finish_reason set if this row is done)."""
         self.n_out += 1
         self.last_token = token
         self.out_ids.append(token)
@@ -98,11 +104,18 @@ class Row:
         if self.n_out >= self.params.max_tokens or self.pos >= self.max_positions:
             tail, stopped = self.stop.feed(self.detok.flush(), check=True)
             return self._end("stop" if stopped else "length", text + tail + ("" if stopped else self.stop.flush()))
-        return Delta(index=self.index, text=text, tokens=1)
+        return self._delta(text)
 
     def _end(self, reason: str, text: str) -> Delta:
         self.finish = reason
-        return Delta(index=self.index, text=text, tokens=1, finish_reason=reason)
+        return self._delta(text, reason)
+
+    def _delta(self, text: str, reason: str | None = None) -> Delta:
+        delta = Delta(index=self.index, text=text, tokens=1, finish_reason=reason,
+                      logprobs=[self.logprob] if self.logprob is not None else None,
+                      prompt_logprobs=self.prompt_logprobs)
+        self.prompt_logprobs = None
+        return delta
 
 
 def sample(logits: torch.Tensor, rows: Sequence[Row], suppress: torch.Tensor | None) -> list[int]:
@@ -297,9 +310,16 @@ class Batch:
         """Run one request's prompt, sample each choice's first token, merge live rows into the batch."""
         from transformers import DynamicCache
         ids = torch.tensor([list(prompt_ids)], device=self.device)
-        out = self._forward(ids, [rows[0].adapter], past_key_values=DynamicCache(), logits_to_keep=1)
-        logits = out.logits[:, -1, :].expand(len(rows), -1).clone()
-        events = [(r, r.accept(t)) for r, t in zip(rows, sample(logits, rows, self.suppress))]
+        k_prompt = max((r.params.prompt_logprobs for r in rows if r.params.prompt_logprobs is not None), default=None)
+        out = self._forward(ids, [rows[0].adapter], past_key_values=DynamicCache(),
+                            logits_to_keep=0 if k_prompt is not None else 1)
+        if k_prompt is not None:
+            plp = hf_logprobs.prompt(out.logits[0], prompt_ids, k_prompt, rows[0].texts)
+            for r in rows:
+                r.prompt_logprobs = plp
+        raw = out.logits[:, -1, :].expand(len(rows), -1)
+        tokens = sample(raw.clone(), rows, self.suppress)
+        events = self._accept(raw, tokens, rows)
         live = [r for r in rows if not r.gone]
         if live and self.layout == "ragged":
             kv = _kv(out.past_key_values)
@@ -373,10 +393,22 @@ class Batch:
             self.mask, self.cache = mask, out.past_key_values
         for r in rows:
             r.pos += 1
-        tokens = sample(out.logits[:, -1, :], rows, self.suppress)
-        events = [(r, r.accept(t)) for r, t in zip(rows, tokens)]
+        raw = out.logits[:, -1, :]
+        wants = any(r.texts is not None for r in rows)
+        tokens = sample(raw.clone() if wants else raw, rows, self.suppress)
+        events = self._accept(raw, tokens, rows)
         self.reap()
         return events
+
+    @staticmethod
+    def _accept(raw: torch.Tensor, tokens: list[int], rows: Sequence[Row]) -> list[tuple[Row, Delta]]:
+        """Each row takes its sampled token, with its logprob entry where it asked for logprobs
+        (`raw`: the logits sampled from, unmodified)."""
+        texts = next((r.texts for r in rows if r.params.logprobs is not None), None)
+        lps = hf_logprobs.sampled(raw, tokens, [r.params.logprobs for r in rows], texts) if texts else None
+        for i, r in enumerate(rows):
+            r.logprob = lps[i] if lps else None
+        return [(r, r.accept(t)) for r, t in zip(rows, tokens)]
 
     def clear(self) -> None:
         self.rows, self.kv, self.cache, self.mask = [], [], None, None

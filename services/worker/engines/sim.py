@@ -47,6 +47,7 @@ from polyserve.worker.engine import (
     free_adapter,
     make_stats,
 )
+from polyserve.worker.engines import sim_logprobs
 from polyserve.worker.lora import AdapterError, AdapterRegistry, read_adapter
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,9 @@ class _Choice:
     sent: int = 0  # characters already emitted
     pending: int = 0  # tokens not yet reported in a Delta
     finish_reason: str | None = None
+    seed: str = ""  # what `rng` was seeded with (the simulated logprobs derive from it)
+    logprobs: list = field(default_factory=list)  # entries of the `pending` tokens (params.logprobs set)
+    started: bool = False  # its first Delta went out
 
 
 @dataclass(eq=False)
@@ -291,7 +295,7 @@ class SimEngine(Engine):
             natural = max(1, p.min_tokens, round(self.profile.median_output_tokens
                                                  * math.exp(self.profile.output_log_sigma * rng.gauss(0, 1))))
             limit = min(p.max_tokens, natural)
-            choices.append(_Choice(index=i, rng=rng, limit=limit,
+            choices.append(_Choice(index=i, rng=rng, limit=limit, seed=f"{base}:{i}",
                                    reason_at_limit="stop" if natural < p.max_tokens else "length"))
         return choices
 
@@ -371,6 +375,8 @@ class SimEngine(Engine):
             ch.text += piece
             ch.generated += 1
             ch.pending += 1
+            if r.req.params.logprobs is not None:
+                ch.logprobs.append(sim_logprobs.generated(ch.seed, ch.generated, piece, r.req.params.logprobs, VOCAB))
             pos = policy.find_stop(ch.text, stops, search_from) if ch.generated >= r.req.params.min_tokens else -1
             if pos >= 0:
                 ch.text = ch.text[:pos]  # the stop string and what follows are not emitted
@@ -380,15 +386,25 @@ class SimEngine(Engine):
             else:
                 safe = len(ch.text) - hold
                 if safe > ch.sent:
-                    r.events.put_nowait(Delta(ch.index, ch.text[ch.sent:safe], ch.pending))
-                    ch.sent, ch.pending = safe, 0
+                    r.events.put_nowait(self._delta(r, ch, ch.text[ch.sent:safe]))
+                    ch.sent = safe
         if all(c.finish_reason is not None for c in r.choices):
             self._finish(r)
 
     def _finish_choice(self, r: _Req, ch: _Choice, reason: str) -> None:
         ch.finish_reason = reason
-        r.events.put_nowait(Delta(ch.index, ch.text[ch.sent:], ch.pending, reason))
-        ch.sent, ch.pending = len(ch.text), 0
+        r.events.put_nowait(self._delta(r, ch, ch.text[ch.sent:], reason))
+        ch.sent = len(ch.text)
+
+    @staticmethod
+    def _delta(r: _Req, ch: _Choice, text: str, reason: str | None = None) -> Delta:
+        """The Delta of `ch`'s pending tokens (their simulated logprobs; the prompt's on the first)."""
+        k = r.req.params.prompt_logprobs
+        delta = Delta(ch.index, text, ch.pending, reason, logprobs=ch.logprobs or None,
+                      prompt_logprobs=sim_logprobs.prompt(r.req.prompt, k, VOCAB)
+                      if k is not None and not ch.started else None)
+        ch.pending, ch.logprobs, ch.started = 0, [], True
+        return delta
 
     def _finish(self, r: _Req) -> None:
         self._drop(r)

@@ -1,0 +1,112 @@
+"""Logprobs and echo in the OpenAI formats (issue 18 item 3).
+
+Request side: `logprobs`/`top_logprobs` (chat) and `logprobs` (completions, an int) become
+`SamplingParams.logprobs` (k alternatives per token); completions `echo` with `logprobs`
+asks for `prompt_logprobs` too. Engines report vLLM's default semantics: the log-softmax
+of the raw model distribution (before temperature and top-k/top-p), top alternatives most
+likely first. The sim engine's values are simulated.
+
+Response side, streamed and not:
+* completions: `choices[i].logprobs = {tokens, token_logprobs, top_logprobs, text_offset}`;
+  `top_logprobs[t]` maps token text -> logprob; `text_offset[t]` is where token t starts in
+  the choice's text (the running sum of the token strings' lengths, as vLLM counts). With
+  `echo` the prompt comes first in the text and in the logprobs (its first token: null).
+* chat: `choices[i].logprobs = {content: [{token, logprob, bytes, top_logprobs: [...]}],
+  refusal: null}`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from polyserve.proto import SamplingParams, TokenLogprob
+
+from .policy import InvalidRequest
+
+MAX_TOP = 20  # OpenAI's top_logprobs bound; vLLM's default max_logprobs
+
+
+def _bounded(value: int, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP:
+        raise InvalidRequest(f"'{name}' must be an integer between 0 and {MAX_TOP}, got {value!r}", name)
+    return value
+
+
+def apply(params: SamplingParams, body: Any, chat: bool) -> SamplingParams:
+    """`params` with the logprobs the body asks for (400 for out-of-range values)."""
+    if chat:
+        top = getattr(body, "top_logprobs", None)
+        if top is not None:
+            _bounded(top, "top_logprobs")
+        if not getattr(body, "logprobs", None):
+            if top:
+                raise InvalidRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+            return params
+        return msgspec.structs.replace(params, logprobs=top or 0)
+    k = getattr(body, "logprobs", None)
+    if k is None:
+        return params
+    k = _bounded(k, "logprobs")
+    return msgspec.structs.replace(params, logprobs=k, prompt_logprobs=k if getattr(body, "echo", False) else None)
+
+
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def chat_content(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+    return [{"token": e.token, "logprob": e.logprob, "bytes": _bytes(e.token),
+             "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": _bytes(t.token)} for t in e.top]}
+            for e in entries]
+
+
+def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """The completions `logprobs` object of `entries`, text offsets counted from `offset`."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [None if e.logprob is None else {t.token: t.logprob for t in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+@dataclass
+class Renderer:
+    """Adds echo and logprobs to the choices of one response (state per choice index)."""
+
+    chat: bool
+    want: bool  # logprobs asked for
+    echo: bool = False  # completions: the prompt leads the text
+    _offsets: dict[int, int] = field(default_factory=dict)
+    _echoed: set[int] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, body: Any, params: SamplingParams, chat: bool) -> "Renderer":
+        return cls(chat=chat, want=params.logprobs is not None, echo=not chat and bool(getattr(body, "echo", False)))
+
+    @property
+    def active(self) -> bool:
+        return self.want or self.echo
+
+    def choice(self, choice: dict[str, Any], index: int, prompt: str, entries: list[TokenLogprob] | None,
+               prompt_entries: list[TokenLogprob] | None) -> None:
+        """Fill `choice` (a streamed chunk's or a full response's) with the echo and logprobs
+        of this part of choice `index`; a stream calls it once per chunk, in order."""
+        first = index not in self._echoed
+        self._echoed.add(index)
+        if self.echo and first:
+            key = "text"
+            choice[key] = prompt + choice.get(key, "")
+        if not self.want:
+            return
+        if self.chat:
+            choice["logprobs"] = {"content": chat_content(entries or []), "refusal": None}
+            return
+        lead = prompt_entries if self.echo and first and prompt_entries else []
+        rendered = completion_logprobs(lead + (entries or []), self._offsets.get(index, 0))
+        if rendered["tokens"]:
+            self._offsets[index] = rendered["text_offset"][-1] + len(rendered["tokens"][-1])
+        choice["logprobs"] = rendered

@@ -1,0 +1,325 @@
+"""OpenAI Responses API (`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`), text in
+and text out, as vLLM and SGLang serve it.
+
+A response is a chat request underneath: the conversation so far (the stored turns of
+`previous_response_id`, then the new `input` messages), after `instructions` as a system
+message, is rendered into the transcript chat completions send (policy.render_chat) and runs
+through the same admit() -> predict -> dispatch -> generate path (handlers.RequestRun).
+Fields polyserve does not honour are refused with a 400 naming them (compat_table.RESPONSES).
+
+With `store` (the default) the Response object and its conversation (without `instructions`,
+which OpenAI does not carry to the next turn) are kept in Redis under `Keys.response(id)` for
+the gateway's `response_ttl_s`. Streamed, the body is the Responses SSE events
+(`response.created` ... `response.completed` or `response.incomplete`), each with its
+`sequence_number`."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
+from pydantic import BaseModel, ConfigDict, Field
+
+from polyserve.proto import SamplingParams
+
+from . import compat, policy
+from .admission import Admission, admit
+from .context import Gateway, GatewayState
+from .errors import GatewayError
+from .handlers import Outcome, RequestRun
+from .schemas import ChatMessage
+
+logger = logging.getLogger(__name__)
+ROLES = ("user", "system", "developer", "assistant")
+InvalidInput = policy.InvalidRequest  # a 400 naming the field (OpenAI error body)
+
+
+class ResponsesBody(BaseModel):
+    """The fields polyserve honours; every other one stays in `model_extra` for compat.py."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    previous_response_id: str | None = None
+    store: bool | None = True
+    metadata: dict[str, str] | None = None
+    priority: int = 0
+    user: str | None = None
+
+
+def add_response_routes(app: FastAPI) -> None:
+    app.add_api_route("/v1/responses", create, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", retrieve, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", delete, methods=["DELETE"])
+
+
+# ---------------------------------------------------------------------------- input
+def _content_text(i: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidInput(f"input[{i}].content must be a string or a list of text parts", f"input[{i}].content")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
+            raise InvalidInput(f"input[{i}].content[{j}] is a '{kind}' part; polyserve takes text parts "
+                               "(input_text) only", f"input[{i}].content[{j}]", code="unsupported_parameter")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def input_messages(value: str | list[dict[str, Any]] | None) -> list[dict[str, str]]:
+    """The new messages of a request's `input`: a string is one user message; a list holds
+    message items (role and text content). Other item types are refused."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    out = []
+    for i, item in enumerate(value):
+        kind = item.get("type", "message")
+        if kind != "message" or "role" not in item:
+            raise InvalidInput(f"input[{i}] is a '{kind}' item; polyserve takes message items (role and text "
+                               "content) only", f"input[{i}]", code="unsupported_parameter")
+        if item["role"] not in ROLES:
+            raise InvalidInput(f"input[{i}].role must be one of {', '.join(ROLES)}", f"input[{i}].role")
+        out.append({"role": item["role"], "content": _content_text(i, item.get("content"))})
+    return out
+
+
+def sampling(body: ResponsesBody, gs: GatewayState) -> SamplingParams:
+    s = gs.settings
+    max_tokens = s.default_max_tokens if body.max_output_tokens is None else body.max_output_tokens
+    if max_tokens < 1:
+        raise InvalidInput(f"max_output_tokens must be at least 1, got {max_tokens}", "max_output_tokens")
+    if max_tokens > s.max_tokens_limit:
+        raise InvalidInput(f"max_output_tokens {max_tokens} is above this deployment's limit of "
+                           f"{s.max_tokens_limit}; ask for fewer", "max_output_tokens")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > 4 or any(not x for x in stop):
+        raise InvalidInput("stop takes up to 4 non-empty strings", "stop")
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                          top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0),
+                          seed=body.seed, stop=stop, n=1)
+
+
+# ---------------------------------------------------------------------------- storage
+def not_found(response_id: str, param: str | None = None) -> policy.InvalidRequest:
+    what = "Previous response" if param == "previous_response_id" else "Response"
+    return policy.InvalidRequest(f"{what} with id '{response_id}' not found.", param, 404,
+                                 "previous_response_not_found" if param else None)
+
+
+async def load(gs: GatewayState, response_id: str, param: str | None = None) -> dict[str, Any]:
+    """The stored record {response, conversation} of `response_id`; 404 when there is none."""
+    try:
+        raw = await gs.state.r.get(gs.state.keys.response(response_id))
+    except Exception as exc:
+        raise GatewayError(503, f"cluster state (Redis) unavailable: {exc}", retry_after=1) from exc
+    if not raw:
+        raise not_found(response_id, param)
+    return msgspec.json.decode(raw)
+
+
+async def save(gs: GatewayState, turn: Turn, response: dict[str, Any], text: str) -> None:
+    """Keep the response and its conversation (this answer included) for `response_ttl_s`."""
+    if not turn.store:
+        return
+    record = {"response": response, "conversation": [*turn.conversation, {"role": "assistant", "content": text}]}
+    try:
+        await gs.state.r.set(gs.state.keys.response(turn.rid), msgspec.json.encode(record),
+                             px=max(1, int(gs.settings.response_ttl_s * 1000)))
+    except Exception as exc:  # noqa: BLE001 - the answer is still given; a later turn gets a 404
+        logger.warning("could not store response %s: %s", turn.rid, exc)
+
+
+# ---------------------------------------------------------------------------- the Response object
+@dataclass
+class Turn:
+    """One request: its ids, the conversation it continues (without instructions) and its echo fields."""
+
+    body: ResponsesBody
+    model: str
+    conversation: list[dict[str, str]]
+    params: SamplingParams
+    rid: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex)
+    item_id: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def store(self) -> bool:
+        return self.body.store is not False
+
+    def prompt(self) -> str:
+        head = [ChatMessage(role="system", content=self.body.instructions)] if self.body.instructions else []
+        return policy.render_chat(head + [ChatMessage(**m) for m in self.conversation])
+
+    def message(self, text: str | None, status: str) -> dict[str, Any]:
+        content = [] if text is None else [part(text)]
+        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
+
+    def obj(self, status: str, text: str | None = None, usage: tuple[int, int] = (0, 0),
+            simulated: bool = False) -> dict[str, Any]:
+        b = self.body
+        out: dict[str, Any] = {
+            "id": self.rid, "object": "response", "created_at": self.created_at, "status": status,
+            "background": False, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": self.model,
+            "output": [] if text is None else [self.message(text, status)],
+            "parallel_tool_calls": False, "previous_response_id": b.previous_response_id, "reasoning": None,
+            "store": self.store, "temperature": self.params.temperature, "text": {"format": {"type": "text"}},
+            "tool_choice": "none", "tools": [], "top_p": self.params.top_p, "truncation": "disabled",
+            "usage": None if text is None else {
+                "input_tokens": usage[0], "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": usage[1], "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage[0] + usage[1]},
+            "user": b.user, "metadata": b.metadata or {},
+        }
+        if simulated:
+            out["simulated"] = True
+        return out
+
+
+def part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def status_of(finish: str | None) -> str:
+    return "incomplete" if finish == "length" else "completed"
+
+
+# ---------------------------------------------------------------------------- routes
+async def create(body: ResponsesBody, request: Request, gs: Gateway) -> Response:
+    """Validate, admit and run one response; a stream keeps the in-flight slot until it ends."""
+    params = sampling(body, gs)
+    conversation = []
+    if body.previous_response_id:
+        conversation = (await load(gs, body.previous_response_id, "previous_response_id"))["conversation"]
+    new = input_messages(body.input)
+    if not new:
+        raise InvalidInput("input is empty: send a string or a list of message items", "input")
+    adm = await admit(gs, body.model)
+    engine = adm.deployment.engine
+    if engine not in compat.ENDPOINTS["responses"][1] and engine in compat.ENGINES:
+        raise policy.InvalidRequest(f"'{adm.deployment.id}' is an embedding model (engine {engine}); it serves "
+                                    "/v1/embeddings, not responses", "model")
+    headers = compat.ignored_header(compat.check("responses", body, engine))
+    turn = Turn(body=body, model=adm.deployment.id, conversation=conversation + new, params=params)
+    prompt = turn.prompt()
+    if len(prompt) > gs.settings.max_prompt_chars:
+        raise InvalidInput(f"the conversation is {len(prompt)} characters; the limit is "
+                           f"{gs.settings.max_prompt_chars}", "input")
+    run = RequestRun(gs=gs, deployment=adm.deployment, prompt=prompt, params=params, stream=bool(body.stream),
+                     adapter=adm.adapter, priority=body.priority, request_id=turn.rid)
+    span = adm.begin("gateway response", request.headers)
+    span.set_attribute("polyserve.request_id", turn.rid)
+    handed_off = False
+    try:
+        with trace.use_span(span, end_on_exit=False):
+            await run.start()
+        if body.stream:
+            handed_off = True
+            if engine == "sim":
+                headers["X-Polyserve-Simulated"] = "true"
+            return StreamingResponse(_events(gs, adm, turn, run), media_type="text/event-stream", headers=headers)
+        with trace.use_span(span, end_on_exit=False):
+            out = await _collect(request, run)
+        final = turn.obj(status_of(out.finish[0]), out.texts[0], (out.prompt_tokens, out.completion_tokens),
+                         out.simulated)
+        await save(gs, turn, final, out.texts[0])
+        if out.simulated:
+            headers["X-Polyserve-Simulated"] = "true"
+        return JSONResponse(final, headers=headers)
+    except GatewayError as exc:
+        adm.failed(exc)
+        raise
+    finally:
+        if not handed_off:
+            adm.end()
+
+
+async def retrieve(response_id: str, gs: Gateway) -> dict[str, Any]:
+    return (await load(gs, response_id))["response"]
+
+
+async def delete(response_id: str, gs: Gateway) -> dict[str, Any]:
+    try:
+        removed = await gs.state.r.delete(gs.state.keys.response(response_id))
+    except Exception as exc:
+        raise GatewayError(503, f"cluster state (Redis) unavailable: {exc}", retry_after=1) from exc
+    if not removed:
+        raise not_found(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+async def _collect(request: Request, run: RequestRun) -> Outcome:
+    """The whole answer; a client that goes away cancels the request at its worker."""
+    task = asyncio.ensure_future(run.collect())
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            await run.cancel("client disconnected")
+            raise GatewayError(499, "client disconnected")
+
+
+# ---------------------------------------------------------------------------- streaming
+async def _events(gs: GatewayState, adm: Admission, turn: Turn, run: RequestRun) -> AsyncIterator[bytes]:
+    """The Responses SSE body; an error after the first byte goes out as an `error` event."""
+    seq = itertools.count()
+
+    def event(kind: str, **fields: Any) -> bytes:
+        data = json.dumps({"type": kind, "sequence_number": next(seq), **fields}, separators=(",", ":"))
+        return f"event: {kind}\ndata: {data}\n\n".encode()
+
+    at = {"item_id": turn.item_id, "output_index": 0, "content_index": 0}
+    try:
+        yield event("response.created", response=turn.obj("in_progress"))
+        yield event("response.in_progress", response=turn.obj("in_progress"))
+        yield event("response.output_item.added", output_index=0, item=turn.message(None, "in_progress"))
+        yield event("response.content_part.added", **at, part=part(""))
+        texts, finish, usage = [], None, (0, 0)
+        with trace.use_span(adm.span, end_on_exit=False):
+            async for chunk in run.chunks():
+                if chunk.done:
+                    usage = (chunk.stats.input_tokens, chunk.stats.output_tokens) if chunk.stats else usage
+                    continue
+                finish = chunk.finish_reason or finish
+                if chunk.text:
+                    texts.append(chunk.text)
+                    yield event("response.output_text.delta", **at, delta=chunk.text, logprobs=[])
+        text, status = "".join(texts), status_of(finish)
+        yield event("response.output_text.done", **at, text=text, logprobs=[])
+        yield event("response.content_part.done", **at, part=part(text))
+        yield event("response.output_item.done", output_index=0, item=turn.message(text, status))
+        final = turn.obj(status, text, usage, run.simulated)
+        await save(gs, turn, final, text)
+        yield event("response.completed" if status == "completed" else "response.incomplete", response=final)
+    except GatewayError as exc:
+        adm.failed(exc)
+        yield event("error", code=str(exc.status), message=exc.message, param=None)
+    finally:
+        adm.end()
