@@ -118,6 +118,18 @@ class ServiceState(Event, tag="service", kw_only=True):
     pid: int = 0
 
 
+class Refused(Event, tag="refused", kw_only=True):
+    """A service refused a request on security grounds (on `<prefix>.v1.events.service.refused`),
+    e.g. a StartWorker whose `extra_env` sets variables outside the gpu-agent's allowlist."""
+
+    service: str
+    instance: str
+    action: str  # e.g. "start_worker"
+    reason: str
+    keys: list[str] = []  # the offending names, never their values
+    deployment: str = ""
+
+
 class ScaleDecision(Event, tag="scale", kw_only=True):
     deployment: str
     scaler: str  # "pertoken" | "request"
@@ -204,6 +216,6 @@ class RuntimePlan(Event, tag="runtime_plan", kw_only=True):
 
 AnyEvent = (
     Admitted | Predicted | Dispatched | FirstToken | Completed | Failed | Heartbeat
-    | WorkerUp | WorkerDown | ServiceState | ScaleDecision | GpuTelemetry
+    | WorkerUp | WorkerDown | ServiceState | Refused | ScaleDecision | GpuTelemetry
     | ClockDecision | ScaleSignal | EnergyReport | RuntimePlan
 )

@@ -23,6 +23,7 @@ from polyserve.proto.events import (
     GpuTelemetry,
     Heartbeat,
     Predicted,
+    Refused,
     RuntimePlan,
     ScaleDecision,
     ScaleSignal,
@@ -76,6 +77,24 @@ class Placement(Msg, kw_only=True):
 
 
 # --------------------------------------------------------------------- worker
+class StructuredOutput(Msg, kw_only=True):
+    """Constrained decoding (OpenAI `response_format`, vLLM `structured_outputs` / `guided_*`,
+    forced tool calls): exactly one of these is set. The output is text that matches it."""
+
+    json: str | None = None  # a JSON Schema, as JSON text
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None  # one of these strings, exactly
+    grammar: str | None = None  # a context-free grammar: Lark (llguidance) or GBNF/EBNF (`::=` rules)
+
+    def kind(self) -> str:
+        """Which constraint is set: json, json_object, regex, choice or grammar."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+
 class SamplingParams(Msg, kw_only=True):
     max_tokens: int = 16
     min_tokens: int = 0
@@ -90,6 +109,7 @@ class SamplingParams(Msg, kw_only=True):
     # logprob and its k most likely alternatives (k = 0: the token's own logprob only)
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token (completions `echo`)
+    structured: StructuredOutput | None = None  # constrain the output (JSON schema, regex, choice, grammar)
 
 
 class GenerateRequest(Msg, kw_only=True):
@@ -334,5 +354,5 @@ ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     ScaleDecision, GpuTelemetry, StartWorker, StopWorker, AgentReply, ScalerPolicy, Deployment,
     AgentInfo, AdapterSpec, AdapterCommand,
     EmbedRequest, EmbedReply, RuntimeProfile, EncoderProfile,
-    Withdraw, WithdrawReply, ClockDecision, ScaleSignal, EnergyReport, RuntimePlan,
+    Withdraw, WithdrawReply, ClockDecision, ScaleSignal, EnergyReport, RuntimePlan, Refused,
 )

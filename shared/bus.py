@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -91,8 +93,16 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, tracer: trace.Tracer, service: str, **kw: Any) -> "Bus":
-        nc = await nats.connect(url, name=service, max_reconnect_attempts=-1,
-                                reconnect_time_wait=0.5, connect_timeout=2)
+        """Connect as `service`: credentials come as the URL's `user:password@`; reply
+        inboxes live under `_INBOX.<service>.` so NATS permissions can keep them the
+        service's own (docs/security.md). A server with TLS is verified against the CA file
+        in env POLYSERVE_NATS_TLS_CA (else the system's CAs)."""
+        opts: dict[str, Any] = {}
+        ca = os.environ.get("POLYSERVE_NATS_TLS_CA", "")
+        if ca:
+            opts["tls"] = ssl.create_default_context(cafile=ca)
+        nc = await nats.connect(url, name=service, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                                connect_timeout=2, inbox_prefix=f"_INBOX.{service}", **opts)
         return cls(nc, tracer, service, **kw)
 
     # ------------------------------------------------------------------ client side

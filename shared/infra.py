@@ -72,12 +72,17 @@ def _spawn(name: str, cmd: list[str], log_path: Path, env: dict[str, str] | None
 
 
 def start_nats(run_dir: Path, port: int | None = None, monitor_port: int | None = None,
-               timeout: float = 10.0) -> tuple[subprocess.Popen, str, int]:
-    """nats-server with JetStream; returns (process, client url, monitoring port)."""
+               timeout: float = 10.0, config: str | Path | None = None) -> tuple[subprocess.Popen, str, int]:
+    """nats-server with JetStream; returns (process, client url, monitoring port).
+
+    `config`: a nats-server configuration file (users, permissions, TLS: `shared/auth.py`);
+    secrets go only there, never on the command line (which every local user can read)."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(run_dir, 0o700)
     ports_dir = run_dir / "nats-ports"
     ports_dir.mkdir(exist_ok=True)
-    cmd = [find_nats_server(), "-a", "127.0.0.1", "-p", str(port or -1), "-m", str(monitor_port or -1),
+    cmd = [find_nats_server(), *(["-c", str(config)] if config else []), "-a", "127.0.0.1",
+           "-p", str(port or -1), "-m", str(monitor_port or -1),
            "-js", "-sd", str(run_dir / "jetstream"), "--ports_file_dir", str(ports_dir)]
     proc = _spawn("nats", cmd, run_dir / "nats-server.log")
     ports_file = ports_dir / f"nats-server_{proc.pid}.ports"
@@ -99,16 +104,18 @@ def start_nats(run_dir: Path, port: int | None = None, monitor_port: int | None 
 
 
 def start_redis(run_dir: Path, port: int | None = None, unix_socket: str | None = None,
-                timeout: float = 10.0, persist: bool = True) -> tuple[subprocess.Popen, str]:
+                timeout: float = 10.0, persist: bool = True,
+                config: str | Path | None = None) -> tuple[subprocess.Popen, str]:
     """redis-server on a TCP port (0 = none) and/or a unix socket; returns (process, url).
 
     `persist`: an append-only file (`appendonly.aof` in `run_dir`, fsynced every second),
     so a Redis restart on the same `run_dir` keeps deployments and adapters (at most the
-    last second of writes is lost on a crash). `run_dir` is made owner-only (0700)."""
+    last second of writes is lost on a crash). `run_dir` is made owner-only (0700).
+    `config`: a redis-server configuration file (ACL users: `shared/auth.py`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(run_dir, 0o700)
     aof = ["--appendonly", "yes", "--appendfsync", "everysec"] if persist else ["--appendonly", "no"]
-    cmd = [find_redis_server(), "--port", str(port or 0), "--bind", "127.0.0.1", "--save", "", *aof,
+    cmd = [find_redis_server(), *([str(config)] if config else []), "--port", str(port or 0), "--bind", "127.0.0.1", "--save", "", *aof,
            "--dir", str(run_dir)]
     if unix_socket:
         if os.path.exists(unix_socket):  # left by a killed redis-server: a restart re-creates it

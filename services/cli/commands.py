@@ -4,11 +4,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import ssl
 import sys
 import time
 from pathlib import Path
 
 from polyserve.cli import launcher
+from polyserve.shared.auth import redact
 
 
 def _say(msg: str) -> None:
@@ -22,7 +25,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                                 max_replicas=args.max_replicas, ready_timeout_s=args.timeout,
                                 upstream_url=args.upstream_url or "", upstream_model=args.upstream_model or "",
                                 upstream_metrics_url=args.upstream_metrics_url or "",
-                                config_file=args.config or "", supervise=not args.no_supervisor)
+                                config_file=args.config or "", supervise=not args.no_supervisor,
+                                admin_key="" if args.no_admin_key else None, insecure=args.insecure,
+                                nats_tls=_tls(args))
     t0 = time.monotonic()
     try:
         state = launcher.up(spec, progress=_say)
@@ -31,7 +36,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 1
     _say(f"\npolyserve is up in {time.monotonic() - t0:.1f}s (engine {state.engine}, model '{state.model}')")
     _say(f"  gateway      {state.gateway_url}/v1   (OpenAI-compatible; try GET {state.gateway_url}/v1/models)")
-    _say(f"  events       polyserve events      (or: nats sub '{state.prefix}.>' --server {state.nats_url})")
+    if state.admin_key_file:
+        _say(f"  admin key    {state.admin_key_file}   (owner-only; admin API: "
+             f"curl -H \"Authorization: Bearer $(cat {state.admin_key_file})\" {state.gateway_url}/v1/deployments)")
+    else:
+        _say("  admin key    none: the admin API is open")
+    _say(f"  events       polyserve events      (or: nats sub '{state.prefix}.>' --server {redact(state.nats_url)}, "
+         f"password in {state.run_dir}/secrets/credentials.json)")
     _say(f"  status       polyserve status      logs in {state.run_dir}/logs")
     if spec.supervise:
         _say(f"  supervisor   restarts a process that dies (pid {state.pids.get('supervisor')}; "
@@ -45,6 +56,17 @@ def cmd_up(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             launcher.down(Path(args.run_dir), progress=_say)
     return 0
+
+
+def _tls(args: argparse.Namespace):
+    if not (args.nats_tls_cert or args.nats_tls_key):
+        return None
+    if not (args.nats_tls_cert and args.nats_tls_key):
+        raise SystemExit("polyserve up: --nats-tls-cert and --nats-tls-key go together")
+    from polyserve.shared.auth import TlsFiles
+
+    return TlsFiles(cert=str(Path(args.nats_tls_cert).resolve()), key=str(Path(args.nats_tls_key).resolve()),
+                    ca=str(Path(args.nats_tls_ca).resolve()) if args.nats_tls_ca else "")
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -62,7 +84,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         status = cluster_status(state)
     except Exception as exc:  # Redis down
-        _say(f"cannot read cluster state from {state.redis_url}: {exc}")
+        _say(f"cannot read cluster state from {redact(state.redis_url)}: {exc}")
         return 1
     if args.json:
         _say(json.dumps(status, indent=2))
@@ -86,7 +108,8 @@ def cmd_events(args: argparse.Namespace) -> int:
     subject = args.subject or f"{state.prefix if state else 'polyserve'}.>"
 
     async def main() -> None:
-        nc = await nats.connect(url)
+        ca = (state.nats_tls_ca if state else "") or os.environ.get("POLYSERVE_NATS_TLS_CA", "")
+        nc = await nats.connect(url, **({"tls": ssl.create_default_context(cafile=ca)} if ca else {}))
         count = 0
         done = asyncio.Event()
 
@@ -98,7 +121,7 @@ def cmd_events(args: argparse.Namespace) -> int:
                 done.set()
 
         await nc.subscribe(subject, cb=on_msg)
-        _say(f"listening on {subject} at {url}; Ctrl-C to stop")
+        _say(f"listening on {subject} at {redact(url)}; Ctrl-C to stop")
         try:
             await asyncio.wait_for(done.wait(), timeout=args.seconds or None)
         except asyncio.TimeoutError:
@@ -165,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--config", metavar="FILE", help="desired state (YAML: deployments, adapters; "
                     "docs/configuration.md): applied at start and again whenever Redis has no deployment")
     up.add_argument("--no-supervisor", action="store_true", help="do not restart processes that die")
+    up.add_argument("--no-admin-key", action="store_true", help="leave the admin API open (by default `up` "
+                    "generates a key into RUN_DIR/secrets/admin.key, or uses $POLYSERVE_GATEWAY_ADMIN_API_KEY)")
+    up.add_argument("--insecure", action="store_true", help="allow --host beyond loopback without an admin key")
+    up.add_argument("--nats-tls-cert", help="nats-server TLS certificate (PEM); with --nats-tls-key")
+    up.add_argument("--nats-tls-key", help="nats-server TLS private key (PEM)")
+    up.add_argument("--nats-tls-ca", help="CA (PEM) the services verify nats-server's certificate with")
     up.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops everything")
     up.set_defaults(fn=cmd_up)
 

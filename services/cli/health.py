@@ -16,6 +16,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from polyserve.shared.auth import redact
+
 SERVICES = {"gateway": "gateway", "predictor": "predictor", "dispatcher": "dispatcher", "planner": "planner",
             "gpu_agent": "gpu-agent", "worker": "worker"}
 
@@ -68,11 +70,11 @@ def check(service: str, environ: dict[str, str] | None = None, timeout: float = 
         r = redis.Redis.from_url(s.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout)
         members = [m.decode() for m in r.zrangebyscore(key, time.time(), "+inf")]
     except redis.RedisError as exc:
-        return False, f"Redis at {s.redis_url} unreachable: {exc}"
+        return False, f"Redis at {redact(s.redis_url)} unreachable: {exc}"
     live = members if service == "worker" else [m for m in members if m.split(":", 1)[0] == service]
     if live:
         return True, f"{service} registered live in Redis: {', '.join(sorted(live))}"
-    return False, f"no live {service} registered in Redis ({s.redis_url}, prefix {s.prefix})"
+    return False, f"no live {service} registered in Redis ({redact(s.redis_url)}, prefix {s.prefix})"
 
 
 def main(service: str | None) -> int:

@@ -18,8 +18,9 @@ from pathlib import Path
 import msgspec
 import redis
 
+from polyserve.cli import credentials
 from polyserve.proto import Deployment, Keys, ScalerPolicy
-from polyserve.shared import infra
+from polyserve.shared import auth, infra
 
 SERVICES = ("predictor", "dispatcher", "gpu_agent", "planner", "gateway")  # start order; workers via gpu-agent
 SERVICE_NAMES = {"gpu_agent": "gpu-agent"}
@@ -53,6 +54,10 @@ class ClusterSpec:
     upstream_metrics_url: str = ""
     config_file: str = ""  # desired-state YAML (planner.reconcile): applied at start, re-applied on data loss
     supervise: bool = True  # restart services, nats-server and redis-server that die
+    auth: bool = True  # NATS and Redis users per service (shared/auth.py, docs/security.md)
+    admin_key: str | None = None  # None: $POLYSERVE_GATEWAY_ADMIN_API_KEY, else the run dir's, else a new one; "": none
+    insecure: bool = False  # allow a gateway beyond loopback without an admin key
+    nats_tls: auth.TlsFiles | None = None  # nats-server TLS certificate and key (and the CA clients verify with)
 
 
 @dataclass
@@ -67,12 +72,18 @@ class ClusterState:
     model: str
     pids: dict[str, int]
     restarts: dict[str, int] = field(default_factory=dict)  # by the supervisor, per process
+    nats_config: str = ""  # the generated nats-server/redis-server configurations (secrets/)
+    redis_config: str = ""
+    admin_key_file: str = ""  # "" = the admin API is open
+    nats_tls_ca: str = ""
+
+    def __repr__(self) -> str:  # no passwords in tracebacks and test reports
+        return (f"ClusterState(run_dir={self.run_dir!r}, prefix={self.prefix!r}, nats_url={auth.redact(self.nats_url)!r}, "
+                f"redis_url={auth.redact(self.redis_url)!r}, gateway_url={self.gateway_url!r}, pids={self.pids!r})")
 
     def save(self) -> None:
-        path = Path(self.run_dir, "state.json")
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2))
-        os.replace(tmp, path)  # readers never see half a file
+        """Owner-only (0600): the URLs carry the operator's credentials. Atomic: readers never see half a file."""
+        auth.write_private(Path(self.run_dir, "state.json"), json.dumps(asdict(self), indent=2))
 
     @classmethod
     def load(cls, run_dir: Path) -> "ClusterState | None":
@@ -122,15 +133,22 @@ def _port(wanted: int) -> int:
 
 
 def _env(state: ClusterState, spec: ClusterSpec) -> dict[str, str]:
+    """What every service's environment starts from: no credentials (`spawn_service` adds each its own)."""
     env = dict(os.environ)
-    env.update({"POLYSERVE_NATS_URL": state.nats_url, "POLYSERVE_REDIS_URL": state.redis_url,
+    env.update({"POLYSERVE_NATS_URL": auth.strip_userinfo(state.nats_url),
+                "POLYSERVE_REDIS_URL": auth.strip_userinfo(state.redis_url),
                 "POLYSERVE_PREFIX": state.prefix, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    if state.nats_tls_ca:
+        env["POLYSERVE_NATS_TLS_CA"] = state.nats_tls_ca
     env.update(spec.extra_env)
+    env.pop(credentials.ADMIN_KEY_ENV, None)  # only the gateway gets it (spawn_service)
     return env
 
 
 def spawn_service(svc: str, env: dict[str, str], run_dir: Path) -> subprocess.Popen:
-    """One service process (`svc` as in SERVICES), its output appended to logs/<svc>.log."""
+    """One service process (`svc` as in SERVICES) with its own credentials, its output
+    appended to logs/<svc>.log."""
+    env = credentials.service_env(SERVICE_NAMES.get(svc, svc), env, run_dir)
     log = open(Path(run_dir) / "logs" / f"{svc}.log", "ab")
     try:
         return subprocess.Popen([sys.executable, "-m", f"polyserve.{svc}"], stdout=log, stderr=log,
@@ -212,6 +230,10 @@ def _check(spec: ClusterSpec) -> tuple[str, str, object]:
                                         or os.environ.get("POLYSERVE_WORKER_UPSTREAM_URL")):
         raise LaunchError("the openai-http engine needs the engine server's address: pass --upstream-url URL "
                           "(e.g. http://127.0.0.1:8001 where `vllm serve` listens)")
+    if not auth.is_loopback(spec.host) and spec.admin_key == "" and not spec.insecure:
+        raise LaunchError(f"refusing to expose the gateway on {spec.host} without an admin API key: anyone who "
+                          "reaches it could change deployments and adapters. Drop --no-admin-key, or pass "
+                          "--insecure if this network is trusted")
     model = spec.model or (spec.upstream_model if engine == "openai-http" else "") or default_model(engine)
     if desired is not None and desired.deployments:  # the file's deployments replace the default one
         engine, model = desired.deployments[0].engine, desired.deployments[0].model
@@ -224,17 +246,23 @@ def up(spec: ClusterSpec, progress=print) -> ClusterState:
     run_dir = spec.run_dir
     engine, model, desired = _check(spec)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    os.chmod(run_dir, 0o700)  # state, logs and secrets: the owner's only
+    sec, files = credentials.secure(spec, progress)
     progress(f"starting nats-server and redis-server (run dir {run_dir})")
-    nats_proc, nats_url, mon = infra.start_nats(run_dir / "nats", port=_port(spec.nats_port))
+    nats_proc, nats_url, mon = infra.start_nats(run_dir / "nats", port=_port(spec.nats_port),
+                                                config=files.get("nats_config"))
     pids = {"nats-server": nats_proc.pid}
     try:
         redis_port = _port(spec.redis_port)
-        redis_proc, redis_url = infra.start_redis(run_dir / "redis", port=redis_port)
+        redis_proc, redis_url = infra.start_redis(run_dir / "redis", port=redis_port, config=files.get("redis_config"))
         pids["redis-server"] = redis_proc.pid
         port = _port(spec.port)
+        if sec is not None:  # the launcher, the supervisor and `polyserve status/events` act as the operator
+            nats_url = auth.with_userinfo(nats_url, auth.OPERATOR, sec.nats[auth.OPERATOR])
+            redis_url = auth.with_userinfo(redis_url, auth.OPERATOR, sec.redis[auth.OPERATOR])
         state = ClusterState(run_dir=str(run_dir), prefix=spec.prefix, nats_url=nats_url, nats_monitor_port=mon,
                              redis_url=redis_url, gateway_url=f"http://{spec.host}:{port}", engine=engine,
-                             model=model, pids=pids)
+                             model=model, pids=pids, **files)
         state.save()
         keys = Keys(spec.prefix)
         r = redis.Redis.from_url(redis_url)
@@ -260,6 +288,13 @@ def up(spec: ClusterSpec, progress=print) -> ClusterState:
         else:
             infra.stop_pid(nats_proc.pid)
         raise
+
+
+def read_admin_key(run_dir: Path) -> str:
+    """The admin API key `up` stored for this run dir ("" when the admin API is open)."""
+    state = ClusterState.load(Path(run_dir))
+    path = Path(state.admin_key_file) if state and state.admin_key_file else Path(run_dir) / "secrets" / "admin.key"
+    return path.read_text().strip() if path.exists() else ""
 
 
 def _service_env(state: ClusterState, spec: ClusterSpec, port: int) -> dict[str, str]:
@@ -330,4 +365,6 @@ def down(run_dir: Path, timeout: float = 30.0, progress=print) -> bool:
             graceful &= ok
             progress(f"stopped {name} (pid {pid})" + ("" if ok else " forcibly after timeout"))
     Path(run_dir, "state.json").unlink(missing_ok=True)
+    for name in ("credentials.json", "nats.conf", "redis.conf"):  # regenerated by the next `up`
+        Path(run_dir, "secrets", name).unlink(missing_ok=True)
     return graceful

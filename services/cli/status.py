@@ -11,6 +11,7 @@ from rich.table import Table
 from polyserve.cli.launcher import ClusterState
 from polyserve.proto import Keys
 from polyserve.shared import infra
+from polyserve.shared.auth import redact
 
 
 def _live_json(r: redis.Redis, index: str, key_of) -> list[dict]:
@@ -38,7 +39,8 @@ def cluster_status(state: ClusterState) -> dict:
             fits.append(json.loads(raw))
     procs = {name: {"pid": pid, "alive": infra.pid_alive(pid), "restarts": state.restarts.get(name, 0)}
              for name, pid in state.pids.items()}
-    return {"gateway_url": state.gateway_url, "nats_url": state.nats_url, "redis_url": state.redis_url,
+    return {"gateway_url": state.gateway_url, "nats_url": redact(state.nats_url), "redis_url": redact(state.redis_url),
+            "admin_key_file": state.admin_key_file,
             "engine": state.engine, "model": state.model, "processes": procs, "services": services,
             "workers": workers, "gpus": agents, "fits": fits}
 

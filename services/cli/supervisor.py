@@ -68,10 +68,12 @@ class Supervisor:
         st = self.state
         if name == "nats-server":
             port = urlparse(st.nats_url).port
-            proc, _, _ = infra.start_nats(self.run_dir / "nats", port=port, monitor_port=st.nats_monitor_port)
+            proc, _, _ = infra.start_nats(self.run_dir / "nats", port=port, monitor_port=st.nats_monitor_port,
+                                          config=st.nats_config or None)
         elif name == "redis-server":
-            proc, _ = infra.start_redis(self.run_dir / "redis", port=urlparse(st.redis_url).port)
-        else:
+            proc, _ = infra.start_redis(self.run_dir / "redis", port=urlparse(st.redis_url).port,
+                                        config=st.redis_config or None)
+        else:  # with its own credentials and the same configuration files, as `up` did
             proc = spawn_service(MODULES.get(name, name), self.env, self.run_dir)
         return proc.pid
 

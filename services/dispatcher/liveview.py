@@ -8,10 +8,12 @@ it for decisions; it does no I/O, so it is tested without NATS or Redis.
 
 With `index` on (the default; `POLYSERVE_DISPATCHER_INDEX=false` turns it off) a worker's
 view is rebuilt and upserted in its deployment's index whenever something it is made of
-changes — its heartbeat, the outstanding count (placements, completed/failed, expiry), and
-for aladdin/caraserve its `ModelBook` entries and fit (placement, first_token, completed/
-failed, moves; the sweep refreshes them every `sweep_s` as well) — and the policy's fast
-twin answers in O(log n) instead of a scan over freshly built views. The scan still
+changes — its heartbeat, the outstanding count (completed/failed, expiry), and for
+aladdin/caraserve its `ModelBook` entries and fit (first_token, completed/failed, moves; the
+sweep refreshes them every `sweep_s` as well) — and the policy's fast twin answers in
+O(log n) instead of a scan over freshly built views. A placement updates the chosen
+worker's indexed view in place (outstanding + 1 and, for aladdin/caraserve, the request
+appended as the book's newest entry: `WorkerIndex.placed`) instead of rebuilding it. The scan still
 answers, over the filtered list exactly as before, a request with `exclude`, a deployment
 with a worker at `max_outstanding` or one whose `max_input_len` is below the request
 (Arlo policies handle that themselves), while a worker's TTL has run out but the sweep has
@@ -64,8 +66,10 @@ class _DepIndex:
         self.arlo = dep.policy.startswith("arlo")
         self.fast = dindex.FAST_POLICIES[dep.policy]
         # aladdin's structure is per SLO pair: built at the first decision, for the deployment's
+        # (model policies: a placement appends the request to the view's `requests` as the
+        # model book does, see `LiveView._placed_in_index`)
         self.index = dindex.WorkerIndex(policies=() if dep.policy == "aladdin" else (dep.policy,),
-                                        track_requests=False)
+                                        track_requests=self.modelled)
         self.cap = cap
         self.capped: set[str] = set()  # workers at max_outstanding
         self.limits: dict[str, int] = {}  # worker -> max_input_len, when > 0
@@ -84,6 +88,12 @@ class _DepIndex:
             else:
                 self.limits.pop(wid, None)
             self._min_limit = None
+
+    def placed(self, wid: str, request: RequestView) -> None:
+        """`request` was placed on `wid`: outstanding + 1 (and, modelled, it joins `requests`)."""
+        v = self.index.placed(wid, request)
+        if self.cap > 0 and v.outstanding >= self.cap:
+            self.capped.add(wid)
 
     def remove(self, wid: str) -> None:
         self.index.remove(wid)
@@ -173,7 +183,27 @@ class LiveView:
             self.models.placed(wid, choice.request)
             self._model_deps.add(dep.id)
             self._dirty.add(wid)
+        self._placed_in_index(dep, wid, choice.request)
         self._refresh()
+
+    def _placed_in_index(self, dep: Deployment, wid: str, request: RequestView) -> None:
+        """Update the chosen worker's indexed view in place of rebuilding it: outstanding + 1
+        and, for aladdin/caraserve, the request appended to `requests` as the book's newest
+        (not yet started) entry — what a rebuild gives but for the time-based estimates of its
+        other requests, which stay as of its last refresh (module docstring). A rebuild from
+        the book costs O(its requests) and a new RunningRequest each; this, one entry. When
+        the counts do not match one placement more (a retry of a request already on that
+        worker), the worker stays marked for the full rebuild."""
+        di = self._indexes.get(dep.id)
+        if di is None or self._indexed_in.get(wid) != dep.id:
+            return
+        v = di.index.get(wid)
+        if v is None or self.outstanding.count(wid) != v.outstanding + 1:
+            return
+        if di.modelled and self.models.requests.tracked(wid) != len(v.requests) + 1:
+            return
+        di.placed(wid, request)
+        self._dirty.discard(wid)
 
     def views(self, beats: Iterable[Heartbeat], modelled: bool) -> list[WorkerView]:
         """Fresh views of the workers (with their book entries and fits when `modelled`)."""

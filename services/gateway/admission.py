@@ -4,13 +4,18 @@ embeddings), after the endpoint validated its body:
 1. `admit()`: refuse while draining (503) or over the in-flight limit (429, both with
    Retry-After), resolve the request's `model` to a deployment (and a LoRA adapter);
    404 when it names none, 503 when the cluster state cannot be read.
-2. `Admission.begin()` / `end()`: the request's in-flight slot and its server span.
-3. `predict()`: the predictor's output-length hint, clamped by the predictor to the
-   request's max_tokens (completions; an embedding produces no tokens).
-4. `place()`: the dispatcher's placement, with its `dispatched` event.
+2. `Admission.begin()` / `end()`: the request's in-flight slot (limit checked and slot
+   taken in one synchronous step) and its server span.
+3. `check_input()`: 400 naming the limit for a prompt longer than any live worker takes.
+4. `predict()`: the predictor's output-length hint, clamped to the request's max_tokens
+   (completions; an embedding produces no tokens); a hint, answered locally past its budget.
+5. `place()`: the dispatcher's placement, with its `dispatched` event; a second try, then a
+   local least-outstanding placement when no dispatcher answers.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,11 +23,13 @@ from dataclasses import dataclass
 from opentelemetry import propagate
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from polyserve.core import length_hint
 from polyserve.proto import (
     AdapterSpec,
     Deployment,
     Dispatched,
     DispatchRequest,
+    Heartbeat,
     Placement,
     Predicted,
     Prediction,
@@ -30,9 +37,12 @@ from polyserve.proto import (
 )
 from polyserve.shared.bus import BusError
 
+from . import policy
 from .context import GatewayState
 from .errors import GatewayError, status_of
 from .policy import InvalidRequest
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,10 +56,16 @@ class Admission:
     span: Span | None = None
 
     def begin(self, name: str, headers: Mapping[str, str]) -> Span:
-        """Take the in-flight slot and start the server span (parent: the client's trace headers)."""
-        self.span = self.gs.tracer.start_span(name, kind=SpanKind.SERVER, context=propagate.extract(dict(headers)))
-        self.gs.inflight += 1
-        self.gs.metrics.inflight.inc()
+        """Take the in-flight slot and start the server span (parent: the client's trace headers).
+
+        The limit is checked and the slot taken here, in one synchronous step (no await between
+        them), so concurrent requests cannot all pass a check made before an await: 429 when full."""
+        gs = self.gs
+        if gs.inflight >= gs.settings.max_inflight:
+            raise overloaded(gs)
+        gs.inflight += 1
+        gs.metrics.inflight.inc()
+        self.span = gs.tracer.start_span(name, kind=SpanKind.SERVER, context=propagate.extract(dict(headers)))
         return self.span
 
     def failed(self, exc: GatewayError) -> None:
@@ -66,16 +82,22 @@ class Admission:
         self.span = None
 
 
+def overloaded(gs: GatewayState) -> GatewayError:
+    gs.metrics.rejected.labels("overload").inc()
+    return GatewayError(429, f"too many requests in flight ({gs.settings.max_inflight}); retry shortly",
+                        retry_after=1)
+
+
 async def admit(gs: GatewayState, model: str, adapter: str | None = None) -> Admission:
     """Admit a request for `model` (and the explicitly named LoRA `adapter`); raises
-    GatewayError or InvalidRequest saying why not."""
-    s = gs.settings
+    GatewayError or InvalidRequest saying why not. The in-flight slot is taken by `begin()`."""
     if gs.draining:
         gs.metrics.rejected.labels("draining").inc()
         raise GatewayError(503, "the gateway is shutting down; retry on another instance", retry_after=1)
-    if gs.inflight >= s.max_inflight:
-        gs.metrics.rejected.labels("overload").inc()
-        raise GatewayError(429, f"too many requests in flight ({s.max_inflight}); retry shortly", retry_after=1)
+    if gs.inflight >= gs.settings.max_inflight:  # early and cheap; begin() checks again atomically
+        raise overloaded(gs)
+    policy.check_text(model, "model")
+    policy.check_text(adapter or "", "adapter")
     try:
         deployment, spec = await gs.find_deployment(model)
     except Exception as exc:
@@ -92,28 +114,86 @@ async def admit(gs: GatewayState, model: str, adapter: str | None = None) -> Adm
     return Admission(gs, deployment, spec)
 
 
+def check_input(gs: GatewayState, deployment: Deployment, input_tokens: int) -> None:
+    """400 naming the limit when the prompt is longer than any live worker of the deployment
+    takes (`max_input_len` from their heartbeats): retrying cannot help, so no 503."""
+    limit = gs.max_input_len(deployment.id)
+    if limit and input_tokens > limit:
+        raise InvalidRequest(f"the prompt is about {input_tokens} tokens; '{deployment.id}' accepts at most "
+                             f"{limit} input tokens (max_input_len): shorten it", "prompt",
+                             code="context_length_exceeded")
+
+
 async def predict(gs: GatewayState, req: PredictRequest, base: dict) -> Prediction:
-    """The predictor's answer to `req` (never above `req.max_tokens` when that is set);
-    publishes `predicted`. `base` holds the event's request_id, deployment and model."""
+    """The predictor's output-length hint for `req` (never above `req.max_tokens` when set);
+    publishes `predicted`. A hint: when the predictor does not answer within
+    `predict_timeout_s` (or fails), the gateway answers it from its own history of completed
+    requests, else the prior (source "local-history" / "local-prior"); never an error."""
     t = time.monotonic()
     try:
         p = await gs.bus.request(gs.subjects.predict, req, Prediction, timeout=gs.settings.predict_timeout_s,
                                  span_name="predict")
     except BusError as exc:
-        raise status_of(exc, "predictor") from exc
+        tokens, klass, source = gs.lengths.estimate(req.model, req.input_tokens, req.max_tokens)
+        p = Prediction(request_id=req.request_id, model=req.model, length_class=klass, tokens_estimate=tokens,
+                       source=f"local-{source}", num_classes=len(length_hint.CLASS_BOUNDS) + 1)
+        gs.metrics.fallbacks.labels("predict").inc()
+        logger.debug("predictor: %s; local estimate %d (%s)", exc.description, tokens, p.source)
     await gs.event("predicted", Predicted(**base, length_class=p.length_class, tokens_estimate=p.tokens_estimate,
                                           source=p.source, latency_ms=(time.monotonic() - t) * 1e3))
     return p
 
 
 async def place(gs: GatewayState, req: DispatchRequest, base: dict) -> Placement:
-    """The dispatcher's placement of `req`; publishes `dispatched`."""
+    """The dispatcher's placement of `req`; publishes `dispatched`. A dispatcher that does not
+    answer in time is asked once more (the queue group may pick another replica); when none
+    answers (timeouts, or no dispatcher listening) the gateway places the request itself on the
+    least-outstanding live worker from the heartbeats it follows (policy "local-fallback")."""
     t = time.monotonic()
-    try:
-        placement = await gs.bus.request(gs.subjects.dispatch, req, Placement,
-                                         timeout=gs.settings.dispatch_timeout_s, span_name="dispatch")
-    except BusError as exc:
-        raise status_of(exc, "dispatcher") from exc
+    placement = None
+    for attempt in range(2):
+        try:
+            placement = await gs.bus.request(gs.subjects.dispatch, req, Placement,
+                                             timeout=gs.settings.dispatch_timeout_s, span_name="dispatch")
+            break
+        except BusError as exc:
+            unanswered = exc.code == 504 or (exc.code == 503 and exc.description.startswith("no service is"))
+            if not unanswered:
+                raise status_of(exc, "dispatcher") from exc
+            logger.warning("dispatcher did not answer %s (%s)%s", req.request_id, exc.description,
+                           "; asking again" if attempt == 0 and exc.code == 504 else "; placing locally")
+            if exc.code != 504:
+                break
+    if placement is None:
+        placement = await local_placement(gs, req)
+        gs.metrics.fallbacks.labels("dispatch").inc()
     await gs.event("dispatched", Dispatched(**base, worker_id=placement.worker_id, policy=placement.policy,
                                             latency_ms=(time.monotonic() - t) * 1e3))
     return placement
+
+
+async def local_placement(gs: GatewayState, req: DispatchRequest) -> Placement:
+    """Least outstanding (running + waiting at its last heartbeat, plus what this gateway
+    placed on it since) among the live workers of the deployment that take the request;
+    the Redis registry answers when no heartbeat was heard yet. 503 when there is none."""
+    live = gs.fresh_heartbeats(req.deployment)
+    if not live:
+        with contextlib.suppress(GatewayError):
+            live = await gs.live_workers(req.deployment)
+    fits = [hb for hb in live if hb.worker_id not in req.exclude
+            and (hb.max_input_len <= 0 or req.input_tokens <= hb.max_input_len)]
+    if not fits:
+        raise GatewayError(503, f"no dispatcher answered and no live worker of '{req.deployment}' can take the "
+                                "request; retry shortly", retry_after=1)
+
+    def load(hb: Heartbeat) -> tuple[int, int]:
+        has_adapter = bool(req.adapter) and any(a.name == req.adapter for a in hb.adapters)
+        return hb.running + hb.waiting + gs.sent.get(hb.worker_id, 0), 0 if has_adapter else 1
+
+    hb = min(fits, key=load)
+    gs.sent[hb.worker_id] = gs.sent.get(hb.worker_id, 0) + 1
+    return Placement(request_id=req.request_id, worker_id=hb.worker_id,
+                     generate_subject=hb.generate_subject or gs.subjects.generate(hb.worker_id),
+                     cancel_subject=hb.cancel_subject or gs.subjects.cancel(hb.worker_id),
+                     policy="local-fallback", priority=req.priority)
+

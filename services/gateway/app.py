@@ -20,8 +20,13 @@ async def healthz() -> dict:
 
 
 async def readyz(gs: Gateway) -> JSONResponse:
-    ok = gs.ready_to_serve()
-    return JSONResponse({"ready": ok, "draining": gs.draining}, status_code=200 if ok else 503)
+    """200 when the gateway can serve; else 503 with the reason (draining, NATS disconnected,
+    Redis down with no deployment cached, no live dispatcher and no live worker)."""
+    reason = await gs.not_ready()
+    body = {"ready": not reason, "draining": gs.draining}
+    if reason:
+        body["reason"] = reason
+    return JSONResponse(body, status_code=503 if reason else 200)
 
 
 def polyserve_version() -> str:

@@ -65,6 +65,22 @@ def LP(why: str, noop: tuple, example: Any = None) -> Rule:
                 engines={"vllm": LOGPROBS_LATER, "openai-http": LOGPROBS_LATER})
 
 
+STRUCTURED = ("enforced per token: hf with llguidance masks (EOS only where the grammar may end; "
+              "docs/benchmarks/structured-outputs.md), vllm as SamplingParams.structured_outputs "
+              "(StructuredOutputsParams), sim with a simulated schema-valid instance (sim_json.py: no "
+              "`pattern`, no unusual `format`s: 400)")
+NOT_UPSTREAM = (REFUSED, "not passed to the upstream server yet (issue 18)")
+
+
+def SO(why: str, example: Any, noop: tuple = (None,), sim: bool = False) -> Rule:
+    """A structured-output field: honoured by hf, vllm and sim (unless `sim`: refused there),
+    refused for openai-http until it passes the field upstream."""
+    engines = {"openai-http": NOT_UPSTREAM}
+    if sim:
+        engines["sim"] = (REFUSED, "the sim generates JSON and choices only")
+    return Rule(HONOURED, f"{why}; {STRUCTURED}", noop=noop, example=example, engines=engines)
+
+
 SIM_IGNORES = (IGNORED, "the sim draws pseudo-words (labelled simulated); only seed and temperature 0 shape them")
 
 # Fields of both /v1/completions and /v1/chat/completions.
@@ -118,14 +134,19 @@ SAMPLING: dict[str, Rule] = {
     "return_token_offsets": R("responses carry text only", (None, False), True),
     "return_weight_versions": R("no weight versions", (None, False), True),
     "routed_experts_prompt_start": R("no expert routing data", (None, 0), 1),
-    "response_format": R(LATER, (None, {"type": "text"}), {"type": "json_object"}),
-    "structured_outputs": R(LATER, (None,), {"regex": "[a-z]+"}),
-    "guided_json": R(LATER + "; vLLM's removed guided_* fields", (None,), {"type": "object"}),
-    "guided_regex": R(LATER + "; vLLM's removed guided_* fields", (None,), "[a-z]+"),
-    "guided_choice": R(LATER + "; vLLM's removed guided_* fields", (None,), ["a", "b"]),
-    "guided_grammar": R(LATER + "; vLLM's removed guided_* fields", (None,), "root ::= \"a\""),
-    "guided_decoding_backend": R(LATER + "; vLLM's removed guided_* fields", (None,), "xgrammar"),
-    "guided_whitespace_pattern": R(LATER + "; vLLM's removed guided_* fields", (None,), " "),
+    "response_format": SO("`text`, `json_object`, `json_schema` (its `schema`; the output always matches it, so "
+                          "`strict` is implied)", {"type": "json_object"}, noop=(None, {"type": "text"})),
+    "structured_outputs": SO("vLLM's: exactly one of `json`, `json_object`, `regex`, `choice`, `grammar` (other keys: "
+                             "400); sim: `json`, `json_object`, `choice` (400 for regex and grammar)",
+                             {"choice": ["a", "b"]}),
+    "guided_json": SO("vLLM's older name for structured_outputs.json", {"type": "object"}),
+    "guided_regex": SO("vLLM's older name for structured_outputs.regex", "[a-z]+", sim=True),
+    "guided_choice": SO("vLLM's older name for structured_outputs.choice", ["a", "b"]),
+    "guided_grammar": SO("vLLM's older name for structured_outputs.grammar: Lark, or GBNF/EBNF (`::=` rules)",
+                         "root ::= \"a\"", sim=True),
+    "guided_decoding_backend": I("polyserve's hf engine always uses llguidance; vLLM uses its configured backend",
+                                 "xgrammar"),
+    "guided_whitespace_pattern": R("no whitespace control: constrained JSON is compact on hf", (None,), " "),
     "prompt_embeds": R("text prompts only", (None,), "AAAA"),
     "mm_payload": R("no multimodal inputs", (None, "tensors"), "none"),
     "return_mm_kwargs": R("no multimodal inputs", (None, False), True),
@@ -154,8 +175,9 @@ COMPLETIONS: dict[str, Rule] = {
 
 CHAT: dict[str, Rule] = {
     **SAMPLING,
-    "messages": H("text content (strings or `text` parts), rendered as a role-prefixed transcript; "
-                  "other content parts and `tool_calls` are refused"),
+    "messages": H("text content (strings or `text` parts), rendered as a role-prefixed transcript (assistant "
+                  "`tool_calls` as the calls' JSON, `tool` results as `tool:` lines); other content parts are "
+                  "refused"),
     "max_completion_tokens": H("as max_tokens (wins over it)", 3),
     "logprobs": LP("`logprobs.content`: token, logprob, bytes and `top_logprobs` per token; log-softmax of "
                    "the raw model distribution (vLLM's default `raw_logprobs`); sim: simulated values",
@@ -163,12 +185,19 @@ CHAT: dict[str, Rule] = {
     "top_logprobs": LP("0-20 alternatives per token, most likely first; needs `logprobs: true` (400 "
                        "otherwise, as in vLLM)", (None, 0)),
     "echo": R("vLLM's chat echo (repeat the last message) is not served", (None, False), True),
-    "tools": R(LATER, (None, []), [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    "tool_choice": R(LATER + "; `none` and `auto` without tools ask for nothing", (None, "none", "auto"),
-                     "required"),
-    "parallel_tool_calls": I("only meaningful with tools, which are refused", False),
-    "functions": R(LATER, (None, []), [{"name": "f", "parameters": {}}]),
-    "function_call": R(LATER, (None, "none", "auto"), {"name": "f"}),
+    "tools": Rule(HONOURED, "functions, listed in the prompt with their parameter schemas (services/gateway/tools.py); "
+                  "a call comes back as `message.tool_calls` (streamed: `delta.tool_calls`), finish_reason "
+                  "`tool_calls`", noop=(None, []),
+                  example=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                  engines={"openai-http": NOT_UPSTREAM}),
+    "tool_choice": Rule(HONOURED, "`required` or a named function: the call's JSON is generated under its "
+                        "schema (constrained decoding, as response_format), so it always parses; `auto`: free "
+                        "text, returned as a call when the whole answer is one (random weights: text); `none`",
+                        noop=(None, "none", "auto"), engines={"openai-http": NOT_UPSTREAM}),
+    "parallel_tool_calls": I("one call per answer: parallel calls are not generated", False),
+    "functions": R("OpenAI's deprecated functions API: send `tools`", (None, []), [{"name": "f", "parameters": {}}]),
+    "function_call": R("OpenAI's deprecated functions API: send `tool_choice`", (None, "none", "auto"),
+                       {"name": "f"}),
     "reasoning_effort": R("no reasoning control", (None,), "low"),
     "include_reasoning": R("no reasoning parser: reasoning text stays in the content", (None, True), False),
     "verbosity": R("no verbosity control", (None,), "low"),
@@ -192,8 +221,9 @@ MESSAGE: dict[str, Rule] = {
     "content": H("a string or `text` parts; image, audio and file parts are refused"),
     "name": I("the role-prefixed transcript has no participant names"),
     "tool_call_id": I("a tool message is rendered as `tool: <content>`"),
-    "tool_calls": R(LATER, (None, [])),
-    "function_call": R(LATER, (None,)),
+    "tool_calls": H("an assistant's calls, rendered into the transcript as `{\"name\": ..., \"arguments\": "
+                    "...}`"),
+    "function_call": R("OpenAI's deprecated functions API: send `tool_calls`", (None,)),
     "reasoning_content": I("earlier reasoning is not part of the transcript"),
     "reasoning": I("earlier reasoning is not part of the transcript"),
     "refusal": I("an assistant refusal is not part of the transcript"),

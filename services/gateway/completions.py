@@ -15,13 +15,14 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 
-from polyserve.proto import TokenChunk
+from polyserve.proto import SamplingParams, TokenChunk
 
-from . import compat, logprobs, policy
+from . import compat, logprobs, policy, tools
 from .admission import Admission, admit
 from .context import Gateway, GatewayState
 from .errors import GatewayError
@@ -39,11 +40,14 @@ async def completions(body: CompletionBody, request: Request, gs: Gateway) -> Re
 
 
 async def chat(body: ChatBody, request: Request, gs: Gateway) -> Response:
-    return await serve(gs, request, body, [policy.render_chat(body.messages)], chat=True)
+    tl = tools.parse_tools(body)
+    calls = any((m.model_extra or {}).get("tool_calls") for m in body.messages)
+    prompt = tools.render_chat(body.messages, tl) if tl.listed or calls else policy.render_chat(body.messages)
+    return await serve(gs, request, body, [prompt], chat=True, tl=tl)
 
 
 async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatBody, prompts: list[str],
-                chat: bool) -> Response:
+                chat: bool, tl: tools.Tools | None = None) -> Response:
     """Validate, admit and run the prompts; a stream keeps the in-flight slot until it ends."""
     s = gs.settings
     chars = sum(len(p) for p in prompts)
@@ -52,6 +56,7 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
     params = policy.sampling_params(body, default_max_tokens=s.default_max_tokens,
                                     max_tokens_limit=s.max_tokens_limit, max_n=s.max_n)
     params = logprobs.apply(params, body, chat)
+    params = _constrain(params, body, tl)
     render = logprobs.Renderer.of(body, params, chat)
     adm = await admit(gs, body.model, adapter=body.adapter)
     engine = adm.deployment.engine
@@ -75,7 +80,8 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
             handed_off = True
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             headers.update(_sim_header(adm.deployment.engine == "sim") or {})
-            return StreamingResponse(_stream(adm, runs, rid, chat, include_usage, render),
+            calls = tools.ToolStream(tl) if tl is not None and tl.listed else None
+            return StreamingResponse(_stream(adm, runs, rid, chat, include_usage, render, calls),
                                      media_type="text/event-stream",
                                      headers=headers)
         with trace.use_span(span, end_on_exit=False):
@@ -87,6 +93,9 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
         if render.active:
             for i, choice in enumerate(answer["choices"]):
                 render.choice(choice, i, out.prompts[i], out.logprobs[i], out.prompt_logprobs[i])
+        if tl is not None and tl.listed:
+            for choice in answer["choices"]:
+                tools.render_message(choice, tl)
         return JSONResponse(answer, headers=headers)
     except GatewayError as exc:
         adm.failed(exc)
@@ -179,7 +188,7 @@ async def _chunks(runs: list[RequestRun]) -> AsyncIterator[tuple[int, TokenChunk
 
 
 async def _stream(adm: Admission, runs: list[RequestRun], rid: str, chat: bool, include_usage: bool,
-                  render: logprobs.Renderer):
+                  render: logprobs.Renderer, calls: tools.ToolStream | None = None):
     """The SSE body; an error after the first byte goes out as an error chunk."""
     firsts: set[int] = set()
     model = runs[0].deployment.id
@@ -201,7 +210,8 @@ async def _stream(adm: Admission, runs: list[RequestRun], rid: str, chat: bool, 
                                            simulated=chunk.simulated)
                 if render.active:
                     render.choice(body["choices"][0], index, runs[i].prompt, chunk.logprobs, chunk.prompt_logprobs)
-                yield _sse(body)
+                for out in calls.feed(body) if calls is not None else [body]:
+                    yield _sse(out)
                 firsts.add(index)
         if include_usage:
             yield _sse(policy.usage_chunk(chat=chat, request_id=rid, model=model, prompt_tokens=usage[0],
@@ -212,6 +222,17 @@ async def _stream(adm: Admission, runs: list[RequestRun], rid: str, chat: bool, 
         yield _sse(policy.error_body(exc.message, policy.error_type(exc.status), code=str(exc.status)))
     finally:
         adm.end()
+
+
+def _constrain(params: SamplingParams, body: CompletionBody | ChatBody, tl: tools.Tools | None) -> SamplingParams:
+    """`params` with the body's structured-output constraint, or a forced tool call's (tools.py)."""
+    spec = tools.structured(body)
+    forced = tl.constraint() if tl is not None else None
+    if spec is not None and forced is not None:
+        raise policy.InvalidRequest("a forced tool call (tool_choice) cannot be combined with "
+                                    "response_format or structured_outputs", "tool_choice")
+    spec = spec or forced
+    return params if spec is None else msgspec.structs.replace(params, structured=spec)
 
 
 def _sse(obj: Any) -> bytes:

@@ -9,11 +9,16 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     port: int = 8000
     admin_api_key: str = ""  # when set, admin endpoints need `Authorization: Bearer <key>`
     max_inflight: int = 512  # beyond this: 429 with Retry-After
-    predict_timeout_s: float = 1.0
-    dispatch_timeout_s: float = 1.0
+    # The prediction is a hint: past this budget the gateway answers it locally (history, else the
+    # 129-token prior; Predicted.source "local-history" / "local-prior"); it never fails a request.
+    predict_timeout_s: float = 0.05
+    # Per try: a timeout is retried once (the queue group may pick another dispatcher replica),
+    # then the gateway places locally (least outstanding from the heartbeats; policy "local-fallback").
+    dispatch_timeout_s: float = 0.5
     accept_timeout_s: float = 2.0  # worker must acknowledge a generate request within this
     first_token_timeout_s: float = 60.0
-    idle_timeout_s: float = 30.0  # no chunk from the worker for this long -> 504
+    idle_timeout_s: float = 10.0  # no chunk from the worker for this long once it streams -> explicit error (504)
+    gap_wait_s: float = 1.0  # a chunk after a missing `seq` waits this long for it, then the stream fails (502)
     max_tokens_limit: int = 4096
     default_max_tokens: int = 16
     max_n: int = 8
@@ -30,6 +35,8 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
             raise SettingsError(f"port {self.port} is not a TCP port")
         if self.max_inflight < 1 or self.max_tokens_limit < 1:
             raise SettingsError("max_inflight and max_tokens_limit must be >= 1")
+        if min(self.predict_timeout_s, self.dispatch_timeout_s, self.idle_timeout_s, self.gap_wait_s) <= 0:
+            raise SettingsError("predict_timeout_s, dispatch_timeout_s, idle_timeout_s and gap_wait_s must be > 0")
         if self.response_ttl_s <= 0:
             raise SettingsError(f"response_ttl_s must be > 0 (seconds a stored /v1/responses response is kept), "
                                 f"got {self.response_ttl_s}")

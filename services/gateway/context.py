@@ -16,6 +16,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from opentelemetry import trace
 
+from polyserve.core.length_hint import LocalLengths
 from polyserve.proto import AdapterSpec, Deployment, Heartbeat, Subjects, WorkerDown
 from polyserve.shared.bus import Bus
 from polyserve.shared.state import State
@@ -46,7 +47,13 @@ class GatewayState:
         self._deployments: dict[str, Deployment] = {}
         self._deployments_at = 0.0
         self._deployments_lock = asyncio.Lock()
-        self._heartbeats: dict[str, tuple[float, float]] = {}  # worker -> (monotonic seen, ttl)
+        self._heartbeats: dict[str, tuple[float, Heartbeat]] = {}  # worker -> (monotonic seen, last heartbeat)
+        self.sent: dict[str, int] = {}  # worker -> requests placed locally since its last heartbeat
+        self.lengths = LocalLengths()  # output lengths of completed requests: the local prediction
+        self._probe: tuple[float, bool] = (0.0, True)  # (monotonic, NATS answered a ping)
+        self._probe_lock = asyncio.Lock()
+        self._reconnects = (0, 0.0)  # (NATS reconnect count seen, monotonic when it changed)
+        self._deps_seen: tuple[float, int, int] = (0.0, 0, 0)  # (monotonic, live dispatchers, workers) in Redis
         self._down: dict[str, tuple[float, str]] = {}  # worker -> (monotonic, reason)
         self._workers: dict[str, tuple[float, list[Heartbeat]]] = {}  # deployment -> (monotonic, live)
         self._workers_lock = asyncio.Lock()
@@ -74,10 +81,84 @@ class GatewayState:
     def ready_to_serve(self) -> bool:
         return self.ready.is_set() and not self.draining and self.bus is not None and self.bus.nc.is_connected
 
+    async def not_ready(self) -> str:
+        """Why the gateway cannot serve now ('' when it can): starting or draining, NATS
+        disconnected, Redis down with no deployment cached, or neither a live dispatcher
+        (the Redis service registry) nor a live worker (heartbeats, or the Redis registry)."""
+        if not self.ready.is_set():
+            return "starting"
+        if self.draining:
+            return "draining: the gateway is shutting down"
+        if self.bus is None or not self.bus.nc.is_connected:
+            return "NATS disconnected: the gateway cannot reach predictor, dispatcher or workers (reconnecting)"
+        redis_ok = await self._read_registry()
+        if not redis_ok and not self._deployments:
+            return "Redis unavailable and no deployment cached: no request can be resolved"
+        if not self._deps_seen[1] and not self._deps_seen[2] and not self.fresh_heartbeats():
+            return "no live dispatcher and no live worker: nothing can place or run a request"
+        return ""
+
+    async def _read_registry(self) -> bool:
+        """Refresh (at most once a second) the live dispatchers and workers from Redis; False
+        when Redis did not answer (the last counts stay)."""
+        if time.monotonic() - self._deps_seen[0] < 1.0:
+            return True
+        try:
+            services = await asyncio.wait_for(self.state.live_services(), timeout=1.0)
+            workers = await asyncio.wait_for(self.state.live_workers(), timeout=1.0)
+        except Exception:  # noqa: BLE001 - any Redis failure means "unavailable" here
+            return False
+        dispatchers = sum(1 for x in services if x.service == "dispatcher" and x.state == "ready")
+        self._deps_seen = (time.monotonic(), dispatchers, len(workers))
+        return True
+
     # ---------------------------------------------------------------- worker liveness
     async def on_heartbeat(self, hb: Heartbeat) -> None:
-        self._heartbeats[hb.worker_id] = (time.monotonic(), hb.ttl_s)
+        self._heartbeats[hb.worker_id] = (time.monotonic(), hb)
         self._down.pop(hb.worker_id, None)
+        self.sent.pop(hb.worker_id, None)
+
+    def fresh_heartbeats(self, dep_id: str | None = None) -> list[Heartbeat]:
+        """The last heartbeat of each worker (of `dep_id`) heard from within its TTL."""
+        now = time.monotonic()
+        return [hb for seen, hb in self._heartbeats.values()
+                if now - seen <= hb.ttl_s and (dep_id is None or hb.deployment == dep_id)]
+
+    def max_input_len(self, dep_id: str) -> int:
+        """The longest input (tokens) a live worker of `dep_id` takes; 0 when unknown or unlimited."""
+        lens = [hb.max_input_len for hb in self.fresh_heartbeats(dep_id)]
+        return 0 if not lens or min(lens) <= 0 else max(lens)
+
+    async def bus_healthy(self, grace: float) -> bool:
+        """Whether NATS works now, so a missing heartbeat is the worker's fault: connected, not
+        reconnected within `grace` seconds (heartbeats resume after a reconnect), and answering
+        a ping (a stopped nats-server does not). One probe at a time, cached for 0.5 s."""
+        nc = self.bus.nc if self.bus is not None else None
+        if nc is None or not nc.is_connected:
+            return False
+        now = time.monotonic()
+        count = nc.stats.get("reconnects", 0)
+        if count != self._reconnects[0]:
+            self._reconnects = (count, now)
+        if count and now - self._reconnects[1] < grace:
+            return False
+        async with self._probe_lock:
+            if time.monotonic() - self._probe[0] > 0.5:
+                try:
+                    await nc.flush(timeout=1)
+                    self._probe = (time.monotonic(), True)
+                except Exception:  # noqa: BLE001 - a timeout or a closed connection: not healthy
+                    self._probe = (time.monotonic(), False)
+            return self._probe[1]
+
+    async def worker_lost(self, worker_id: str, since: float) -> str:
+        """`worker_gone`, but a heartbeat gap counts only while NATS itself is healthy (a NATS
+        blip delays every heartbeat and must not fail the streams of healthy workers)."""
+        gone = self.worker_gone(worker_id, since)
+        if not gone or worker_id in self._down:
+            return gone
+        hb = self._heartbeats.get(worker_id)
+        return gone if await self.bus_healthy(grace=(hb[1].ttl_s if hb else 3.0) + 1.0) else ""
 
     async def on_down(self, ev: WorkerDown) -> None:
         self._down[ev.worker_id] = (time.monotonic(), ev.reason)
@@ -89,8 +170,8 @@ class GatewayState:
         if down and down[0] >= since - 1.0:
             return down[1]
         seen = self._heartbeats.get(worker_id)
-        if seen and time.monotonic() - seen[0] > seen[1]:
-            return f"no heartbeat for {time.monotonic() - seen[0]:.1f}s (ttl {seen[1]:.1f}s)"
+        if seen and time.monotonic() - seen[0] > seen[1].ttl_s:
+            return f"no heartbeat for {time.monotonic() - seen[0]:.1f}s (ttl {seen[1].ttl_s:.1f}s)"
         return ""
 
     async def live_workers(self, dep_id: str) -> list[Heartbeat]:

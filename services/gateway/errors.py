@@ -61,9 +61,18 @@ async def _bad(request: Request, exc: policy.InvalidRequest) -> JSONResponse:
     return error_response(exc.status, exc.message, exc.param, exc.code)
 
 
+async def _unencodable(request: Request, exc: UnicodeEncodeError) -> JSONResponse:
+    """Text no service can take (a lone surrogate in a field the endpoint did not check
+    itself; prompts and messages are checked up front, policy.check_text): the client's fault."""
+    return error_response(400, f"the request holds text that is not valid Unicode ({exc.reason}: "
+                               f"{exc.object[exc.start:exc.end]!r}); send well-formed UTF-8 text",
+                          code="invalid_unicode")
+
+
 def add_error_handlers(app: FastAPI) -> None:
     """Every error, FastAPI's own included, answers with the OpenAI error envelope."""
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http)
     app.add_exception_handler(GatewayError, _gateway)
     app.add_exception_handler(policy.InvalidRequest, _bad)
+    app.add_exception_handler(UnicodeEncodeError, _unencodable)

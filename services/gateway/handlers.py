@@ -35,7 +35,7 @@ from polyserve.shared.bus import BusError, decode, error_of
 from . import admission
 from .context import GatewayState
 from .errors import GatewayError, status_of
-from .policy import estimate_tokens
+from .policy import InvalidRequest, estimate_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,9 @@ class RequestRun:
     _inbox: str = ""
     _exit: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
     _queue: asyncio.Queue | None = None
+    _expect: int = 0  # the next chunk `seq` to relay (the worker numbers them 0, 1, 2, ...)
+    _held: dict[int, TokenChunk] = field(default_factory=dict)  # chunks that came after a missing seq
+    _gap_since: float = 0.0  # monotonic time the oldest missing seq was first missed
 
     def _ms(self) -> float:
         return (time.monotonic() - self.t0) * 1e3
@@ -102,7 +105,7 @@ class RequestRun:
         """Predict, dispatch and hand the request to a worker; raises GatewayError."""
         try:
             await self._start()
-        except GatewayError as exc:
+        except (GatewayError, InvalidRequest) as exc:
             await self.fail(exc.status, exc.message)
             await self.close()
             raise
@@ -117,6 +120,7 @@ class RequestRun:
         await self._event("admitted", Admitted(**self._base(), input_tokens=self.input_tokens,
                                                max_tokens=self.params.max_tokens, stream=self.stream,
                                                n=self.params.n))
+        admission.check_input(gs, self.deployment, self.input_tokens)
         # max_tokens is per sequence (each of the n choices stops there); the predictor
         # clamps its estimate to it, so the gateway passes the estimate on as it is.
         self.prediction = await admission.predict(
@@ -157,25 +161,47 @@ class RequestRun:
                                length_class=p.length_class if p else -1)
 
     async def _next(self, first: bool) -> TokenChunk:
-        """The next chunk, failing fast if the worker is gone or silent too long."""
+        """The next chunk in `seq` order, failing fast if the worker is gone, silent longer
+        than the limit, or a chunk is lost (a gap in `seq` not filled within `gap_wait_s`:
+        chunks that overtook it are held, duplicates dropped). Never a normal end after a gap."""
         s = self.gs.settings
         limit = s.first_token_timeout_s if first else s.idle_timeout_s
         deadline = time.monotonic() + limit
         worker = self.placement.worker_id
         while True:
+            held = self._held.pop(self._expect, None)
+            if held is not None:
+                self._expect += 1
+                return held
+            if self._held and time.monotonic() - self._gap_since > s.gap_wait_s:
+                got = min(self._held)
+                raise GatewayError(502, f"lost {got - self._expect} chunk(s) of the stream from worker {worker} "
+                                        f"(seq {self._expect}..{got - 1} never arrived); the output is incomplete")
             try:
                 msg = await asyncio.wait_for(self._queue.get(), timeout=0.25)
             except asyncio.TimeoutError:
-                gone = self.gs.worker_gone(worker, since=self.t0)
+                gone = await self.gs.worker_lost(worker, since=self.t0)
                 if gone:
-                    raise GatewayError(502, f"worker {worker} failed mid-request: {gone}")
+                    raise GatewayError(502, f"worker {worker} failed mid-request: {gone}") from None
                 if time.monotonic() > deadline:
-                    raise GatewayError(504, f"worker {worker} sent nothing for {limit:.0f}s")
+                    raise GatewayError(504, f"worker {worker} sent nothing for {limit:.0f}s "
+                                            f"({'first_token' if first else 'idle'}_timeout_s)") from None
                 continue
             err = error_of(msg)
             if err is not None:
                 raise GatewayError(err.code, err.description)
-            return decode(msg.data, TokenChunk)
+            chunk = decode(msg.data, TokenChunk)
+            if chunk.redirect is not None:  # the next worker numbers its chunks from 0 again
+                self._expect, self._held = 0, {}
+                return chunk
+            if chunk.seq == self._expect:
+                self._expect += 1
+                return chunk
+            if chunk.seq > self._expect and chunk.seq not in self._held:
+                if not self._held:
+                    self._gap_since = time.monotonic()
+                self._held[chunk.seq] = chunk
+            # else: a duplicate of a chunk already relayed
 
     async def chunks(self) -> AsyncIterator[TokenChunk]:
         """Relay the worker's chunks; the done chunk is yielded last. Publishes the terminal event."""
@@ -250,6 +276,9 @@ class RequestRun:
         st = chunk.stats
         e2e = self._ms()
         self.gs.metrics.finished(self.deployment.id, 200, e2e / 1e3)
+        if st:  # the gateway's own history, for its local length estimate when the predictor is away
+            self.gs.lengths.observe(self.deployment.model, self.input_tokens,
+                                    st.output_tokens // max(1, self.params.n))
         await self._event("completed", Completed(
             **self._base(), worker_id=self.placement.worker_id,
             input_tokens=st.input_tokens if st else self.input_tokens,

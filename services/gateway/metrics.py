@@ -18,6 +18,9 @@ class Metrics:
         self.inflight = Gauge("polyserve_inflight_requests", "Requests in flight", registry=self.registry)
         self.rejected = Counter("polyserve_rejected_total", "Requests refused before admission",
                                 ["reason"], registry=self.registry)
+        self.fallbacks = Counter("polyserve_gateway_fallbacks_total", "Predictions (predict) and placements "
+                                 "(dispatch) the gateway made itself: the predictor or dispatcher did not answer",
+                                 ["kind"], registry=self.registry)
 
     def finished(self, deployment: str, status: int, seconds: float | None = None) -> None:
         self.requests.labels(deployment, str(status)).inc()

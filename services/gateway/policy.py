@@ -27,6 +27,17 @@ class InvalidRequest(ValueError):
         self.type = type_
 
 
+def check_text(text: str, param: str) -> None:
+    """400 for text UTF-8 cannot carry: a lone surrogate such as "\\ud800", which a JSON
+    escape can hold but no service (NATS, Redis, an engine) can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(f"{param} is not valid Unicode: it holds the lone surrogate "
+                             f"{text[exc.start]!r} at character {exc.start}; send well-formed UTF-8 text",
+                             param, code="invalid_unicode") from None
+
+
 def estimate_tokens(text: str) -> int:
     """Gateway-side input-length estimate: 1.3 tokens per whitespace word (at least 1).
 
@@ -48,7 +59,9 @@ def render_chat(messages: list[ChatMessage]) -> str:
 
     Engines with a chat template of their own receive the messages too."""
     lines = [f"{m.role}: {message_text(m)}" for m in messages]
-    return "\n".join(lines) + "\nassistant:"
+    text = "\n".join(lines) + "\nassistant:"
+    check_text(text, "messages")
+    return text
 
 
 def completion_prompts(body: CompletionBody, max_prompts: int) -> list[str]:
@@ -56,6 +69,7 @@ def completion_prompts(body: CompletionBody, max_prompts: int) -> list[str]:
     prompt a request of its own). Token-id prompts are refused: the workers take text."""
     p = body.prompt
     if isinstance(p, str):
+        check_text(p, "prompt")
         return [p]
     if not p:
         raise InvalidRequest("prompt is an empty list; send a string or a list of strings", "prompt")
@@ -65,6 +79,8 @@ def completion_prompts(body: CompletionBody, max_prompts: int) -> list[str]:
                              code="unsupported_parameter")
     if len(p) > max_prompts:
         raise InvalidRequest(f"{len(p)} prompts in one request; the limit is {max_prompts}: split it", "prompt")
+    for x in p:
+        check_text(x, "prompt")
     return list(p)
 
 

@@ -21,7 +21,13 @@ class GpuAgentSettings(CommonSettings, frozen=True, kw_only=True):
         "" = a fresh temporary directory.
     worker_module: the module run as `python -m <worker_module>`.
     worker_cmd: a full command line (shlex-split) that replaces the module
-        invocation, e.g. a test double; "" = use worker_module.
+        invocation, e.g. a test double; "" = use worker_module. An operator's setting
+        only: a StartWorker message cannot change the command.
+    worker_nats_url / worker_redis_url: the connections (with the worker's own
+        credentials) given to the workers; "" = the agent's own nats_url / redis_url.
+    worker_env_allow: comma-separated extra variable names a StartWorker's
+        `extra_env` may set besides `POLYSERVE_WORKER_*` settings (for a custom
+        `worker_cmd`); everything else is refused (policy.check_extra_env).
     worker_time_scale: passed to workers as POLYSERVE_WORKER_TIME_SCALE when
         not "" (sim engine pace; "0" = no compute time).
     max_workers: the most worker processes this agent runs at once.
@@ -56,6 +62,9 @@ class GpuAgentSettings(CommonSettings, frozen=True, kw_only=True):
     worker_log_dir: str = ""
     worker_module: str = "polyserve.worker"
     worker_cmd: str = ""
+    worker_nats_url: str = ""
+    worker_redis_url: str = ""
+    worker_env_allow: str = ""
     worker_time_scale: str = ""
     max_workers: int = 16
     miad_enabled: bool = True
@@ -87,7 +96,14 @@ class GpuAgentSettings(CommonSettings, frozen=True, kw_only=True):
             raise SettingsError("miad_min_clock_mhz must be > 0, miad_slo_ms >= 0, miad_threshold in [0, 1)")
         if self.miad_scale_out_after < 1:
             raise SettingsError("miad_scale_out_after must be >= 1")
+        bad = [n for n in self.extra_env_allowed() if not n.replace("_", "").isalnum()]
+        if bad:
+            raise SettingsError(f"worker_env_allow names {bad} are not environment variable names")
         try:
             shlex.split(self.worker_cmd)
         except ValueError as exc:
             raise SettingsError(f"worker_cmd cannot be parsed: {exc}") from exc
+
+    def extra_env_allowed(self) -> frozenset[str]:
+        """The names of `worker_env_allow`."""
+        return frozenset(n.strip() for n in self.worker_env_allow.split(",") if n.strip())

@@ -12,7 +12,7 @@ from polyserve.gpu_agent import policy
 from polyserve.gpu_agent.config import GpuAgentSettings
 from polyserve.gpu_agent.energy import EnergyMeter
 from polyserve.gpu_agent.workers import WorkerPool
-from polyserve.proto import AgentReply, Completed, Heartbeat, StartWorker, StopWorker
+from polyserve.proto import AgentReply, Completed, Heartbeat, Refused, StartWorker, StopWorker
 from polyserve.shared.bus import BusError
 
 logger = logging.getLogger(__name__)
@@ -24,15 +24,18 @@ class AgentHandlers:
 
     def __init__(self, settings: GpuAgentSettings, pool: WorkerPool, energy: EnergyMeter, *,
                  spawn: Callable[[StartWorker], str], publish_info: Callable[[], Awaitable[None]],
-                 gpu_id: Callable[[], str]):
+                 gpu_id: Callable[[], str], publish_refusal: Callable[[Refused], Awaitable[None]] | None = None):
         self.settings, self.pool, self.energy = settings, pool, energy
         self.spawn, self.publish_info, self.gpu_id = spawn, publish_info, gpu_id
+        self.publish_refusal = publish_refusal
+        self.refused = 0
 
     async def start(self, req: StartWorker) -> AgentReply:
         """StartWorker -> AgentReply.started: spawn `count` workers (as many as fit)."""
         for name in ("deployment", "model", "engine"):
             if not getattr(req, name).strip():
                 raise BusError(400, f"StartWorker.{name} must not be empty")
+        await self._check_env(req)
         if req.count < 1:
             raise BusError(400, f"StartWorker.count must be >= 1, got {req.count}")
         running = len(self.pool.active())
@@ -55,6 +58,24 @@ class AgentHandlers:
             if started:  # before replying, so the planner's next count includes them
                 await self.publish_info()
         return AgentReply(gpu_id=self.gpu_id(), started=started)
+
+    async def _check_env(self, req: StartWorker) -> None:
+        """BusError 400 naming the refused `extra_env` keys (never their values), after a
+        Refused event, when the request may not set them (policy.check_extra_env)."""
+        refused = policy.check_extra_env(req.extra_env, self.settings.extra_env_allowed())
+        if not refused:
+            return
+        self.refused += 1
+        reason = "; ".join(f"{k}: {why}" for k, why in refused)
+        logger.warning("refused StartWorker for %s: extra_env %s", req.deployment, reason)
+        if self.publish_refusal is not None:
+            try:
+                await self.publish_refusal(Refused(service="gpu-agent", instance=self.settings.instance,
+                                                   action="start_worker", reason=reason[:500],
+                                                   keys=[k for k, _ in refused], deployment=req.deployment))
+            except Exception as exc:  # noqa: BLE001 - the refusal stands even if the event is lost
+                logger.warning("cannot publish the refusal event: %s", exc)
+        raise BusError(400, f"StartWorker.extra_env refused: {reason}")
 
     async def stop(self, req: StopWorker) -> AgentReply:
         """StopWorker -> AgentReply.stopped: SIGTERM now, SIGKILL after the drain timeout."""

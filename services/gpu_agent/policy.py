@@ -34,6 +34,35 @@ def worker_command(worker_cmd: str, worker_module: str, python: str) -> list[str
     return [python, "-m", worker_module]
 
 
+WORKER_SETTING = "POLYSERVE_WORKER_"
+# Worker settings the agent owns (identity, connections, trace export): never from a message.
+CONNECTIONS = frozenset(WORKER_SETTING + n for n in ("NATS_URL", "REDIS_URL", "PREFIX"))
+AGENT_OWNED = CONNECTIONS | frozenset(WORKER_SETTING + n for n in (
+    "WORKER_ID", "DEPLOYMENT", "MODEL", "ENGINE", "GPU_ID", "INSTANCE", "OTLP_ENDPOINT"))
+MAX_EXTRA_ENV = 64
+MAX_ENV_VALUE = 4096
+
+
+def check_extra_env(extra: Mapping[str, str], allowed: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+    """Why each refused key of a StartWorker's `extra_env` is refused: [(key, reason)].
+
+    Allowed: `POLYSERVE_WORKER_<SETTING>` (a worker setting; not one the agent owns) and
+    the operator's `allowed` names. Anything else (PYTHONWARNINGS, BROWSER, LD_PRELOAD,
+    PATH, ...) could run code in the worker, so a message may not set it."""
+    refused = []
+    if len(extra) > MAX_EXTRA_ENV:
+        return [("extra_env", f"{len(extra)} variables; at most {MAX_EXTRA_ENV}")]
+    for key, value in extra.items():
+        if key in AGENT_OWNED:
+            refused.append((key, "set by the gpu-agent itself"))
+        elif key not in allowed and not (key.startswith(WORKER_SETTING) and len(key) > len(WORKER_SETTING)
+                                         and key.replace("_", "").isalnum() and key.isupper()):
+            refused.append((key, "not a POLYSERVE_WORKER_* setting nor in the agent's worker_env_allow"))
+        elif "\0" in value or len(value) > MAX_ENV_VALUE:
+            refused.append((key, f"value has a NUL byte or more than {MAX_ENV_VALUE} characters"))
+    return refused
+
+
 def worker_env(base: Mapping[str, str], *, nats_url: str, redis_url: str, prefix: str,
                worker_id: str, deployment: str, model: str, engine: str, gpu_id: str,
                time_scale: str = "", cuda_device: str = "",
@@ -41,11 +70,13 @@ def worker_env(base: Mapping[str, str], *, nats_url: str, redis_url: str, prefix
     """The environment of one worker process.
 
     The agent's connection settings win over anything inherited; `extra`
-    (StartWorker.extra_env) is applied after the defaults but cannot change the
-    worker's identity or connections, so a plan cannot start a worker that the
-    agent would then mis-account.
+    (StartWorker.extra_env, already checked by `check_extra_env`) is applied after
+    the defaults but cannot change the worker's identity or connections, so a plan
+    cannot start a worker that the agent would then mis-account. The agent's own
+    settings (`POLYSERVE_GPU_AGENT_*`, its credentials among them) and any
+    service-scoped worker connection are not passed on.
     """
-    env = dict(base)
+    env = {k: v for k, v in base.items() if not k.startswith("POLYSERVE_GPU_AGENT_") and k not in CONNECTIONS}
     if time_scale:
         env["POLYSERVE_WORKER_TIME_SCALE"] = time_scale
     if cuda_device:

@@ -30,6 +30,7 @@ from polyserve.proto import (
     EnergyReport,
     GpuTelemetry,
     Heartbeat,
+    Refused,
     StartWorker,
     StopWorker,
     WorkerDown,
@@ -53,7 +54,8 @@ class GpuAgentService(ServiceBase):
         self.pool = WorkerPool(settings)
         self.energy = EnergyMeter(settings.gpu_id)
         self.handlers = AgentHandlers(settings, self.pool, self.energy, spawn=self.spawn_worker,
-                                      publish_info=self.publish_info, gpu_id=lambda: self.gpu_id)
+                                      publish_info=self.publish_info, gpu_id=lambda: self.gpu_id,
+                                      publish_refusal=self.publish_refusal)
         self.frequency = FrequencyController(self)
 
     # ------------------------------------------------------------------ lifecycle
@@ -131,6 +133,10 @@ class GpuAgentService(ServiceBase):
             await self.state.put_agent(self.info(), self.settings.agent_ttl_s)
         except Exception as exc:  # noqa: BLE001 - Redis briefly down: the next interval retries
             logger.warning("cannot refresh AgentInfo of %s: %s", self.gpu_id, exc)
+
+    async def publish_refusal(self, event: Refused) -> None:
+        """A refused request, for operators (`polyserve events`): `<prefix>.v1.events.service.refused`."""
+        await self.bus.publish(self.subjects.service_event("refused"), event)
 
     # ------------------------------------------------------------------ workers
     def spawn_worker(self, req: StartWorker) -> str:

@@ -68,11 +68,13 @@ class WorkerPool:
             self.load[worker_id] = max(0, running) + max(0, waiting)
 
     def spawn(self, req: StartWorker, gpu_id: str, cuda_device: str) -> str:
-        """Start one worker process for `req`; returns its id. Raises OSError if it cannot."""
+        """Start one worker process for `req` (its `extra_env` checked by the caller) with the
+        operator's fixed worker command; returns its id. Raises OSError if it cannot."""
         s = self.settings
         worker_id = f"w-{uuid.uuid4().hex[:10]}"
         cmd = policy.worker_command(s.worker_cmd, s.worker_module, sys.executable)
-        env = policy.worker_env(os.environ, nats_url=s.nats_url, redis_url=s.redis_url, prefix=s.prefix,
+        env = policy.worker_env(os.environ, nats_url=s.worker_nats_url or s.nats_url,
+                                redis_url=s.worker_redis_url or s.redis_url, prefix=s.prefix,
                                 worker_id=worker_id, deployment=req.deployment, model=req.model,
                                 engine=req.engine, gpu_id=gpu_id, time_scale=s.worker_time_scale,
                                 cuda_device=cuda_device, extra=req.extra_env)

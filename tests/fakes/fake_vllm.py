@@ -93,6 +93,28 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2
 
 
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's StructuredOutputsParams: exactly one constraint, validated like vLLM's __post_init__."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self):
+        count = sum(v is not None for v in (self.json, self.regex, self.choice, self.grammar, self.json_object,
+                                            self.structural_tag))
+        if count != 1:
+            raise VLLMValidationError("You can only use one kind of structured outputs constraint" if count else
+                                      "You must use one kind of structured outputs constraint")
+
+
 class SamplingParams:
     """vLLM's SamplingParams (a msgspec.Struct there): the fields the engine sets, validated like vLLM."""
 
@@ -100,7 +122,8 @@ class SamplingParams:
 
     def __init__(self, n: int = 1, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, stop: str | list[str] | None = None, max_tokens: int | None = 16,
-                 min_tokens: int = 0, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, **other: Any):
+                 min_tokens: int = 0, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                 structured_outputs: StructuredOutputsParams | None = None, **other: Any):
         unknown = set(other) - {"presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
                                 "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens",
                                 "include_stop_str_in_output"}
@@ -121,6 +144,7 @@ class SamplingParams:
         self.n, self.temperature, self.top_p, self.top_k, self.seed = n, temperature, top_p, top_k, seed
         self.stop = [stop] if isinstance(stop, str) else list(stop or [])
         self.max_tokens, self.min_tokens, self.output_kind = max_tokens, min_tokens, output_kind
+        self.structured_outputs = structured_outputs
 
 
 class CumulativeOnlySamplingParams(SamplingParams):
@@ -469,7 +493,7 @@ def install(monkeypatch, flavor: str = "v1", version: str = VERSION) -> FakeVllm
     engine_cls.last = None
     cumulative_only = flavor == "v0"
     sp_cls = CumulativeOnlySamplingParams if cumulative_only else SamplingParams
-    sp_mod = _module("vllm.sampling_params", SamplingParams=sp_cls)
+    sp_mod = _module("vllm.sampling_params", SamplingParams=sp_cls, StructuredOutputsParams=StructuredOutputsParams)
     if not cumulative_only:
         sp_mod.RequestOutputKind = RequestOutputKind
     mods = {

@@ -159,10 +159,10 @@ async def test_no_worker_is_503_and_silent_services_are_not_a_hang(plane, bus, s
         with pytest.raises(openai.APIStatusError) as err:
             await p.client.completions.create(model=MODEL, prompt="x", max_tokens=2)
         assert err.value.status_code == 503 and "no worker" in err.value.message
+    # The prediction is a hint (issue 13): no predictor, or one that never answers, costs no
+    # request; the gateway estimates locally (tests/integration/test_gateway_faults.py).
     async with plane(with_predictor=False, predict_timeout_s=0.5) as p:
-        with pytest.raises(openai.APIStatusError) as err:
-            await p.client.completions.create(model=MODEL, prompt="x", max_tokens=2)
-        assert err.value.status_code == 503 and "predictor" in err.value.message
+        assert (await p.client.completions.create(model=MODEL, prompt="x", max_tokens=2)).choices[0].text
 
         async def black_hole(msg):  # a predictor that never answers
             pass
@@ -171,9 +171,8 @@ async def test_no_worker_is_503_and_silent_services_are_not_a_hang(plane, bus, s
         await bus.nc.flush()
         loop = asyncio.get_running_loop()
         t = loop.time()
-        with pytest.raises(openai.APIStatusError) as err:
-            await p.client.completions.create(model=MODEL, prompt="x", max_tokens=2)
-        assert err.value.status_code == 504 and loop.time() - t < 5
+        assert (await p.client.completions.create(model=MODEL, prompt="x", max_tokens=2)).choices[0].text
+        assert loop.time() - t < 5
         await sub.unsubscribe()
 
 

@@ -23,7 +23,7 @@ def make_agent(make_settings, tmp_path):
     def build(**overrides):
         base = dict(force_simulated=True, worker_cmd=shlex.join([sys.executable, str(FAKE_WORKER)]),
                     worker_log_dir=str(tmp_path), telemetry_interval_s=0.2, agent_ttl_s=2.0,
-                    watch_interval_s=0.05)
+                    watch_interval_s=0.05, worker_env_allow="FAKE_WORKER_EXIT,FAKE_WORKER_IGNORE_TERM")
         base.update(overrides)
         return GpuAgentService(make_settings(GpuAgentSettings, "gpu-agent", **base))
     return build

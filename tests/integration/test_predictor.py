@@ -131,8 +131,8 @@ def private_redis():
     sock = str(run_dir / "r.sock")
     procs = []
 
-    def start():
-        proc, url = infra.start_redis(run_dir, unix_socket=sock)
+    def start():  # without persistence: a restart comes back empty (the data-loss case)
+        proc, url = infra.start_redis(run_dir, unix_socket=sock, persist=False)
         procs.append(proc)
         return proc, url
 

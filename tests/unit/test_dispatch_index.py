@@ -14,6 +14,7 @@ import pytest
 
 from polyserve.core.perf import BGMV, MBGMV, PerfModel, WorkerPerf
 from polyserve.dispatcher import index as ix
+from polyserve.dispatcher import index_cara as ixc
 from polyserve.dispatcher import index_models as ixm
 from polyserve.dispatcher import policy as p
 
@@ -135,6 +136,28 @@ def test_fast_policy_on_clusters_of_alike_workers(policy, perf):
     assert sum(run_equivalence(policy, seed, steps=80, same=perf) for seed in range(3)) > 100
 
 
+@pytest.mark.parametrize("narrow", [0, 1, 2, 100])
+def test_caraserve_groups_visited_as_wide_or_through_their_adapters(monkeypatch, narrow):
+    """CaraServe groups holding more than `index_cara.NARROW` adapters are visited through
+    the `wide` list, the others through their adapters' lists and `narrow_free`: with every
+    split (all wide, mixed, all narrow) the pure policy's decision; the filing stays in line
+    with the groups."""
+    monkeypatch.setattr(ixc, "NARROW", narrow)
+    compared = sum(run_equivalence("caraserve", seed) for seed in range(6))
+    compared += sum(run_equivalence("caraserve", seed, steps=80, same=PERFS[1]) for seed in range(3))
+    assert compared > 400
+    index = ix.WorkerIndex(policies=("caraserve",))
+    rng = random.Random(narrow)
+    for k in range(60):
+        index.upsert(random_view(rng, f"w{rng.randint(0, 30):02d}"))
+    s = index._struct("caraserve")
+    entries = sorted(s.bounds)
+    assert entries == sorted({e for lst in (s.wide, *s.by_adapter.values(), s.narrow_free) for e in lst})
+    for g in (e[2] for e in entries):
+        in_adapters = {a for a, lst in s.by_adapter.items() if any(e[2] is g for e in lst)}
+        assert (g.bound, g.gid, g) in s.wide if len(g.holders) > narrow else in_adapters == set(g.holders)
+
+
 def test_aladdin_fallback_twin_on_clusters_where_nothing_fits(monkeypatch):
     """A 29 ms ATGT SLO (the 70B profile's single step is 28.8 ms + 0.28 ms per sequence)
     leaves no worker passing Alg. 1: every decision is the least-harm fallback, and many
@@ -197,7 +220,7 @@ def test_aladdin_skips_workers_no_request_can_fit():
     index.upsert(full)
     index.upsert(ok)
     s = index._aladdin_for(ix.AL.DEFAULT)
-    assert [k[1] for k in s.all.keys] == ["full", "ok"]  # full is the fullest...
+    assert sorted(s.norms, key=lambda wid: (s.norms[wid], wid)) == ["full", "ok"]  # full is the fullest...
     assert [k[1] for k in s.live.keys] == ["ok"]  # ...but never checked
     req = p.RequestView(request_id="n", input_tokens=100, predicted_tokens=100)
     assert ix.fast_aladdin(index, req, p.PolicyState(), None).worker_id == "ok"
@@ -286,7 +309,7 @@ def test_aladdin_sufficient_limits_imply_check_and_placements_keep_keys_exact():
             w = index.placed(w.worker_id, random_request(rng, i))
             fresh = ix._Aladdin(cfg)
             fresh.update(None, w)
-            assert s.all.cur == fresh.all.cur and s.live.cur == fresh.live.cur, (k, i)
+            assert s.norms == fresh.norms and s.live.cur == fresh.live.cur, (k, i)
         lim = ixm._aladdin_limits(w, cfg)
         for i in range(25):
             n_in, pred = rng.choice([0, 1, 10, 100, 500, 2000, 8000]), rng.choice([0, 1, 50, 300, 2000])

@@ -237,3 +237,47 @@ async def test_dispatch_looks_up_decides_records_and_answers(index):
             await h.dispatch(bad)
         assert err.value.code == code and text in err.value.description
     assert h.rejected == {400: 2, 404: 1, 500: 1}
+
+
+@pytest.mark.parametrize("policy_name", ["aladdin", "caraserve", "least_outstanding"])
+def test_a_placement_updates_the_indexed_view_as_a_rebuild_would(policy_name, monkeypatch):
+    """`record` updates the chosen worker's indexed view in place (outstanding + 1, the
+    request appended as the book's newest entry): with the book's clock still, the same view
+    as one rebuilt from the heartbeat and the book, a retry of a placed request included."""
+    from polyserve.dispatcher import liveview
+
+    in_place = []
+    real = liveview._DepIndex.placed
+    monkeypatch.setattr(liveview._DepIndex, "placed", lambda di, wid, r: (in_place.append(wid), real(di, wid, r)))
+    view = make_view(True, max_outstanding=3)
+    view.models.clock = lambda: 1000.0
+    dep = Deployment(id="d", model="m", policy=policy_name)
+    for wid in ("w1", "w2", "w3"):
+        assert view.heartbeat(beat(wid, profile=PROFILE, kv_capacity=100_000, max_batch=8))
+    rng = random.Random(1)
+    for i in range(7):
+        place(view, dep, req(f"r{i}", input_tokens=rng.choice([10, 300, 2000]), predicted_tokens=rng.choice([5, 80])))
+        if i == 3:
+            view.first_token(FirstToken(request_id="r1", worker_id=view.outstanding._placed["r1"][0], ttft_ms=50.0))
+    place(view, dep, req("r2", input_tokens=50, predicted_tokens=5))  # a retry: moves or stays
+    di = view._indexes["d"]
+    modelled = policy_name != "least_outstanding"
+    for hb in view.registry.live("d"):
+        extras = view.models.extras(hb, 1000.0) if modelled else None
+        assert di.index.get(hb.worker_id) == liveview._view(hb, view.outstanding.count(hb.worker_id), extras)
+    assert di.capped == {hb.worker_id for hb in view.registry.live("d") if view.outstanding.count(hb.worker_id) >= 3}
+    assert view.placed == 8 and view.indexed_decisions > 0  # (capped workers: the scan answers)
+    assert len(in_place) >= 7  # in place, but a retry that stays on its worker (then the rebuild)
+
+
+@pytest.mark.parametrize("policy_name", ["aladdin", "round_robin"])
+def test_a_retry_on_the_same_worker_is_counted_once(policy_name):
+    """A request placed again on the worker that holds it: one placement there, not two
+    (the in-place update does not apply; the view is rebuilt)."""
+    view = make_view(True)
+    dep = Deployment(id="d", model="m", policy=policy_name)
+    assert view.heartbeat(beat("w1", profile=PROFILE, kv_capacity=100_000))
+    for _ in range(2):
+        assert place(view, dep, req("r0")).worker.worker_id == "w1"
+    v = view._indexes["d"].index.get("w1")
+    assert v.outstanding == 1 and len(v.requests) == (1 if policy_name == "aladdin" else 0)

@@ -53,6 +53,7 @@ from polyserve.worker.engine import (
     make_stats,
     relay,
 )
+from polyserve.worker.engines import hf_grammar
 from polyserve.worker.engines.hf_batch import LAYOUTS, Batch, Row
 from polyserve.worker.engines.hf_lora import COLD_START, AdapterManager  # noqa: F401 (COLD_START re-exported)
 from polyserve.worker.lora_cache import HOST
@@ -112,6 +113,7 @@ class HfEngine(Engine):
             raise EngineError(f"kv_layout {self.kv_layout!r} is unknown; choose auto, {', '.join(LAYOUTS)}", 400)
         self._bundle = None
         self._batch: Batch | None = None
+        self._grammars: hf_grammar.Grammars | None = None
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self.loras = AdapterManager(settings, self._lock, self._wake, self._fail_waiting_for)
@@ -137,6 +139,11 @@ class HfEngine(Engine):
         if layout == "auto":  # per-row attention is a loop of small kernels: cheap on a CPU, not on a GPU
             layout = "ragged" if self._bundle.device.type == "cpu" else "padded"
         self._batch = Batch(self._bundle.model, self._bundle.device, self._bundle.suppress_ids, layout)
+        b = self._bundle
+        vocab = max(len(b.tokenizer), int(getattr(b.model.config, "vocab_size", 0) or 0))
+        self._grammars = hf_grammar.Grammars(b.tokenizer, b.eos_ids, vocab)
+        if hf_grammar.available():  # the grammar tokenizer once, off the loop (structured outputs)
+            await asyncio.to_thread(lambda: self._grammars.lltokenizer)
         self.loras.start(self._batch, self.model_name)
         self._stopping = False
         self._task = asyncio.create_task(self._loop(), name=f"hf-engine-{self.model_name}")
@@ -185,6 +192,8 @@ class HfEngine(Engine):
                               f"kv_capacity_tokens of {self.kv_capacity}", 400)
         if len(self._waiting) >= self.max_waiting:
             raise EngineOverloaded(f"waiting queue full ({self.max_waiting} requests); retry later")
+        if p.structured is not None:
+            self._grammars.check(p.structured)  # a bad schema or grammar is a 400 before any token
         act = _Active(req, ids, next(self._seq), reserve)
         if req.adapter:
             self.loras.observe(req.adapter)
@@ -357,8 +366,10 @@ class HfEngine(Engine):
             act.start = time.monotonic()
             b = self._bundle
             try:
+                spec = act.req.params.structured
                 act.rows = [Row(act, i, act.req.params, act.req.adapter, b.tokenizer, act.ids, b.eos_ids,
-                                b.max_positions, b.device) for i in range(act.req.params.n)]
+                                b.max_positions, b.device, guide=self._grammars.guide(spec) if spec else None)
+                            for i in range(act.req.params.n)]
                 events = await asyncio.to_thread(self._batch.prefill, act.rows, act.ids)
             except Exception as exc:  # the batch is untouched when a prefill fails: fail this request only
                 logger.exception("prefill of %s failed", act.req.request_id)

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 from polyserve.proto import SamplingParams, TokenLogprob
 from polyserve.worker.engine import Delta
-from polyserve.worker.engines import hf_logprobs
+from polyserve.worker.engines import hf_grammar, hf_logprobs
 from polyserve.worker.engines.hf_text import IncrementalDetokenizer, StopMatcher
 
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
@@ -62,14 +62,16 @@ class Row:
     """One choice of one request: one row of the batch, with its sampling and text state."""
 
     def __init__(self, owner, index: int, params: SamplingParams, adapter: str | None, tokenizer,
-                 prompt_ids: Sequence[int], eos_ids: set[int], max_positions: int, device: torch.device):
+                 prompt_ids: Sequence[int], eos_ids: set[int], max_positions: int, device: torch.device,
+                 guide: hf_grammar.Guide | None = None):
         self.owner = owner  # anything with a `cancelled` attribute (the engine's request)
         self.index = index
         self.params = params
         self.adapter = adapter or BASE
         self.eos_ids = eos_ids
         self.max_positions = max_positions
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.guide = guide  # structured outputs: the grammar's mask and text (hf_grammar)
+        self.detok = guide if guide is not None else IncrementalDetokenizer(tokenizer, prompt_ids)
         self.stop = StopMatcher(params.stop)
         self.generator: torch.Generator | None = None
         if params.temperature > 0:
@@ -98,9 +100,14 @@ class Row:
         checks = self.n_out >= self.params.min_tokens  # stop strings apply from the min_tokens-th token on
         if token in self.eos_ids:  # `sample` never picks EOS before min_tokens
             return self._end("stop", self.stop.flush())
+        if self.guide is not None:
+            self.guide.consume(token)
         text, stopped = self.stop.feed(self.detok.add(token), check=checks)
         if stopped:
             return self._end("stop", text)
+        if self.guide is not None and self.guide.done:  # the grammar is complete: nothing may follow
+            tail, stopped = self.stop.feed(self.detok.flush(), check=True)
+            return self._end("stop", text + tail + ("" if stopped else self.stop.flush()))
         if self.n_out >= self.params.max_tokens or self.pos >= self.max_positions:
             tail, stopped = self.stop.feed(self.detok.flush(), check=True)
             return self._end("stop" if stopped else "length", text + tail + ("" if stopped else self.stop.flush()))
@@ -123,6 +130,8 @@ def sample(logits: torch.Tensor, rows: Sequence[Row], suppress: torch.Tensor | N
     logits = logits.float()
     if suppress is not None:
         logits[:, suppress] = float("-inf")
+    if any(r.guide is not None for r in rows):
+        hf_grammar.mask_rows(logits, rows)
     held = [(i, eos) for i, row in enumerate(rows) if row.n_out < row.params.min_tokens for eos in row.eos_ids]
     if held:  # one indexed write for every row still under min_tokens (a write per row cost ~10 us each)
         logits[[i for i, _ in held], [eos for _, eos in held]] = float("-inf")

@@ -47,7 +47,7 @@ from polyserve.worker.engine import (
     free_adapter,
     make_stats,
 )
-from polyserve.worker.engines import sim_logprobs
+from polyserve.worker.engines import sim_json, sim_logprobs
 from polyserve.worker.lora import AdapterError, AdapterRegistry, read_adapter
 
 logger = logging.getLogger(__name__)
@@ -117,6 +117,7 @@ class _Choice:
     seed: str = ""  # what `rng` was seeded with (the simulated logprobs derive from it)
     logprobs: list = field(default_factory=list)  # entries of the `pending` tokens (params.logprobs set)
     started: bool = False  # its first Delta went out
+    script: list[str] | None = None  # structured outputs: the pieces of its schema-valid text (sim_json)
 
 
 @dataclass(eq=False)
@@ -295,8 +296,17 @@ class SimEngine(Engine):
             natural = max(1, p.min_tokens, round(self.profile.median_output_tokens
                                                  * math.exp(self.profile.output_log_sigma * rng.gauss(0, 1))))
             limit = min(p.max_tokens, natural)
-            choices.append(_Choice(index=i, rng=rng, limit=limit, seed=f"{base}:{i}",
-                                   reason_at_limit="stop" if natural < p.max_tokens else "length"))
+            script = None
+            if p.structured is not None:  # the whole schema-valid text, cut at max_tokens like any other
+                try:
+                    script = sim_json.pieces(sim_json.text(p.structured, rng))
+                except (sim_json.UnsupportedSchema, ValueError) as exc:
+                    raise EngineError(f"structured output: {exc}", 400) from exc
+                natural = len(script)
+                limit = min(p.max_tokens, natural)
+            choices.append(_Choice(index=i, rng=rng, limit=limit, seed=f"{base}:{i}", script=script,
+                                   reason_at_limit="stop" if natural < p.max_tokens or (
+                                       script is not None and natural == p.max_tokens) else "length"))
         return choices
 
     async def _stream(self, r: _Req) -> AsyncIterator[Delta | Finished]:
@@ -369,8 +379,11 @@ class SimEngine(Engine):
         for ch in r.choices:
             if ch.finish_reason is not None:
                 continue
-            word = ch.rng.choice(VOCAB)
-            piece = word if ch.generated == 0 else " " + word
+            if ch.script is not None:
+                piece = ch.script[ch.generated]
+            else:
+                word = ch.rng.choice(VOCAB)
+                piece = word if ch.generated == 0 else " " + word
             search_from = max(0, len(ch.text) - hold)
             ch.text += piece
             ch.generated += 1

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from polyserve.proto import SamplingParams as ProtoSamplingParams
+from polyserve.proto import StructuredOutput
 from polyserve.worker.engine import EngineError
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ SURFACE_USED = {
         "vllm.v1.engine.async_llm": ["AsyncLLM"],
         "vllm.engine.arg_utils": ["AsyncEngineArgs"],
         "vllm.engine.async_llm_engine": ["AsyncLLMEngine"],
-        "vllm.sampling_params": ["SamplingParams", "RequestOutputKind"],
+        "vllm.sampling_params": ["SamplingParams", "RequestOutputKind", "StructuredOutputsParams"],
         "vllm.lora.request": ["LoRARequest"],
     },
     "methods": {  # method -> the parameters polyserve passes (by name or position)
@@ -78,7 +79,9 @@ SURFACE_USED = {
             "model", "served_model_name", "dtype", "max_num_seqs", "max_model_len", "scheduling_policy",
             "enable_lora", "max_lora_rank", "max_loras", "gpu_memory_utilization", "seed"],
         "vllm.sampling_params.SamplingParams": [
-            "n", "temperature", "top_p", "top_k", "seed", "stop", "max_tokens", "min_tokens", "output_kind"],
+            "n", "temperature", "top_p", "top_k", "seed", "stop", "max_tokens", "min_tokens", "output_kind",
+            "structured_outputs"],
+        "vllm.sampling_params.StructuredOutputsParams": ["json", "regex", "choice", "grammar", "json_object"],
         "vllm.lora.request.LoRARequest": ["lora_name", "lora_int_id", "lora_path"],
         "vllm.inputs.llm.TokensPrompt": ["prompt_token_ids"],
     },
@@ -110,6 +113,7 @@ class VllmApi:
     SamplingParams: Any
     LoRARequest: Any
     delta_kind: Any = None  # RequestOutputKind.DELTA, or None: outputs are cumulative
+    StructuredOutputsParams: Any = None  # None: this vLLM has no structured outputs under that name
 
     @property
     def delta_outputs(self) -> bool:
@@ -152,7 +156,7 @@ def import_vllm(target: str) -> VllmApi:
         logger.warning("vLLM %s is installed; the vllm engine targets %s (the API it uses is detected, "
                        "but only %s is the version it was written against)", version, target, target)
     return VllmApi(version=version, engine_cls=engine_cls, flavor=flavor, delta_kind=getattr(kind, "DELTA", None),
-                   **names)
+                   StructuredOutputsParams=_attr("vllm.sampling_params", "StructuredOutputsParams"), **names)
 
 
 def engine_args(api: VllmApi, wanted: dict[str, Any]) -> Any:
@@ -176,9 +180,22 @@ def sampling_params(api: VllmApi, p: ProtoSamplingParams) -> Any:
     if api.delta_kind is not None:
         kw["output_kind"] = api.delta_kind
     try:
+        if p.structured is not None:
+            kw["structured_outputs"] = structured_outputs(api, p.structured)
         return api.SamplingParams(**kw)
     except Exception as exc:  # vLLM validates in __post_init__ (ValueError / VLLMValidationError)
         raise EngineError(f"sampling parameters rejected by vLLM: {exc}", 400) from exc
+
+
+def structured_outputs(api: VllmApi, spec: StructuredOutput) -> Any:
+    """vLLM's StructuredOutputsParams for a polyserve constraint (the one field that is set)."""
+    if api.StructuredOutputsParams is None:
+        raise EngineError(f"vLLM {api.version} has no StructuredOutputsParams; structured outputs need vLLM "
+                          "0.33", 400)
+    if spec.json_object:
+        return api.StructuredOutputsParams(json_object=True)
+    kind = spec.kind()
+    return api.StructuredOutputsParams(**{kind: getattr(spec, kind)})
 
 
 def lora_rank(rank: int) -> int:

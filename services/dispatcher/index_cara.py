@@ -1,0 +1,279 @@
+"""CaraServe's cost groups for `dispatcher.index` (split from index_models.py).
+
+* caraserve: workers grouped by what `cost_of` reads besides their context (k2, c2, c3,
+  the kernel's LoRA coefficients — by value —, kernel, batch b, max rank, Σ rank under
+  MBGMV); within a group the cost grows with the mean context, so members sorted by
+  (context, id) make the first one with KV room the group's cheapest. Each group keeps its
+  members, its slot-free members and per adapter its holders, each sorted, and the groups
+  are visited in the order of a lower bound of their cost (their first member's cost for
+  an empty, rank-0 request) until the bound exceeds the best cost found; a group whose
+  bound plus what the request's rank and input add to every member's cost (exact: the cost
+  is separable) exceeds the best is skipped without evaluating it. A request for adapter A
+  looks at the slot-free members and A's holders only (so the resident-first tie-break is
+  exact). Needs k2 >= 0 and LoRA α >= 0 (otherwise that group is always scanned, still
+  exact). With no candidate at all (no KV room or adapter slot anywhere) every worker
+  competes, as in the pure policy. Exactness rests on float costs being ordered like the
+  real-valued ones within a group (cost differences of >= k2·1 token, far above rounding)
+  and on the skip margin (1e-9 relative). Costs: an update moves the worker within one or
+  two groups (2 + its resident adapters sorted-list operations); a decision evaluates one
+  worker per group visited. When every worker has its own, different fit (per-worker
+  online fits, as the live dispatcher's) groups are single workers and more of them are
+  visited (see `polyserve bench dispatch --perf-spread`); so the same group entries are
+  also filed per adapter: a group holding at most `NARROW` adapters under each of them
+  (and, with a slot-free member, in `narrow_free`), the others in `wide`, and a request
+  naming an adapter visits only those three lists (each in bound order, each stopping at
+  the best cost). That costs an update up to 2·(NARROW + 1) more sorted-list operations
+  and saves a decision the groups that cannot serve the adapter (p50 ~90 -> ~55 µs with
+  `--perf-spread 0.05`; docs/benchmarks/dispatch.md).
+"""
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+
+from polyserve.core.perf import BGMV, LORA_DEFAULTS, MBGMV
+from polyserve.dispatcher import policy_caraserve as CS
+from polyserve.dispatcher.index_structs import _INF, _Struct
+from polyserve.dispatcher.views import RequestView, WorkerView
+
+NARROW = 8  # a group holding at most this many adapters is filed under each of them
+
+
+class _CaraGroup:
+    """Workers alike in all `cost_of` reads but their context: all members, the slot-free
+    ones, and per resident adapter its holders, each a list of (context, id) keys, sorted."""
+
+    __slots__ = ("b", "bound", "bounded", "empty_costs", "filed", "free", "gid", "holders", "k2", "kernel", "lora_extra", "members",
+                 "mx", "ordered", "perf", "sig", "sm")
+
+    def __init__(self, gid: int, ordered: bool, bounded: bool):
+        self.gid = gid
+        self.members: list[tuple] = []
+        self.free: list[tuple] = []
+        self.holders: dict[str, list[tuple]] = {}
+        self.ordered = ordered  # first member with KV room is the group's cheapest
+        self.bounded = bounded  # the first member's cost for an empty request bounds the group
+        self.bound = -_INF
+        self.lora_extra: dict[int, float] = {}  # rank -> what it adds to every member's cost
+        self.empty_costs: dict[float, float] = {}  # context -> the cost of an empty request
+        self.filed: tuple | None = None  # how `_Cara._file` last filed it
+
+    def extra(self, rank: int) -> float:
+        """(b+1)·(LoRA share of the step with a rank-`rank` request − with a rank-0 one): what
+        a request's rank adds to the cost of every member, exactly (cost_of is separable)."""
+        d = self.lora_extra.get(rank)
+        if d is None:
+            lora, k, b1 = self.perf.lora_ms, self.kernel, self.b + 1
+            d = self.lora_extra[rank] = b1 * (lora(k, b1, max(self.mx, rank), self.sm + rank)
+                                              - lora(k, b1, self.mx, self.sm))
+        return d
+
+
+def _cara_signature(w: WorkerView) -> tuple[tuple, tuple, bool, bool, tuple]:
+    """(group signature, member key, ordered, bounded, cost inputs) of a worker (see the
+    module docstring); the cost inputs are what `cost_of` computes before it looks at the
+    request: (perf, kernel, b, mean context, max rank, Σ rank, step time now)."""
+    perf = w.perf or CS._LORA_ONLY
+    b, ctx, mx, sm = CS._batch_state(w)
+    state = (perf, w.kernel, b, ctx, mx, sm, CS.step_ms(perf, w.kernel, b, ctx, mx, sm))
+    m = perf.base
+    lora = tuple(perf.lora.get(w.kernel, LORA_DEFAULTS[BGMV]))
+    alpha = lora[0]
+    bounded = m.k2 >= 0 and alpha >= 0
+    if m.k2 > 0 and m.c2 >= 0 and m.c3 >= 0:
+        ordered, mkey = True, (ctx, w.worker_id)
+    elif m.k2 == 0:
+        ordered, mkey = True, (0.0, w.worker_id)  # the context does not enter the cost
+    else:
+        ordered, mkey = False, (ctx, w.worker_id)
+    # what `cost_of` reads of the perf model, by value: workers with equal fits share groups
+    sig = (m.k2, m.c2, m.c3, lora, w.kernel, b, mx, sm if w.kernel == MBGMV else -1)
+    return sig, mkey, ordered, bounded, state
+
+
+def _cara_cost(state: tuple, n_in: int, rank: int, slo: float, penalty: float) -> tuple[float, bool]:
+    """(cost, violates) of `policy_caraserve.cost_of` from a worker's cost inputs: the same
+    calls and float operations, without recomputing what does not depend on the request."""
+    perf, kernel, b, ctx, mx, sm, t0 = state
+    ctx1 = (ctx * b + n_in) / (b + 1)
+    t1 = CS.step_ms(perf, kernel, b + 1, ctx1, max(mx, rank), sm + rank)
+    violates = t1 > slo
+    return (b + 1) * t1 - b * t0 + (penalty if violates else 0.0), violates
+
+
+def _slots_full(w: WorkerView) -> bool:
+    return bool(w.max_adapters) and len(w.adapters) >= w.max_adapters
+
+
+class _Cara(_Struct):
+    """CaraServe's cost groups in one order of their lower bounds; a worker sits in one group
+    (in its member list, its slot-free list when it has a free adapter slot, and the holder
+    list of each adapter it holds), so an update touches one or two groups only."""
+
+    def __init__(self, views: dict[str, WorkerView]):
+        self.views = views
+        self.groups: dict[tuple, _CaraGroup] = {}
+        self.by_gid: dict[int, _CaraGroup] = {}
+        self.bounds: list[tuple] = []  # (bound, gid, group), sorted ((bound, gid) is unique)
+        self.where: dict[str, tuple] = {}  # worker_id -> (group, member key, slot-free, adapters)
+        self.state: dict[str, tuple] = {}  # worker_id -> its cost inputs (`_cara_signature`)
+        self._next = 0
+        # The same (bound, gid, group) entries, filed for requests naming an adapter: groups
+        # holding more than NARROW adapters in `wide`; the others under each adapter they
+        # hold and, with a slot-free member, in `narrow_free` (see `best`).
+        self.wide: list[tuple] = []
+        self.by_adapter: dict[str, list[tuple]] = {}
+        self.narrow_free: list[tuple] = []
+
+    def _file(self, g: _CaraGroup) -> None:
+        """Refile `g` after an update touched it, when its bound, its adapters (a narrow
+        group) or whether it has a slot-free member changed."""
+        if not g.members:
+            now = None
+        elif len(g.holders) > NARROW:
+            now = (g.bound, True, (), False)
+        else:
+            now = (g.bound, False, tuple(g.holders), bool(g.free))
+        was = g.filed
+        if now == was:
+            return
+        for filing, put in ((was, False), (now, True)):
+            if filing is None:
+                continue
+            bound, wide, adapters, free = filing
+            lists = [self.wide] if wide else [self.by_adapter.setdefault(a, []) for a in adapters]
+            if free:
+                lists.append(self.narrow_free)
+            for lst in lists:
+                if put:
+                    insort(lst, (bound, g.gid, g))
+                else:
+                    del lst[bisect_left(lst, (bound, g.gid))]
+            if not put:
+                for a in adapters:
+                    if not self.by_adapter[a]:
+                        del self.by_adapter[a]
+        g.filed = now
+
+    def _rebound(self, g: _CaraGroup) -> None:
+        bounds = self.bounds
+        if g.members:
+            bound = -_INF
+            if g.bounded and g.ordered:  # the cost depends on the group and the context only
+                ctx = g.members[0][0]
+                bound = g.empty_costs.get(ctx)
+                if bound is None:
+                    if len(g.empty_costs) > 64:
+                        g.empty_costs.clear()
+                    bound = g.empty_costs[ctx] = _cara_cost(self.state[g.members[0][-1]], 0, 0, 0.0, 0.0)[0]
+            if bound == g.bound:
+                return
+        else:
+            bound = None
+        del bounds[bisect_left(bounds, (g.bound, g.gid))]
+        if bound is None:
+            del self.groups[g.sig], self.by_gid[g.gid]
+            return
+        g.bound = bound
+        insort(bounds, (bound, g.gid, g))
+
+    def update(self, old: WorkerView | None, new: WorkerView | None) -> None:
+        if old is not None:
+            g, mkey, free, adapters = self.where.pop(old.worker_id)
+            first = g.members[0]
+            m = g.members
+            del m[bisect_left(m, mkey)]
+            if free:
+                del g.free[bisect_left(g.free, mkey)]
+            for a in adapters:
+                lst = g.holders[a]
+                del lst[bisect_left(lst, mkey)]
+                if not lst:
+                    del g.holders[a]
+            if not m or m[0] != first:
+                self._rebound(g)
+            self._file(g)
+        if new is None:
+            self.state.pop(old.worker_id, None)
+            return
+        sig, mkey, ordered, bounded, self.state[new.worker_id] = _cara_signature(new)
+        g = self.groups.get(sig)
+        if g is None:
+            g = self.groups[sig] = _CaraGroup(self._next, ordered, bounded)
+            g.sig = sig
+            g.perf, g.kernel = new.perf or CS._LORA_ONLY, new.kernel
+            g.b, _, g.mx, g.sm = CS._batch_state(new)
+            m = g.perf.base  # the cost grows by (b+1)·k2 per input token (when it is ordered)
+            g.k2 = (g.b + 1) * m.k2 if ordered and m.k2 > 0 and m.c2 >= 0 and m.c3 >= 0 else 0.0
+            self.by_gid[g.gid] = g
+            self._next += 1
+            insort(self.bounds, (g.bound, g.gid, g))
+        first = g.members[0] if g.members else None
+        insort(g.members, mkey)
+        free = not _slots_full(new)
+        if free:
+            insort(g.free, mkey)
+        for a in new.adapters:
+            lst = g.holders.get(a)
+            if lst is None:
+                g.holders[a] = [mkey]
+            else:
+                insort(lst, mkey)
+        self.where[new.worker_id] = (g, mkey, free, new.adapters)
+        if g.members[0] is not first:
+            self._rebound(g)
+        self._file(g)
+
+    def best(self, req: RequestView, cfg: CS.CaraConfig, need: int, candidates_only: bool) -> tuple | None:
+        """(cost, not resident, worker_id, violates) of the cheapest candidate (with
+        `candidates_only` False: of every worker, as when there is no candidate)."""
+        adapter = req.adapter
+        if adapter is not None and candidates_only:  # the slot-free members and the adapter's holders
+            # With per-worker online fits most groups are single workers: visit only those
+            # that hold the adapter or have a free slot (and the wide ones), not every group
+            # whose bound is below the best cost. A group may come twice: evaluated twice.
+            sources = (self.wide, self.by_adapter.get(adapter, ()), self.narrow_free)
+        else:
+            sources = (self.bounds,)
+        best = None
+        for entries in sources:
+            if entries:
+                best = self._visit(entries, req, cfg, need, candidates_only, best)
+        return best
+
+    def _visit(self, entries: list[tuple], req: RequestView, cfg: CS.CaraConfig, need: int,
+               candidates_only: bool, best: tuple | None) -> tuple | None:
+        """`best` or a cheaper candidate of the groups `entries` (sorted by bound) list."""
+        views, states = self.views, self.state
+        adapter, rank, n_in = req.adapter, req.adapter_rank, req.input_tokens
+        slo, penalty = cfg.atgt_slo_ms, cfg.penalty
+        some = adapter is not None and candidates_only
+        best_cost = _INF if best is None else best[0]
+        for bound, _, g in entries:
+            if bound > best_cost:
+                break
+            h = None if adapter is None else g.holders.get(adapter)
+            if some and h is None and not g.free:
+                continue  # no candidate in this group (tested first: it is the cheapest test)
+            if best is not None and bound != -_INF:
+                # a lower bound of this request's cost on any member: the empty request's
+                # plus what its rank and input add (a margin far above float rounding)
+                extra = g.lora_extra.get(rank)
+                lb = bound + (g.extra(rank) if extra is None else extra) + g.k2 * n_in
+                if lb - best_cost > 1e-9 * (abs(lb) + abs(best_cost) + 1.0):
+                    continue
+            if some:
+                lists = (g.free, h) if h else (g.free,)
+            else:
+                lists = (g.members,) if h is None else (g.members, h)
+            for lst in lists:
+                for key in lst:
+                    w = views[key[-1]]
+                    if candidates_only and w.kv_capacity > 0 and w.kv_used + need > w.kv_capacity:
+                        continue
+                    cost, violates = _cara_cost(states[key[-1]], n_in, rank, slo, penalty)
+                    cand = (cost, not (adapter is None or adapter in w.adapters), w.worker_id, violates)
+                    if best is None or cand < best:
+                        best, best_cost = cand, cost
+                    if g.ordered:
+                        break
+        return best

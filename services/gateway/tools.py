@@ -1,0 +1,287 @@
+"""Structured outputs and tool calls at the gateway (issue 18 item 4).
+
+Request side: `response_format` (`json_object`, `json_schema`), vLLM's `structured_outputs`
+and its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` become
+one wire `StructuredOutput` in SamplingParams (at most one constraint per request: 400
+otherwise). Engines enforce it: hf with llguidance masks, vllm with its own
+StructuredOutputsParams, openai-http by passing the fields upstream, sim by generating a
+schema-valid instance.
+
+Tools (`tools`, `tool_choice`), by constrained generation of the call's JSON:
+* the tools are listed in the prompt (a `system:` line with their names, descriptions and
+  parameter schemas) and the model is told to answer a call with only
+  `{"name": <tool>, "arguments": {...}}`;
+* `required` or a named function: the output is constrained to that object (the named
+  function's, or any tool's: `anyOf`), so the call always parses and its arguments
+  validate against the function's `parameters` (a `strict`-style schema bounds them; an
+  open one, with random weights, may run to max_tokens and end "length" as plain text);
+* `auto`: the model generates freely; when its whole answer is such a call to a listed
+  tool, it is returned as a tool call, else as content. With random weights that is text.
+* `none` (and no tools): nothing is listed; plain text.
+A call comes back as `message.tool_calls` [{id, type: "function", function: {name,
+arguments (a JSON string)}}] with finish_reason "tool_calls"; streamed, as `delta.tool_calls`
+chunks (the id and name first, then the arguments), as OpenAI sends them. Assistant messages
+with `tool_calls` and `tool` messages are rendered into the transcript as the same JSON and
+as `tool: <content>` lines.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from polyserve.proto import StructuredOutput
+
+from .policy import InvalidRequest, message_text
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+_SO_KEYS = {"json", "regex", "choice", "grammar", "json_object"}
+
+
+def _extra(body: Any) -> dict[str, Any]:
+    return dict(getattr(body, "model_extra", None) or {})
+
+
+def _schema_text(value: Any, name: str) -> str:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise InvalidRequest(f"'{name}' is not valid JSON: {exc}", name) from exc
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"'{name}' must be a JSON Schema object", name)
+    return json.dumps(value)
+
+
+def _from_response_format(rf: Any) -> StructuredOutput | None:
+    if not isinstance(rf, dict) or rf.get("type") in (None, "text"):
+        if rf is None or isinstance(rf, dict):
+            return None
+        raise InvalidRequest("'response_format' must be an object with a 'type'", "response_format")
+    kind = rf["type"]
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise InvalidRequest("'response_format.json_schema' needs a 'schema'", "response_format")
+        return StructuredOutput(json=_schema_text(spec["schema"], "response_format.json_schema.schema"))
+    raise InvalidRequest(f"response_format type '{kind}' is not supported by polyserve (text, json_object, "
+                         "json_schema)", "response_format", code="unsupported_parameter")
+
+
+def _from_structured_outputs(so: Any) -> StructuredOutput | None:
+    if so is None:
+        return None
+    if not isinstance(so, dict):
+        raise InvalidRequest("'structured_outputs' must be an object", "structured_outputs")
+    other = sorted(k for k, v in so.items() if k not in _SO_KEYS and v not in (None, False))
+    if other:
+        raise InvalidRequest(f"structured_outputs.{other[0]} is not supported by polyserve (json, json_object, "
+                             "regex, choice, grammar)", "structured_outputs", code="unsupported_parameter")
+    set_ = {k: v for k, v in so.items() if k in _SO_KEYS and v not in (None, False)}
+    if len(set_) != 1:
+        raise InvalidRequest("'structured_outputs' takes exactly one of json, json_object, regex, choice, grammar",
+                             "structured_outputs")
+    (key, value), = set_.items()
+    return _one(key, value, f"structured_outputs.{key}")
+
+
+def _one(kind: str, value: Any, name: str) -> StructuredOutput:
+    if kind == "json":
+        return StructuredOutput(json=_schema_text(value, name))
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise InvalidRequest(f"'{name}' must be a non-empty list of strings", name)
+        return StructuredOutput(choice=list(value))
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"'{name}' must be a non-empty string", name)
+    return StructuredOutput(**{kind: value})
+
+
+def structured(body: Any) -> StructuredOutput | None:
+    """The one constraint the body asks for (None: none); 400 for two, or a malformed one."""
+    extra = _extra(body)
+    found: list[tuple[str, StructuredOutput]] = []
+    rf = _from_response_format(extra.get("response_format"))
+    if rf is not None:
+        found.append(("response_format", rf))
+    so = _from_structured_outputs(extra.get("structured_outputs"))
+    if so is not None:
+        found.append(("structured_outputs", so))
+    for name, kind in GUIDED.items():
+        if extra.get(name) is not None:
+            found.append((name, _one(kind, extra[name], name)))
+    if len(found) > 1:
+        raise InvalidRequest(f"'{found[0][0]}' and '{found[1][0]}' both constrain the output; send one",
+                             found[1][0])
+    return found[0][1] if found else None
+
+
+# ---------------------------------------------------------------------------- tools
+@dataclass
+class Tools:
+    """The tools of one chat request and how the answer may use them."""
+
+    functions: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> its `function` object
+    choice: str = "none"  # none | auto | required | the name of the forced function
+
+    @property
+    def listed(self) -> bool:
+        return bool(self.functions) and self.choice != "none"
+
+    @property
+    def forced(self) -> bool:
+        return self.listed and self.choice != "auto"
+
+    def constraint(self) -> StructuredOutput | None:
+        """For `required` or a named function: the call object's JSON Schema."""
+        if not self.forced:
+            return None
+        names = list(self.functions) if self.choice == "required" else [self.choice]
+        calls = [call_schema(n, self.functions[n]) for n in names]
+        return StructuredOutput(json=json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls}))
+
+    def parse(self, text: str) -> tuple[str, str] | None:
+        """(name, arguments as a JSON string) when `text` is one call to a listed tool."""
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or obj.get("name") not in self.functions or not isinstance(
+                obj.get("arguments", {}), dict):
+            return None
+        return obj["name"], json.dumps(obj.get("arguments", {}))
+
+
+def call_schema(name: str, fn: dict[str, Any]) -> dict[str, Any]:
+    params = fn.get("parameters") or {"type": "object"}
+    return {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def parse_tools(body: Any) -> Tools:
+    """`tools` and `tool_choice` of a chat body, validated (400 naming the field)."""
+    extra = _extra(body)
+    raw, choice = extra.get("tools") or [], extra.get("tool_choice")
+    if not isinstance(raw, list):
+        raise InvalidRequest("'tools' must be a list", "tools")
+    functions: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(raw):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise InvalidRequest(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
+                                 "'parameters': ...}}}", "tools")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON Schema object", "tools")
+        functions[fn["name"]] = fn
+    if choice is None:
+        choice = "auto" if functions else "none"
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name not in functions:
+            raise InvalidRequest(f"tool_choice names {name!r}, which is not in 'tools'", "tool_choice")
+        choice = name
+    elif choice not in ("none", "auto", "required"):
+        raise InvalidRequest("tool_choice must be none, auto, required or {'type': 'function', 'function': "
+                             "{'name': ...}}", "tool_choice")
+    elif choice == "required" and not functions:
+        raise InvalidRequest("tool_choice 'required' needs 'tools'", "tool_choice")
+    return Tools(functions, choice)
+
+
+def _call_text(call: Any) -> str:
+    fn = call.get("function", {}) if isinstance(call, dict) else {}
+    args = fn.get("arguments", "{}")
+    try:
+        args = json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        pass
+    return json.dumps({"name": fn.get("name"), "arguments": args})
+
+
+def render_chat(messages: list, tools: Tools) -> str:
+    """The role-prefixed transcript (policy.render_chat's format) with the tools listed and
+    tool calls and results rendered."""
+    lines = []
+    if tools.listed:
+        listed = [{"name": n, "description": f.get("description", ""), "parameters": f.get("parameters") or {}}
+                  for n, f in tools.functions.items()]
+        lines.append('system: To call a tool, answer with only {"name": <tool name>, "arguments": <its '
+                     f"arguments>}}. Tools: {json.dumps(listed)}")
+    for m in messages:
+        calls = getattr(m, "model_extra", None) and m.model_extra.get("tool_calls")
+        text = message_text(m)
+        if calls:
+            text = "\n".join(([text] if text else []) + [_call_text(c) for c in calls])
+        lines.append(f"{m.role}: {text}")
+    return "\n".join(lines) + "\nassistant:"
+
+
+def _call(name: str, arguments: str, index: int | None = None) -> dict[str, Any]:
+    call = {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": name,
+                                                                                   "arguments": arguments}}
+    return call if index is None else {"index": index, **call}
+
+
+def render_message(choice: dict[str, Any], tools: Tools) -> None:
+    """A full response's chat choice: its text becomes a tool call when it is one."""
+    message = choice["message"]
+    parsed = tools.parse(message.get("content") or "") if tools.listed and choice.get("finish_reason") == "stop" \
+        else None
+    if parsed is not None:
+        message["content"] = None
+        message["tool_calls"] = [_call(*parsed)]
+        choice["finish_reason"] = "tool_calls"
+
+
+class ToolStream:
+    """Streamed chat chunks with tools listed: a choice's text is held while it may still be a
+    call (forced: always; auto: while it is empty or starts with `{`), then sent as
+    `delta.tool_calls` chunks (id and name, then the arguments) ending with finish_reason
+    "tool_calls", or released as content."""
+
+    def __init__(self, tools: Tools):
+        self.tools = tools
+        self._held: dict[int, str] = {}
+        self._role: set[int] = set()  # choices whose held first chunk carried the role
+        self._passed: set[int] = set()  # auto choices that turned out to be text
+
+    def feed(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """The chunks to send for `body` (a stream_chunk of one choice): none while held."""
+        choice = body["choices"][0]
+        index, delta, reason = choice["index"], choice["delta"], choice["finish_reason"]
+        if not self.tools.listed or index in self._passed:
+            return [body]
+        if delta.pop("role", None):
+            self._role.add(index)
+        held = self._held[index] = self._held.get(index, "") + (delta.get("content") or "")
+        if reason is None and (self.tools.forced or held.lstrip()[:1] in ("", "{")):
+            return []
+        self._held.pop(index)
+        parsed = self.tools.parse(held) if reason == "stop" else None
+        if parsed is None:
+            if reason is None:
+                self._passed.add(index)
+            delta["content"] = held
+            return [self._with_role(body, index)]
+        name, arguments = parsed
+        call = _call(name, "", index=0)
+        return [self._with_role(_like(body, {"content": None, "tool_calls": [call]}), index),
+                _like(body, {"tool_calls": [{"index": 0, "function": {"arguments": arguments}}]}),
+                _like(body, {}, "tool_calls")]
+
+    def _with_role(self, body: dict[str, Any], index: int) -> dict[str, Any]:
+        if index in self._role:
+            self._role.discard(index)
+            body["choices"][0]["delta"] = {"role": "assistant", **body["choices"][0]["delta"]}
+        return body
+
+
+def _like(body: dict[str, Any], delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    choice = {**body["choices"][0], "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+    return {**body, "choices": [choice]}

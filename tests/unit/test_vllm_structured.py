@@ -1,0 +1,48 @@
+"""CONTRACT: the `vllm` engine hands polyserve's StructuredOutput to vLLM 0.33 as
+`SamplingParams(structured_outputs=StructuredOutputsParams(...))` (the fake mirrors the
+release's class: tests/unit/test_vllm_surface.py), one constraint field set."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from polyserve.proto import StructuredOutput
+from polyserve.worker.engine import EngineError
+from tests.fakes import fake_vllm
+from tests.unit.test_vllm_contract import build, collect  # noqa: F401,F811 (the fixture)
+
+pytestmark = pytest.mark.unit
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("spec,field,value", [
+    (StructuredOutput(json=json.dumps(SCHEMA)), "json", json.dumps(SCHEMA)),
+    (StructuredOutput(json_object=True), "json_object", True),
+    (StructuredOutput(regex="[a-z]+"), "regex", "[a-z]+"),
+    (StructuredOutput(choice=["yes", "no"]), "choice", ["yes", "no"]),
+    (StructuredOutput(grammar='root ::= "a"'), "grammar", 'root ::= "a"'),
+])
+async def test_structured_outputs_reach_vllm(build, spec, field, value):  # noqa: F811
+    engine, fake = await build("v1")
+    await collect(engine, "so", max_tokens=4, structured=spec)
+    so = fake.engine.calls[-1]["params"].structured_outputs
+    assert isinstance(so, fake_vllm.StructuredOutputsParams)
+    assert getattr(so, field) == value
+    others = {"json", "regex", "choice", "grammar", "json_object"} - {field}
+    assert all(getattr(so, f) is None for f in others)
+
+
+async def test_unconstrained_requests_send_none(build):  # noqa: F811
+    engine, fake = await build("v1")
+    await collect(engine, "free", max_tokens=4)
+    assert fake.engine.calls[-1]["params"].structured_outputs is None
+
+
+async def test_a_vllm_without_structured_outputs_is_a_400(build, monkeypatch):  # noqa: F811
+    engine, fake = await build("v1")
+    monkeypatch.setattr(engine.api, "StructuredOutputsParams", None)
+    with pytest.raises(EngineError) as err:
+        await collect(engine, "old", max_tokens=4, structured=StructuredOutput(regex="a"))
+    assert err.value.status == 400
