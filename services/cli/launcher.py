@@ -306,6 +306,7 @@ def _service_env(state: ClusterState, spec: ClusterSpec, port: int) -> dict[str,
     if spec.config_file:
         env["POLYSERVE_PLANNER_DESIRED_STATE_FILE"] = str(Path(spec.config_file).resolve())
     env.update(upstream_env(spec))
+    env.setdefault("POLYSERVE_GATEWAY_ADAPTER_ROOTS", str(default_run_dir().parent / "adapters"))  # issue 14
     return env
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
 import re
 from pathlib import Path
 
@@ -44,24 +45,74 @@ def _to_json(dep: Deployment) -> dict:
     return msgspec.to_builtins(dep)
 
 
-def _adapter_rank(path: str) -> int:
-    """The LoRA rank `r` from a PEFT adapter directory; InvalidRequest saying what is missing."""
-    cfg = Path(path) / "adapter_config.json"
-    if not (Path(path) / "adapter_model.safetensors").is_file() or not cfg.is_file():
-        raise InvalidRequest(f"{path} is not a PEFT adapter directory (needs adapter_config.json and "
+def adapter_roots(setting: str) -> list[Path]:
+    """The configured adapter roots (os.pathsep-separated), resolved; [] when none is configured."""
+    return [Path(p).expanduser().resolve() for p in setting.split(os.pathsep) if p.strip()]
+
+
+def _inside(path: Path, roots: list[Path]) -> bool:
+    return any(path == root or path.is_relative_to(root) for root in roots)
+
+
+def adapter_dir(given: str, roots: list[Path]) -> Path:
+    """The adapter directory `given` names, resolved (symlinks followed), when it and the files
+    the workers read lie under one of `roots`; InvalidRequest naming the problem otherwise.
+    Nothing outside the roots is looked at, and no message shows a file's content or a link's target."""
+    if not roots:
+        raise InvalidRequest("adapter registration is off: no adapter root is configured; the operator sets "
+                             "POLYSERVE_GATEWAY_ADAPTER_ROOTS to the directories adapters may be registered from "
+                             f"('{os.pathsep}'-separated; `polyserve up` allows $POLYSERVE_HOME/adapters)", "path")
+    allowed = ", ".join(str(r) for r in roots)
+    raw = Path(given).expanduser()
+    if not raw.is_absolute():
+        raise InvalidRequest(f"path must be absolute, under one of the adapter roots ({allowed})", "path")
+    resolved = raw.resolve()
+    if not _inside(resolved, roots):
+        what = "resolves (through a symlink) to a directory" if _inside(Path(os.path.normpath(raw)), roots) else "is"
+        raise InvalidRequest(f"{given} {what} outside the adapter roots ({allowed})", "path")
+    cfg, weights = resolved / "adapter_config.json", resolved / "adapter_model.safetensors"
+    for f in (cfg, weights):
+        if f.is_symlink() and not _inside(f.resolve(), roots):
+            raise InvalidRequest(f"{given}/{f.name} is a symlink to a file outside the adapter roots", "path")
+    if not weights.is_file() or not cfg.is_file():
+        raise InvalidRequest(f"{given} is not a PEFT adapter directory (needs adapter_config.json and "
                              "adapter_model.safetensors readable by the workers)", "path")
+    return resolved
+
+
+def _adapter_rank(adapter: Path) -> int:
+    """The LoRA rank `r` from a PEFT adapter directory; InvalidRequest saying what is wrong
+    (never what the file holds)."""
     try:
-        return int(json.loads(cfg.read_text())["r"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise InvalidRequest(f"{cfg} has no integer rank `r`: {exc}", "path") from exc
+        if (adapter / "adapter_config.json").stat().st_size > 1 << 20:
+            raise InvalidRequest("adapter_config.json is larger than 1 MiB; not a PEFT adapter config", "path")
+        cfg = json.loads((adapter / "adapter_config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequest(f"adapter_config.json is not readable JSON ({type(exc).__name__})", "path") from None
+    rank = cfg.get("r") if isinstance(cfg, dict) else None
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 < rank <= 65_536:
+        raise InvalidRequest("adapter_config.json has no rank `r` that is a positive integer (up to 65536)",
+                             "path")
+    return rank
+
+
+def check_scaler_bounds(body: DeploymentBody, limit: int) -> None:
+    """400 naming the field: replica counts above the gateway's max_replicas_limit, min > max."""
+    sc = body.scaler
+    for field in ("max_replicas", "min_replicas"):
+        value = getattr(sc, field)
+        if value > limit:
+            raise InvalidRequest(f"scaler.{field} {value} is above this gateway's limit of {limit} replicas "
+                                 "(setting max_replicas_limit)", f"scaler.{field}")
+    if sc.min_replicas > sc.max_replicas:
+        raise InvalidRequest("scaler.min_replicas must not exceed scaler.max_replicas", "scaler.min_replicas")
 
 
 async def create(body: DeploymentBody, gs: Gateway) -> JSONResponse:
     if body.policy not in names.DISPATCH_POLICIES:
         raise InvalidRequest(f"unknown dispatch policy '{body.policy}'; choose one of "
                              f"{sorted(names.DISPATCH_POLICIES)}", "policy")
-    if body.scaler.min_replicas > body.scaler.max_replicas:
-        raise InvalidRequest("scaler.min_replicas must not exceed scaler.max_replicas", "scaler.min_replicas")
+    check_scaler_bounds(body, gs.settings.max_replicas_limit)
     dep_id = body.id or re.sub(r"[^A-Za-z0-9_\-]", "-", body.model)[:64]
     if await state_call(gs.state.get_deployment(dep_id)) is not None:
         raise GatewayError(409, f"deployment '{dep_id}' already exists; DELETE it first or pick another id")
@@ -97,10 +148,11 @@ async def delete(dep_id: str, gs: Gateway) -> dict:
 
 
 async def register_adapter(body: AdapterBody, gs: Gateway) -> JSONResponse:
-    rank = _adapter_rank(body.path)
+    path = adapter_dir(body.path, adapter_roots(gs.settings.adapter_roots))
+    rank = _adapter_rank(path)
     if await state_call(gs.state.get_deployment(body.deployment)) is None:
         raise InvalidRequest(f"no deployment '{body.deployment}' to attach the adapter to", "deployment", 404)
-    spec = AdapterSpec(name=body.name, path=str(Path(body.path).resolve()), deployment=body.deployment, rank=rank)
+    spec = AdapterSpec(name=body.name, path=str(path), deployment=body.deployment, rank=rank)
     await state_call(gs.state.put_adapter(spec))
     if body.load:
         await gs.bus.publish(gs.subjects.adapters(body.deployment),

@@ -10,7 +10,7 @@ from importlib import metadata
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from . import admin, completions, embeddings, responses, tokens
+from . import admin, completions, embeddings, limits, responses, tokens
 from .context import Gateway, GatewayState
 from .errors import add_error_handlers
 
@@ -49,7 +49,7 @@ async def models(gs: Gateway) -> dict:
     data = [{"id": d.id, "object": "model", "created": int(d.created), "owned_by": "polyserve",
              "root": d.model, "parent": None, "engine": d.engine, "policy": d.policy} for d in deps.values()]
     data += [{"id": a.name, "object": "model", "created": int(a.created), "owned_by": "polyserve",
-              "root": a.path, "parent": a.deployment, "lora_rank": a.rank}
+              "root": a.name, "parent": a.deployment, "lora_rank": a.rank}  # a name: paths stay server-side
              for a in gs.adapters.values() if a.deployment in deps]
     return {"object": "list", "data": data}
 
@@ -59,6 +59,7 @@ def build_app(gs: GatewayState) -> FastAPI:
     app = FastAPI(title="polyserve gateway", version=polyserve_version())
     app.state.gateway = gs
     add_error_handlers(app)
+    limits.install(app, gs.settings)  # body size/time limits before any parsing (HTTP edges)
     app.add_api_route("/healthz", healthz, methods=["GET"])
     app.add_api_route("/readyz", readyz, methods=["GET"])
     app.add_api_route("/health", readyz, methods=["GET"], include_in_schema=False)  # vLLM's names for readiness

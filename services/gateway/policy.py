@@ -9,6 +9,7 @@ from typing import Any
 
 from polyserve.proto import SamplingParams
 
+from . import limits
 from .schemas import ChatBody, ChatMessage, CompletionBody
 
 _WORD = re.compile(r"\S+")
@@ -105,8 +106,10 @@ def sampling_params(body: CompletionBody | ChatBody, *, default_max_tokens: int,
         raise InvalidRequest(f"min_tokens ({body.min_tokens}) cannot exceed max_tokens ({max_tokens})",
                              "min_tokens")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stop) > 4 or any(not s for s in stop):
-        raise InvalidRequest("stop takes up to 4 non-empty strings", "stop")
+    lim = limits.current()
+    if len(stop) > lim.max_stop or any(not s or len(s) > lim.max_stop_chars for s in stop):
+        raise InvalidRequest(f"stop takes up to {lim.max_stop} non-empty strings of at most "
+                             f"{lim.max_stop_chars} characters", "stop")
     return SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens if body.ignore_eos else body.min_tokens,
                           temperature=1.0 if body.temperature is None else body.temperature,
                           top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0),
@@ -173,5 +176,6 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 
 def error_type(status: int) -> str:
     return {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            409: "conflict_error", 429: "rate_limit_error", 499: "cancelled",
-            503: "service_unavailable", 504: "timeout"}.get(status, "server_error")
+            408: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+            429: "rate_limit_error", 499: "cancelled", 503: "service_unavailable",
+            504: "timeout"}.get(status, "server_error")

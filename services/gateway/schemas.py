@@ -9,6 +9,18 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from polyserve.core.names import DEFAULT_SCALER, canonical_scaler
 from polyserve.proto import ATGT_SLO_MS, TTFT_SLO_MS
 
+from . import limits
+
+# Admin input bounds (issue 14). Replica counts are also capped by the gateway setting
+# max_replicas_limit (admin.py); these are the fixed sanity ranges of the other numbers.
+WINDOW_S = (1.0, 86_400.0)  # a scaler's sample window: 1 s .. 1 day
+THRESHOLD_MS = (0.1, 600_000.0)  # a scaler's latency threshold: 0.1 ms .. 10 min
+TTFT_SLO_RANGE_MS = (0.1, 600_000.0)  # time to first token: 0.1 ms .. 10 min
+ATGT_SLO_RANGE_MS = (0.01, 60_000.0)  # per generated token: 0.01 ms .. 1 min
+# A model name: a Hugging Face id, a local path or a served name; printable, no spaces or quotes.
+MODEL_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+\-]{0,199}$"
+DEPLOYMENT_ID = r"^[A-Za-z0-9_\-]{1,64}$"
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -30,7 +42,7 @@ class _Sampling(BaseModel):
     n: int | None = Field(None, ge=1)  # None: 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = None  # up to max_stop strings of max_stop_chars (limits.py)
     seed: int | None = None
     user: str | None = None
     # extensions (vLLM-style)
@@ -39,6 +51,17 @@ class _Sampling(BaseModel):
     ignore_eos: bool | None = False
     priority: int = 0
     adapter: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        lim = limits.current()
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > lim.max_stop:
+            raise ValueError(f"{len(stops)} stop strings; the limit is {lim.max_stop}")
+        if any(len(s) > lim.max_stop_chars for s in stops):
+            raise ValueError(f"a stop string is longer than the limit of {lim.max_stop_chars} characters")
+        return value
 
 
 class CompletionBody(_Sampling):
@@ -60,15 +83,24 @@ class ChatBody(_Sampling):
     logprobs: bool | None = False  # logprobs.py
     top_logprobs: int | None = None  # 0-20, with logprobs
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _bounded_messages(cls, value: Any) -> Any:
+        limit = limits.current().max_messages
+        if isinstance(value, list) and len(value) > limit:  # checked before any message is validated
+            raise ValueError(f"{len(value)} messages in one request; the limit is {limit} (setting max_messages)")
+        return value
+
 
 class ScalerBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    type: str = DEFAULT_SCALER  # a name of polyserve.core.names.SCALERS (aliases accepted, stored canonical)
-    min_replicas: int = Field(1, ge=0)
+    # a name of polyserve.core.names.SCALERS (aliases accepted, stored canonical)
+    type: str = Field(DEFAULT_SCALER, max_length=64)
+    min_replicas: int = Field(1, ge=0)  # both <= the setting max_replicas_limit (admin.py)
     max_replicas: int = Field(4, ge=1)
-    window_s: float = Field(30.0, gt=0)
-    threshold_ms: float = Field(50.0, gt=0)
+    window_s: float = Field(30.0, ge=WINDOW_S[0], le=WINDOW_S[1])
+    threshold_ms: float = Field(50.0, ge=THRESHOLD_MS[0], le=THRESHOLD_MS[1])
 
     @field_validator("type")
     @classmethod
@@ -81,13 +113,13 @@ class DeploymentBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    id: str | None = Field(None, pattern=r"^[A-Za-z0-9_\-]{1,64}$")
-    model: str = Field(min_length=1, max_length=200)
+    id: str | None = Field(None, pattern=DEPLOYMENT_ID)
+    model: str = Field(min_length=1, max_length=200, pattern=MODEL_NAME)
     engine: Literal["sim", "hf", "vllm", "encoder", "openai-http"] = "sim"
-    policy: str = "least_outstanding"
+    policy: str = Field("least_outstanding", max_length=64)
     scaler: ScalerBody = ScalerBody()
-    ttft_slo_ms: float = Field(TTFT_SLO_MS, gt=0)  # time-to-first-token SLO
-    atgt_slo_ms: float = Field(ATGT_SLO_MS, gt=0)  # average time-per-generated-token SLO
+    ttft_slo_ms: float = Field(TTFT_SLO_MS, ge=TTFT_SLO_RANGE_MS[0], le=TTFT_SLO_RANGE_MS[1])  # time to first token
+    atgt_slo_ms: float = Field(ATGT_SLO_MS, ge=ATGT_SLO_RANGE_MS[0], le=ATGT_SLO_RANGE_MS[1])  # per generated token
 
 
 class AdapterBody(BaseModel):
@@ -96,6 +128,6 @@ class AdapterBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
-    path: str = Field(min_length=1)
-    deployment: str
+    path: str = Field(min_length=1, max_length=4096)  # under one of the gateway's adapter_roots
+    deployment: str = Field(pattern=DEPLOYMENT_ID)
     load: bool = False  # load on every worker of the deployment now (else on first use)

@@ -37,6 +37,11 @@ class PlannerSettings(CommonSettings, frozen=True, kw_only=True):
     desired_state_interval_s: how often the planner checks Redis for deployments
         when desired_state_file is set (one SCARD).
     max_samples: per-deployment bound of the sample window.
+    max_replicas_limit: no deployment gets more workers than this, whatever its scaler
+        policy in Redis says (the gateway refuses larger ones; a policy written into Redis
+        directly is clamped, with a warning). Nothing the planner does loops over more.
+    max_starts_per_tick: at most this many workers of one deployment are started per
+        reconcile (or scale signal); a larger scale-out continues on the next ones.
     actuator: "agents" (start/stop worker processes through the gpu-agents) or
         "kubernetes" (patch the replicas of one Kubernetes Deployment per
         deployment, `polyserve.planner.k8s`; needs the `kubernetes` package).
@@ -82,6 +87,8 @@ class PlannerSettings(CommonSettings, frozen=True, kw_only=True):
     desired_state_file: str = ""
     desired_state_interval_s: float = 1.0
     max_samples: int = 10_000
+    max_replicas_limit: int = 1024
+    max_starts_per_tick: int = 64
     actuator: str = "agents"
     k8s_namespace: str = "polyserve"
     k8s_name_template: str = "polyserve-worker-{deployment}"
@@ -107,8 +114,8 @@ class PlannerSettings(CommonSettings, frozen=True, kw_only=True):
             raise SettingsError("max_step must be >= 0 (0 = no limit)")
         if not 0 <= self.tolerance < 1:
             raise SettingsError("tolerance must be in [0, 1)")
-        if self.max_samples < 1:
-            raise SettingsError("max_samples must be >= 1")
+        if min(self.max_samples, self.max_replicas_limit, self.max_starts_per_tick) < 1:
+            raise SettingsError("max_samples, max_replicas_limit and max_starts_per_tick must be >= 1")
         if self.actuator not in ("agents", "kubernetes"):
             raise SettingsError(f"actuator {self.actuator!r} must be 'agents' or 'kubernetes'")
         if self.signal_cooldown_s < 0:

@@ -150,10 +150,13 @@ def adapter_rank(path: Path) -> int:
     if not (path / "adapter_model.safetensors").is_file() or not cfg.is_file():
         raise ValueError(f"{path} is not a PEFT adapter directory (needs adapter_config.json and "
                          "adapter_model.safetensors readable by the workers)")
-    try:
-        return int(json.loads(cfg.read_text())["r"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{cfg} has no integer rank `r`: {exc}") from exc
+    try:  # the message names the problem, never the file's content (issue 14)
+        rank = json.loads(cfg.read_text()).get("r")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{cfg} is not a JSON object ({type(exc).__name__})") from None
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        raise ValueError(f"{cfg} has no rank `r` that is a positive integer")
+    return rank
 
 
 def _adapter(c: _Checker, value: Any, path: str, deployments: set[str], base: Path) -> AdapterSpec | None:

@@ -30,6 +30,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import msgspec
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from polyserve.core.names import canonical_scaler
@@ -86,6 +87,7 @@ class PlannerService(ServiceBase):
         self.arlo: ArloReplanner | None = None  # set at start (it needs the bus and Redis)
         self.orphans = OrphanTracker(grace_s=settings.orphan_grace_s)
         self.epoch: str | None = None  # the Redis epoch token (reconcile.check_epoch)
+        self._clamped: set[str] = set()  # deployments whose replica counts were clamped (warned once)
 
     # ------------------------------------------------------------------ lifecycle
     async def on_start(self) -> None:
@@ -175,7 +177,7 @@ class PlannerService(ServiceBase):
             known = {d.id for d in deployments}
             self.memory.forget(known, {d.id for d in deployments if d.engine != arlo_live.ENCODER_ENGINE})
             decisions = []
-            for dep in deployments:
+            for dep in map(self._bounded, deployments):
                 try:
                     decisions.append(await self._reconcile(dep, agents, now))
                 except Exception:  # noqa: BLE001 - one deployment must not stop the others
@@ -183,6 +185,21 @@ class PlannerService(ServiceBase):
             if self.settings.stop_orphans:
                 await self._stop_orphans(known, agents)
             return decisions
+
+    def _bounded(self, dep: Deployment) -> Deployment:
+        """`dep` with its replica counts within max_replicas_limit: the planner never works
+        toward (or loops over) a count it read from Redis unchecked (issue 14)."""
+        limit, sp = self.settings.max_replicas_limit, dep.scaler
+        if sp.max_replicas <= limit and sp.min_replicas <= limit:
+            self._clamped.discard(dep.id)
+            return dep
+        if dep.id not in self._clamped:
+            logger.warning("deployment %s asks for %d..%d replicas; clamped to the planner's max_replicas_limit %d",
+                           dep.id, sp.min_replicas, sp.max_replicas, limit)
+            self._clamped.add(dep.id)
+        scaler = msgspec.structs.replace(sp, min_replicas=min(sp.min_replicas, limit),
+                                         max_replicas=min(sp.max_replicas, limit))
+        return msgspec.structs.replace(dep, scaler=scaler)
 
     def _track_workers(self, agents: list[AgentInfo], now: float) -> None:
         self.memory.track_workers(agents, now, stale_s=max(600.0, 10 * self.settings.poll_interval_s))
@@ -245,12 +262,13 @@ class PlannerService(ServiceBase):
         """Ask the agents to start or stop workers; returns a note for the decision's reason."""
         changed, failures = 0, []
         if desired > current:
-            plan = policy.plan_starts({a.gpu_id: len(a.workers) for a in agents}, desired - current)
+            batch = min(desired - current, self.settings.max_starts_per_tick)  # the rest on later ticks
+            plan = policy.plan_starts({a.gpu_id: len(a.workers) for a in agents}, batch)
             for gpu_id, count in plan.items():
                 req = StartWorker(deployment=dep.id, model=dep.model, engine=dep.engine, count=count)
                 reply = await self._ask(gpu_id, "start", req, failures)
                 changed += len(reply.started) if reply else 0
-            note = f"; started {changed}"
+            note = f"; started {changed}" + (f" (at most {batch} per reconcile)" if batch < desired - current else "")
         else:
             plan = policy.plan_stops({g: len(ws) for g, ws in hosting.items()}, current - desired)
             for gpu_id, count in plan.items():
@@ -305,6 +323,7 @@ class PlannerService(ServiceBase):
             if dep is None:
                 logger.debug("scale signal for unknown deployment %s ignored", sig.deployment)
                 return None
+            dep = self._bounded(dep)
             m = self.memory
             counts = m.signals.setdefault(dep.id, [0, 0])
             counts[0] += 1

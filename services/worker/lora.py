@@ -64,16 +64,20 @@ def read_adapter(path: str | Path) -> AdapterSpec:
         raise AdapterError(f"{root} is not a PEFT adapter directory: no {CONFIG_FILE}", 404)
     if not any((root / w).is_file() for w in WEIGHTS_FILES):
         raise AdapterError(f"{root} has no adapter weights ({' or '.join(WEIGHTS_FILES)})", 404)
+    # Messages name the file and the problem, never what the file holds (it may not be an adapter
+    # config at all: a symlink to a secret must not come back in an error).
     try:
         cfg = json.loads(cfg_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise AdapterError(f"{cfg_path}: unreadable adapter config: {exc}") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterError(f"{cfg_path}: unreadable adapter config ({type(exc).__name__})") from None
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"{cfg_path}: the adapter config is not a JSON object")
     peft_type = str(cfg.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
-        raise AdapterError(f"{root}: peft_type {peft_type} is not LoRA")
+        raise AdapterError(f"{root}: peft_type is not LoRA (only LoRA adapters are served)")
     rank = cfg.get("r")
-    if not isinstance(rank, int) or rank <= 0:
-        raise AdapterError(f"{cfg_path}: rank 'r' must be a positive integer, got {rank!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        raise AdapterError(f"{cfg_path}: rank 'r' must be a positive integer, got a {type(rank).__name__}")
     targets = cfg.get("target_modules") or ()
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
     return AdapterSpec(path=root, rank=rank, alpha=float(cfg.get("lora_alpha", rank)), target_modules=targets,
@@ -143,8 +147,8 @@ def lora_config(spec: AdapterSpec):
     from peft import LoraConfig
     try:
         config = LoraConfig.from_pretrained(str(spec.path))
-    except Exception as exc:  # bad or incompatible config
-        raise AdapterError(f"{spec.path}: cannot read its LoRA config: {exc}") from exc
+    except Exception as exc:  # bad or incompatible config; the type only: messages may quote the file
+        raise AdapterError(f"{spec.path}: cannot read its LoRA config ({type(exc).__name__})") from exc
     config.inference_mode = True
     return config
 

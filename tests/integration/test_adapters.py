@@ -20,7 +20,8 @@ async def test_adapter_registered_then_served_and_unknown_is_404(plane, state, t
     from polyserve.proto import Deployment
 
     a8 = create_random_adapter("random", 8, tmp_path / "a8", seed=1)
-    async with plane(worker_kw={"engine": "hf", "model": BASE, "deployment": "sim-test"}) as p:
+    async with plane(worker_kw={"engine": "hf", "model": BASE, "deployment": "sim-test"},
+                     adapter_roots=str(tmp_path)) as p:
         await state.put_deployment(Deployment(id=BASE, model=BASE, engine="hf"))
         # the plane's worker serves deployment sim-test; attach the adapter there
         async with httpx.AsyncClient(base_url=p.url) as h:

@@ -183,6 +183,33 @@ def test_admin_api_needs_the_key_and_openai_client_works_on_loopback(secured):
     assert client.completions.create(model="sec-sim", prompt="hello", max_tokens=4).choices[0].text
 
 
+def _admin_post(state, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(state.gateway_url + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Authorization": f"Bearer {launcher.read_admin_key(Path(state.run_dir))}",
+                                          "content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_huge_deployment_and_adapters_outside_the_roots_are_refused(secured, tmp_path):
+    """min = max = 10^9 is a 400 naming the field (the planner would clamp it anyway); `up` allows
+    adapters only under $POLYSERVE_HOME/adapters, and the 400 shows no file content."""
+    status, body = _admin_post(secured, "/v1/deployments", {"id": "huge", "model": "m", "engine": "sim", "scaler": {
+        "min_replicas": 10**9, "max_replicas": 10**9}})
+    assert status == 400 and body["error"]["param"] == "scaler.max_replicas", body
+    adapter = tmp_path / "a8"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": "SECRET-value"}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"\0" * 8)
+    status, body = _admin_post(secured, "/v1/adapters", {"name": "a8", "path": str(adapter), "deployment": "sec-sim"})
+    assert status == 400 and "outside the adapter roots" in body["error"]["message"], body
+    assert str(launcher.default_run_dir().parent / "adapters") in body["error"]["message"]
+    assert "SECRET" not in json.dumps(body)
+
+
 def test_gateway_beyond_loopback_without_admin_key_refuses_to_start(tmp_path):
     env = dict(os.environ, POLYSERVE_HOME=str(tmp_path), HF_HUB_OFFLINE="1")
     out = subprocess.run([sys.executable, "-m", "polyserve.cli", "up", "--engine", "sim", "--host", "0.0.0.0",
