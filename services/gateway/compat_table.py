@@ -56,13 +56,18 @@ def I(why: str, example: Any = None) -> Rule:
     return Rule(IGNORED, why, example=example)
 
 
-LOGPROBS_LATER = (REFUSED, "not mapped to this engine yet (issue 18)")
+LOGPROBS_VLLM = (HONOURED, "SamplingParams.logprobs / prompt_logprobs; vLLM's own values (its "
+                 "`logprobs_mode`, default raw_logprobs; at most its max_logprobs, 20 by default)")
+LOGPROBS_UPSTREAM = (HONOURED, "passed upstream as completions `logprobs: k` (prompt logprobs: `echo`, "
+                     "sent unstreamed); token ids are not on that wire; a server that ignores them (e.g. "
+                     "`transformers serve`) is a 502 saying so, one that rejects them passes its 4xx on")
 
 
 def LP(why: str, noop: tuple, example: Any = None) -> Rule:
-    """Logprobs/echo: honoured by hf and sim (simulated values), refused where not mapped yet."""
+    """Logprobs/echo: honoured by every generative engine (sim: simulated values; openai-http:
+    where the upstream server returns them)."""
     return Rule(HONOURED, why, noop=noop, example=example,
-                engines={"vllm": LOGPROBS_LATER, "openai-http": LOGPROBS_LATER})
+                engines={"vllm": LOGPROBS_VLLM, "openai-http": LOGPROBS_UPSTREAM})
 
 
 STRUCTURED = ("enforced per token: hf with llguidance masks (EOS only where the grammar may end; "
@@ -70,12 +75,15 @@ STRUCTURED = ("enforced per token: hf with llguidance masks (EOS only where the 
               "(StructuredOutputsParams), sim with a simulated schema-valid instance (sim_json.py: no "
               "`pattern`, no unusual `format`s: 400)")
 NOT_UPSTREAM = (REFUSED, "not passed to the upstream server yet (issue 18)")
+SO_UPSTREAM = (HONOURED, "passed upstream: JSON as `response_format` (json_object, json_schema), regex, "
+               "choice and grammar as vLLM's `structured_outputs`; the upstream enforces it, and a server "
+               "without it (e.g. `transformers serve`) rejects the field: its 4xx is passed on")
 
 
 def SO(why: str, example: Any, noop: tuple = (None,), sim: bool = False) -> Rule:
     """A structured-output field: honoured by hf, vllm and sim (unless `sim`: refused there),
-    refused for openai-http until it passes the field upstream."""
-    engines = {"openai-http": NOT_UPSTREAM}
+    and by openai-http where the upstream server enforces it."""
+    engines = {"openai-http": SO_UPSTREAM}
     if sim:
         engines["sim"] = (REFUSED, "the sim generates JSON and choices only")
     return Rule(HONOURED, f"{why}; {STRUCTURED}", noop=noop, example=example, engines=engines)

@@ -31,6 +31,13 @@ Semantics mirrored from vLLM (sources in the engine's docstring and the report):
   is built, as vLLM's LoRAConfig does); `max_num_queued_reqs` bounds unfinished requests
   (n counts n times): beyond it generate() raises QueueOverflowError (a GracefulHTTPError, 503).
 - 0.33 validation errors are `VLLMValidationError` (a VLLMClientError, not a ValueError).
+- Logprobs (`SamplingParams.logprobs` / `prompt_logprobs` = k): per position a dict token id ->
+  `Logprob(logprob, rank, decoded_token)` holding the top-k by rank (1..k) plus the chosen token
+  (so up to k+1 entries; its rank may be over k). `CompletionOutput.logprobs` lists one per token of
+  `token_ids` (DELTA: the new ones only, as vLLM slices them); `RequestOutput.prompt_logprobs` has one
+  per prompt token, the first None, and under DELTA comes once (vLLM pops it), on the first output.
+  The fake's values: the chosen token has rank 1 + (position % 3) and logprob -rank/2; the other
+  ranks are ids 1000 + rank.
 - V0 raises ValueError for a non-zero priority unless scheduling_policy == "priority".
 """
 from __future__ import annotations
@@ -123,9 +130,10 @@ class SamplingParams:
     def __init__(self, n: int = 1, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, stop: str | list[str] | None = None, max_tokens: int | None = 16,
                  min_tokens: int = 0, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
-                 structured_outputs: StructuredOutputsParams | None = None, **other: Any):
+                 structured_outputs: StructuredOutputsParams | None = None, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None, **other: Any):
         unknown = set(other) - {"presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-                                "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens",
+                                "stop_token_ids", "ignore_eos", "skip_special_tokens",
                                 "include_stop_str_in_output"}
         if unknown:
             raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
@@ -141,6 +149,10 @@ class SamplingParams:
             raise VLLMValidationError(f"max_tokens must be at least 1, got {max_tokens}.")
         if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
             raise VLLMValidationError(f"min_tokens must be in [0, max_tokens], got {min_tokens}.")
+        for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if k is not None and k != -1 and k < 0:
+                raise VLLMValidationError(f"{name} must be non-negative or -1, got {k}.", parameter=name, value=k)
+        self.logprobs, self.prompt_logprobs = logprobs, prompt_logprobs
         self.n, self.temperature, self.top_p, self.top_k, self.seed = n, temperature, top_p, top_k, seed
         self.stop = [stop] if isinstance(stop, str) else list(stop or [])
         self.max_tokens, self.min_tokens, self.output_kind = max_tokens, min_tokens, output_kind
@@ -154,6 +166,22 @@ class CumulativeOnlySamplingParams(SamplingParams):
         if "output_kind" in kw:
             raise TypeError("unexpected keyword argument 'output_kind'")
         super().__init__(*args, **kw)
+
+
+# --------------------------------------------------------------------- vllm.logprobs
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def fake_position(token_id: int, position: int, k: int) -> dict[int, Logprob]:
+    """The fake's logprobs at one position (see the module docstring): top-k by rank plus the chosen token."""
+    own = 1 + position % 3
+    out = {1000 + r: Logprob(-r / 2, r, chr(1000 + r)) for r in range(1, k + 1) if r != own}
+    out[token_id] = Logprob(-own / 2, own, FakeTokenizer().decode([token_id]))
+    return out
 
 
 # --------------------------------------------------------------------- vllm.outputs
@@ -257,6 +285,7 @@ class _Child:
     def __init__(self, index: int, script: str):
         self.index, self.script = index, script
         self.text, self.token_ids = "", []
+        self.logprobs: list[dict[int, Logprob]] = []  # one per token id (params.logprobs set)
         self.finish_reason: str | None = None
         self.sent_text, self.sent_tokens = 0, 0  # delta mode bookkeeping
         self.reported = False  # its finish_reason went out in an output
@@ -286,6 +315,7 @@ class FakeAsyncLLM:
         self.gate: asyncio.Event | None = None  # when set, generate() waits on it before the first token
         self.inject: dict[str, str] = {}  # request_id -> finish_reason forced on its first token ("abort", "error")
         self.live: dict[str, list[_Child]] = {}
+        self._prompt_sent: dict[str, bool] = {}
         self.shut_down = False
 
     @classmethod
@@ -343,7 +373,7 @@ class FakeAsyncLLM:
                 if request_id in self.aborted:
                     for c in children:
                         c.finish_reason = c.finish_reason or "abort"
-                    yield self._output(request_id, ids, children, children, delta, holdback, lora_request)
+                    yield self._output(request_id, ids, children, children, delta, holdback, lora_request, params)
                     return
                 stepped, forced = [], self.inject.pop(request_id, None)
                 for c in children:
@@ -352,13 +382,14 @@ class FakeAsyncLLM:
                         stepped.append(c)
                 groups = [[c] for c in stepped] if self.per_child_outputs else [stepped]
                 for group in groups:
-                    yield self._output(request_id, ids, children, group, delta, holdback, lora_request)
+                    yield self._output(request_id, ids, children, group, delta, holdback, lora_request, params)
                 await asyncio.sleep(self.step_delay)
         except asyncio.CancelledError:
             await self.abort(request_id)  # vLLM's generate() aborts its request when cancelled
             raise
         finally:
             self.live.pop(request_id, None)
+            self._prompt_sent.pop(request_id, None)
 
     @staticmethod
     def _step(c: _Child, params: SamplingParams, forced: str | None) -> None:
@@ -368,10 +399,14 @@ class FakeAsyncLLM:
             return
         if n_out >= len(c.script) and n_out >= params.min_tokens:  # EOS: in token_ids, not in text
             c.token_ids.append(EOS_ID)
+            if params.logprobs is not None:
+                c.logprobs.append(fake_position(EOS_ID, n_out, params.logprobs))
             c.finish_reason = "stop"
             return
         ch = c.script[n_out] if n_out < len(c.script) else " "
         c.token_ids.append(ord(ch))
+        if params.logprobs is not None:
+            c.logprobs.append(fake_position(ord(ch), n_out, params.logprobs))
         c.text += ch
         if len(c.token_ids) >= params.min_tokens:
             for s in params.stop:
@@ -383,20 +418,26 @@ class FakeAsyncLLM:
         if params.max_tokens is not None and len(c.token_ids) >= params.max_tokens:
             c.finish_reason = "length"
 
-    def _output(self, request_id, ids, children, group, delta, holdback, lora_request) -> RequestOutput:
+    def _output(self, request_id, ids, children, group, delta, holdback, lora_request, params) -> RequestOutput:
         outs = []
         for c in group:
             visible = len(c.text) if c.finish_reason is not None else max(c.sent_text, len(c.text) - holdback)
             if delta:
                 text, toks = c.text[c.sent_text:visible], c.token_ids[c.sent_tokens:]
+                lps = c.logprobs[c.sent_tokens:]
             else:
-                text, toks = c.text[:visible], list(c.token_ids)
+                text, toks, lps = c.text[:visible], list(c.token_ids), list(c.logprobs)
             c.sent_text, c.sent_tokens = visible, len(c.token_ids)
             c.reported = c.finish_reason is not None
             outs.append(CompletionOutput(index=c.index, text=text, token_ids=list(toks), cumulative_logprob=None,
-                                         logprobs=None, finish_reason=c.finish_reason, lora_request=lora_request))
+                                         logprobs=lps if params.logprobs is not None else None,
+                                         finish_reason=c.finish_reason, lora_request=lora_request))
         finished = all(c.reported for c in children)  # set on the output of the last child to finish
-        return RequestOutput(request_id, None, ids, None, outs, finished, lora_request=lora_request)
+        prompt_lps = None
+        if params.prompt_logprobs is not None and not (delta and self._prompt_sent.get(request_id)):
+            prompt_lps = [None] + [fake_position(t, j, params.prompt_logprobs) for j, t in enumerate(ids[1:], 1)]
+            self._prompt_sent[request_id] = True  # DELTA: vLLM pops them, so they come once
+        return RequestOutput(request_id, None, ids, prompt_lps, outs, finished, lora_request=lora_request)
 
     async def abort(self, request_id: str | list[str], internal: bool = False) -> None:
         self.aborted += [request_id] if isinstance(request_id, str) else list(request_id)
@@ -502,6 +543,7 @@ def install(monkeypatch, flavor: str = "v1", version: str = VERSION) -> FakeVllm
                         AsyncLLMEngine=engine_cls, __path__=[]),
         "vllm.sampling_params": sp_mod,
         "vllm.outputs": _module("vllm.outputs", RequestOutput=RequestOutput, CompletionOutput=CompletionOutput),
+        "vllm.logprobs": _module("vllm.logprobs", Logprob=Logprob),
         "vllm.lora": _module("vllm.lora", __path__=[]),
         "vllm.lora.request": _module("vllm.lora.request", LoRARequest=LoRARequest),
         "vllm.engine": _module("vllm.engine", __path__=[]),

@@ -266,6 +266,22 @@ async def test_upstream_errors_are_engine_errors(upstream):
         make_engine(WorkerSettings(engine="openai-http"))
 
 
+async def test_logprobs_and_structured_outputs_transformers_serve_lacks_are_explicit_errors(upstream):
+    """`transformers serve` ignores `logprobs`/`echo` (a logged warning) and rejects `response_format` /
+    `structured_outputs` on /v1/completions (422): neither is silently dropped."""
+    from polyserve.proto import StructuredOutput
+
+    async with _engine(upstream) as eng:
+        for params in (dict(logprobs=1), dict(prompt_logprobs=1)):
+            with pytest.raises(EngineError) as err:
+                await _collect(eng, _greedy("lp", max_tokens=2, **params))
+            assert err.value.status == 502 and "answered without" in str(err.value), err.value
+        for spec in (StructuredOutput(json_object=True), StructuredOutput(regex="[a-z]+")):
+            with pytest.raises(EngineError) as err:
+                await _collect(eng, _greedy("so", max_tokens=2, structured=spec))
+            assert err.value.status == 422 and "Unexpected fields" in str(err.value), err.value
+
+
 async def test_upstream_dying_mid_stream_fails_the_request(upstream, tmp_path):
     """A server that closes the connection mid-answer: the stream ends with an EngineError."""
     srv = _LocalServer(models=["m"], truncate_stream=True)

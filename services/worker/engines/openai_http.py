@@ -19,6 +19,9 @@ Requests (the official `openai` async client, `AsyncOpenAI.completions.create`):
   and min_tokens only when set (> 0), as extra body fields (vLLM and SGLang accept them; a
   server that does not, such as `transformers serve`, answers 422); `upstream_extra_body`
   (JSON) is merged into every request;
+- logprobs (`logprobs: k`), prompt logprobs (`echo: true`, sent unstreamed) and structured outputs
+  (`response_format`, vLLM's `structured_outputs`): openai_http_wire.py; a server that ignores
+  them is a 502 that says so, one that rejects them (4xx) passes its message on;
 - cancel() cancels the request's task, which closes the HTTP response: the upstream sees
   the client disconnect and stops generating (vLLM aborts the request, `transformers serve`
   cancels its streamer);
@@ -32,11 +35,8 @@ Load (heartbeats): the upstream's Prometheus `/metrics`, read by `openai_http_me
 server without usable metrics falls back to this engine's own in-flight count (a request
 is waiting until its first token, then running).
 
-LoRA: `load_adapter` POSTs vLLM's runtime endpoint `/v1/load_lora_adapter`
-{lora_name, lora_path} (vLLM needs `--enable-lora` and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True),
-`unload_adapter` `/v1/unload_lora_adapter` {lora_name}. The path is the upstream's path;
-when it is readable here its PEFT config gives the rank, else the rank is reported as 0.
-A server without those endpoints (404/405) makes adapter loads fail with 501.
+LoRA: vLLM's runtime endpoints `/v1/load_lora_adapter` / `/v1/unload_lora_adapter`
+(openai_http_lora.py); a server without them makes adapter loads fail with 501.
 
 Tokens: `count_tokens` uses `upstream_tokenizer` (or `model_path`'s tokenizer.json), else 1.3 x words.
 """
@@ -55,7 +55,6 @@ from typing import Any
 import httpx
 import msgspec
 
-from polyserve.proto import AdapterInfo
 from polyserve.worker.engine import (
     Delta,
     Engine,
@@ -65,10 +64,11 @@ from polyserve.worker.engine import (
     EngineRequest,
     Finished,
     check_request,
-    free_adapter,
     make_stats,
     relay,
 )
+from polyserve.worker.engines import openai_http_wire
+from polyserve.worker.engines.openai_http_lora import UpstreamLoRA
 from polyserve.worker.engines.openai_http_metrics import (  # noqa: F401
     KV_FRACTION_METRICS,
     KV_INFO_METRIC,
@@ -80,7 +80,7 @@ from polyserve.worker.engines.openai_http_metrics import (  # noqa: F401
     server_root,
     words_estimate,
 )
-from polyserve.worker.lora import AdapterError, AdapterRegistry, AdapterSpec, check_name, read_adapter
+from polyserve.worker.lora import AdapterRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class _Flight:
     done: bool = False
 
 
-class OpenAIHttpEngine(Engine):
+class OpenAIHttpEngine(UpstreamLoRA, Engine):
     """polyserve's Engine over an OpenAI-compatible server's /v1 API."""
 
     name = "openai-http"
@@ -132,6 +132,7 @@ class OpenAIHttpEngine(Engine):
         self.start_timeout = float(g("upstream_start_timeout_s", 60.0))
         self.stream = bool(g("upstream_stream", True))
         self.include_usage = bool(g("upstream_include_usage", True))
+        self.structured_style = str(g("upstream_structured", "") or "structured_outputs")  # or "guided"
         extra = g("upstream_extra_body", "") or {}
         try:
             self.extra_body: dict = json.loads(extra) if isinstance(extra, str) else dict(extra)
@@ -265,6 +266,7 @@ class OpenAIHttpEngine(Engine):
             extra["top_k"] = p.top_k
         if p.min_tokens > 0:
             extra["min_tokens"] = p.min_tokens
+        extra.update(openai_http_wire.request_fields(p, self.structured_style))
         return kw, extra
 
     async def _pump(self, fl: _Flight) -> None:
@@ -273,7 +275,7 @@ class OpenAIHttpEngine(Engine):
 
         kw, extra = self.request_body(fl.req)
         try:
-            if self.stream:
+            if self.stream and fl.req.params.prompt_logprobs is None:  # echo: one answer, split at its usage
                 if self.include_usage:
                     kw["stream_options"] = {"include_usage": True}
                 stream = await self._client.completions.create(stream=True, extra_body=extra or None, **kw)
@@ -289,6 +291,8 @@ class OpenAIHttpEngine(Engine):
                 self._on_chunk(fl, resp, whole=True)
             if not fl.done:
                 self._end(fl)
+        except EngineError as exc:  # an answer without the logprobs or echo it was asked for
+            self._fail(fl, exc)
         except asyncio.CancelledError:
             if not fl.done:  # not by cancel(): the loop shutting down
                 self._fail(fl, EngineError("upstream request cancelled", 503))
@@ -321,19 +325,45 @@ class OpenAIHttpEngine(Engine):
             text = getattr(choice, "text", None) or ""
             reason = getattr(choice, "finish_reason", None)
             reason = FINISH_REASONS.get(reason, reason) if reason else None
-            count = 1 if text else 0
-            if whole:  # one answer for the whole request: its usage counts the tokens when n == 1
-                count = fl.usage[1] if fl.usage and n == 1 else words_estimate(text)
+            delta = self._logprobs(fl, choice, text, whole)
+            count = 1 if delta.text else 0
+            if delta.logprobs is not None:
+                count = len(delta.logprobs)
+            elif whole:  # one answer for the whole request: its usage counts the tokens when n == 1
+                count = fl.usage[1] if fl.usage and n == 1 else words_estimate(delta.text)
+            delta.tokens, delta.finish_reason = count, reason
+            if fl.req.params.logprobs is None:
+                delta.logprobs = None
             fl.tokens[i] = fl.tokens.get(i, 0) + count
             stepped = stepped or count > 0
-            if text or count or reason:
-                fl.queue.put_nowait(Delta(index=i, text=text, tokens=count, finish_reason=reason))
+            if delta.text or count or reason or delta.prompt_logprobs:
+                fl.queue.put_nowait(delta)
             if reason:
                 fl.ended.add(i)
         if stepped:
             if fl.first is None:
                 fl.first = now
             fl.step_times.append(now)
+
+    def _logprobs(self, fl: _Flight, choice: Any, text: str, whole: bool) -> Delta:
+        """A choice's Delta (tokens and finish set by the caller) with its logprobs entries, the echoed
+        prompt split off (its entries as prompt_logprobs); 502 when the upstream left asked-for fields out."""
+        p, i = fl.req.params, int(getattr(choice, "index", 0) or 0)
+        delta = Delta(index=i, text=text, tokens=0)
+        if p.logprobs is None and p.prompt_logprobs is None:
+            return delta
+        raw = getattr(choice, "logprobs", None)
+        k = p.logprobs if p.logprobs is not None else 0
+        lps = openai_http_wire.entries(raw, max(k, p.prompt_logprobs or 0)) if raw is not None else None
+        if p.prompt_logprobs is not None:
+            prompt_tokens = fl.usage[0] if fl.usage else None
+            delta.text, plps, lps = openai_http_wire.split_echo(text, lps, fl.req.prompt, prompt_tokens, self.api_url)
+            delta.prompt_logprobs = [msgspec.structs.replace(e, top=e.top[:p.prompt_logprobs]) for e in plps]
+        elif lps is None and (text or whole):
+            raise openai_http_wire.missing(self.api_url, "logprobs")
+        if lps is not None:
+            delta.logprobs = [msgspec.structs.replace(e, top=e.top[:k]) for e in lps]
+        return delta
 
     def _end(self, fl: _Flight) -> None:
         """The upstream's answer is complete: close open choices and finish."""
@@ -439,52 +469,6 @@ class OpenAIHttpEngine(Engine):
                          False: "unsupported by the upstream"}[self.lora_supported],
                 "tokenizer": "exact" if self._tokenizer is not None else "estimate (1.3 x words)",
                 "max_input_len": self.max_input_len}
-
-    # ----------------------------------------------------------------- adapters
-    def has_adapter(self, name: str) -> bool:
-        return name in self.adapters
-
-    async def _lora_call(self, endpoint: str, body: dict, what: str) -> None:
-        if self._http is None:
-            raise EngineError("the openai-http engine is not started", 503)
-        url = f"{self.api_url}/{endpoint}"
-        try:
-            resp = await self._http.post(url, json=body)
-        except httpx.HTTPError as exc:
-            raise EngineError(f"{what}: upstream {url} unreachable: {exc}", 502) from exc
-        if resp.status_code in (404, 405):
-            self.lora_supported = False
-            raise EngineError(f"{what}: the upstream at {self.root} does not serve LoRA adapters at runtime "
-                              f"(POST /v1/{endpoint} answered {resp.status_code}); for vLLM start it with "
-                              "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True", 501)
-        if resp.status_code >= 400:
-            raise EngineError(f"{what}: upstream {url} answered {resp.status_code}: {resp.text[:500]}",
-                              resp.status_code)
-        self.lora_supported = True
-
-    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
-        """POST /v1/load_lora_adapter {lora_name, lora_path}; the path is as the upstream sees it."""
-        try:
-            check_name(name)
-        except AdapterError as exc:
-            raise EngineError(str(exc), exc.status) from exc
-        if name in self.adapters:
-            raise EngineError(f"adapter {name!r} is already loaded; unload it first", 409)
-        try:
-            spec = read_adapter(path)
-        except AdapterError:  # not readable here (the upstream's filesystem): rank unknown
-            spec = AdapterSpec(path=Path(path), rank=0, alpha=0.0, target_modules=())
-        await self._lora_call("load_lora_adapter", {"lora_name": name, "lora_path": str(path)},
-                              f"load adapter {name!r}")
-        logger.info("upstream %s loaded adapter %s from %s", self.root, name, path)
-        return self.adapters.add(name, spec)
-
-    async def unload_adapter(self, name: str, force: bool = False) -> None:
-        """POST /v1/unload_lora_adapter {lora_name}; 409 while requests use it unless `force`."""
-        free_adapter(name, self.adapters, list(self._flights.values()), force, self.cancel)
-        await self._lora_call("unload_lora_adapter", {"lora_name": name}, f"unload adapter {name!r}")
-        self.adapters.remove(name)
-        logger.info("upstream %s unloaded adapter %s", self.root, name)
 
 
 def _detail(exc: Any) -> str:

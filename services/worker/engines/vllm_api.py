@@ -21,11 +21,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from polyserve.proto import SamplingParams as ProtoSamplingParams
-from polyserve.proto import StructuredOutput
+from polyserve.proto import StructuredOutput, TokenLogprob, TopLogprob
 from polyserve.worker.engine import EngineError
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ SURFACE_USED = {
         },
         "vllm.tokenizers.protocol.TokenizerLike": {
             "encode": ["text"],
+            "decode": ["ids", "skip_special_tokens"],
             "apply_chat_template": ["messages", "tokenize", "add_generation_prompt"],
         },
     },
@@ -71,8 +73,9 @@ SURFACE_USED = {
         "vllm.config.vllm.VllmConfig": ["cache_config", "model_config"],
         "vllm.config.cache.CacheConfig": ["num_gpu_blocks", "block_size"],
         "vllm.config.model.ModelConfig": ["max_model_len"],
-        "vllm.outputs.RequestOutput": ["outputs", "finished"],
-        "vllm.outputs.CompletionOutput": ["index", "text", "token_ids", "finish_reason"],
+        "vllm.outputs.RequestOutput": ["outputs", "finished", "prompt_logprobs"],
+        "vllm.outputs.CompletionOutput": ["index", "text", "token_ids", "finish_reason", "logprobs"],
+        "vllm.logprobs.Logprob": ["logprob", "rank", "decoded_token"],
     },
     "fields": {  # constructor keywords
         "vllm.engine.arg_utils.AsyncEngineArgs": [
@@ -80,7 +83,7 @@ SURFACE_USED = {
             "enable_lora", "max_lora_rank", "max_loras", "gpu_memory_utilization", "seed"],
         "vllm.sampling_params.SamplingParams": [
             "n", "temperature", "top_p", "top_k", "seed", "stop", "max_tokens", "min_tokens", "output_kind",
-            "structured_outputs"],
+            "structured_outputs", "logprobs", "prompt_logprobs"],
         "vllm.sampling_params.StructuredOutputsParams": ["json", "regex", "choice", "grammar", "json_object"],
         "vllm.lora.request.LoRARequest": ["lora_name", "lora_int_id", "lora_path"],
         "vllm.inputs.llm.TokensPrompt": ["prompt_token_ids"],
@@ -179,6 +182,10 @@ def sampling_params(api: VllmApi, p: ProtoSamplingParams) -> Any:
                               min_tokens=p.min_tokens)
     if api.delta_kind is not None:
         kw["output_kind"] = api.delta_kind
+    if p.logprobs is not None:  # k alternatives per sampled token (vLLM adds the sampled one: up to k+1)
+        kw["logprobs"] = p.logprobs
+    if p.prompt_logprobs is not None:
+        kw["prompt_logprobs"] = p.prompt_logprobs
     try:
         if p.structured is not None:
             kw["structured_outputs"] = structured_outputs(api, p.structured)
@@ -196,6 +203,33 @@ def structured_outputs(api: VllmApi, spec: StructuredOutput) -> Any:
         return api.StructuredOutputsParams(json_object=True)
     kind = spec.kind()
     return api.StructuredOutputsParams(**{kind: getattr(spec, kind)})
+
+
+def token_logprob(position: Any, token_id: int, k: int, decode: Callable[[int], str]) -> TokenLogprob:
+    """One vLLM logprobs position (dict token id -> Logprob(logprob, rank, decoded_token), holding the
+    chosen token and the top-k by rank 1..k; None for the first prompt token) as polyserve's entry for
+    `token_id` with its `k` best alternatives, most likely first. A token's text is vLLM's
+    `decoded_token` (the token decoded alone), else `decode(token_id)`."""
+    def text(tid: int, lp: Any) -> str:
+        decoded = getattr(lp, "decoded_token", None)
+        return decoded if isinstance(decoded, str) else decode(tid)
+
+    if not position:
+        return TokenLogprob(token=decode(token_id), logprob=None, token_id=token_id)
+    ranked = sorted(position.items(), key=lambda item: (item[1].rank if item[1].rank is not None else 1 << 40,
+                                                        -float(item[1].logprob)))
+    top = [TopLogprob(token=text(int(tid), lp), logprob=float(lp.logprob), token_id=int(tid))
+           for tid, lp in ranked[:k]] if k > 0 else []
+    own = position.get(token_id)
+    return TokenLogprob(token=text(token_id, own) if own is not None else decode(token_id),
+                        logprob=float(own.logprob) if own is not None else None, token_id=token_id, top=top)
+
+
+def token_logprobs(positions: Any, token_ids: list[int], k: int, decode: Callable[[int], str]) -> list[TokenLogprob]:
+    """Entries for `token_ids`, one per position of vLLM's logprobs (a list of dicts or FlatLogprobs,
+    which reads as one); a missing position gives an entry without a logprob."""
+    seq = list(positions) if positions is not None else []
+    return [token_logprob(seq[j] if j < len(seq) else None, tid, k, decode) for j, tid in enumerate(token_ids)]
 
 
 def lora_rank(rank: int) -> int:

@@ -24,7 +24,10 @@ vLLM API used (as in the 0.33.0 sources; `vllm_api` detects the rest):
   never by position. vLLM makes the request id unique internally (a random suffix) but `abort()`
   takes the id passed to generate();
 - `SamplingParams(n, temperature, top_p, top_k, seed, stop, max_tokens, min_tokens,
-  output_kind=RequestOutputKind.DELTA)`; without RequestOutputKind outputs are cumulative and diffed;
+  output_kind=RequestOutputKind.DELTA, structured_outputs=StructuredOutputsParams(...), logprobs=k,
+  prompt_logprobs=k)`; without RequestOutputKind outputs are cumulative and diffed (logprobs too);
+  `CompletionOutput.logprobs` / `RequestOutput.prompt_logprobs` (per position {token id: Logprob(logprob,
+  rank, decoded_token)}) become TokenLogprob entries (vllm_api.token_logprobs);
 - `await engine.abort(request_id)`; `engine.get_tokenizer()` (plain in 0.33, a coroutine in 0.11:
   both handled); `add_lora(lora_request)` / `remove_lora(lora_id)`; `shutdown()`;
 - `LoRARequest(lora_name, lora_int_id, lora_path)`, one per request; the int id is allocated once per
@@ -110,6 +113,8 @@ class _Req:
         self.tokens = [0] * self.n
         self.ended: set[int] = set()
         self.done = False
+        self.prompt_raw: list | None = None  # vLLM's prompt logprobs (params.prompt_logprobs set)
+        self.prompt_sent: set[int] = set()  # choices whose first delta carried them
 
 
 class VllmEngine(Engine):
@@ -154,6 +159,7 @@ class VllmEngine(Engine):
         self._loras: dict[str, Any] = {}  # loaded name -> LoRARequest
         self._engine: Any = None
         self._tokenizer: Any = None
+        self._texts: dict[int, str] = {}
         self._known: dict[str, _Req] = {}
         self._background: set[asyncio.Task] = set()
         self.kv_capacity = 0
@@ -261,19 +267,43 @@ class VllmEngine(Engine):
             logger.warning("vLLM request %s failed: %s: %s", act.req.request_id, type(exc).__name__, exc)
             self._fail(act, EngineError(f"vLLM: {type(exc).__name__}: {exc}", vllm_api.error_status(exc)))
 
+    def _delta(self, act: _Req, i: int, text: str, count: int, reason: str | None, new_ids: list[int],
+               raw_lps: Any) -> Delta:
+        """A choice's Delta, with its tokens' logprobs (params.logprobs) and, on its first, the prompt's."""
+        p, delta = act.req.params, Delta(index=i, text=text, tokens=count, finish_reason=reason)
+        if p.logprobs is not None and count:
+            delta.logprobs = vllm_api.token_logprobs(raw_lps, new_ids, p.logprobs, self._token_text) or None
+        if p.prompt_logprobs is not None and i not in act.prompt_sent:
+            act.prompt_sent.add(i)
+            delta.prompt_logprobs = vllm_api.token_logprobs(act.prompt_raw, act.ids, p.prompt_logprobs,
+                                                            self._token_text)
+        return delta
+
+    def _token_text(self, token_id: int) -> str:
+        """A token decoded alone (special tokens kept), cached per id."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
     def _on_output(self, act: _Req, out: Any) -> None:
         now = time.monotonic()
+        prompt_lps = getattr(out, "prompt_logprobs", None)
+        if prompt_lps:  # DELTA: sent once (popped by vLLM), so kept here; cumulative: the whole list each time
+            act.prompt_raw = (act.prompt_raw or []) + list(prompt_lps) if self.api.delta_outputs else list(prompt_lps)
         new_tokens = 0
         for co in out.outputs:
             i = int(co.index)
             if i in act.ended or not 0 <= i < act.n:
                 continue
             text, token_ids = co.text or "", list(co.token_ids or ())
+            new_ids, raw_lps = token_ids, co.logprobs
             if not self.api.delta_outputs:  # cumulative: emit what is past the last output of this choice
-                full_text, full_tokens = text, len(token_ids)
+                full_text, full_tokens, start = text, len(token_ids), act.tok_len[i]
                 text = full_text[act.text_len[i]:] if len(full_text) >= act.text_len[i] else ""
-                count = max(0, full_tokens - act.tok_len[i])
+                count = max(0, full_tokens - start)
                 act.text_len[i], act.tok_len[i] = len(full_text), full_tokens
+                new_ids, raw_lps = token_ids[start:], raw_lps[start:full_tokens] if raw_lps is not None else None
             else:
                 count = len(token_ids)
             reason = co.finish_reason
@@ -284,7 +314,7 @@ class VllmEngine(Engine):
             act.tokens[i] += count
             new_tokens = max(new_tokens, count)
             if text or count or mapped:
-                act.queue.put_nowait(Delta(index=i, text=text, tokens=count, finish_reason=mapped))
+                act.queue.put_nowait(self._delta(act, i, text, count, mapped, new_ids, raw_lps))
             if mapped:
                 act.ended.add(i)
         if new_tokens:

@@ -1,0 +1,91 @@
+"""Logprobs, echo and structured outputs of the `openai-http` engine, on the wire of an
+OpenAI-compatible server's `POST /v1/completions` (vLLM 0.33's shapes).
+
+Request fields (`request_fields`):
+- `logprobs: k` (completions' int): k alternatives per token; asked with the larger of
+  params.logprobs and params.prompt_logprobs when either is set;
+- `echo: true` when params.prompt_logprobs is set: the upstream then returns the prompt before
+  each choice's text and the prompt's tokens first in `logprobs` (vLLM computes them as
+  `prompt_logprobs = logprobs`); such a request is sent unstreamed, so the prompt's tokens are
+  split off at the answer's `usage.prompt_tokens`;
+- structured outputs: `response_format` for JSON (`json_object`, `json_schema` with the schema,
+  strict), vLLM's `structured_outputs` {regex|choice|grammar} for the rest (`upstream_structured
+  = "guided"`: the older `guided_regex` / `guided_choice` / `guided_grammar` fields).
+
+Answers (`entries`): `choices[].logprobs` {tokens, token_logprobs, top_logprobs, text_offset}
+becomes one TokenLogprob per token (token ids are not on this wire: -1), its alternatives the
+k best of `top_logprobs` (a dict token text -> logprob). A server that ignores the fields
+(`transformers serve` drops `logprobs` and `echo` with a warning) answers without them: that
+is an error (502 naming the field), never a silently dropped field; one that rejects them
+answers 4xx, which reaches the client with the upstream's message.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from polyserve.proto import SamplingParams, StructuredOutput, TokenLogprob, TopLogprob
+from polyserve.worker.engine import EngineError
+
+
+def request_fields(p: SamplingParams, style: str = "structured_outputs") -> dict[str, Any]:
+    """The body fields (sent as extra body) for p's logprobs, echo and structured output."""
+    out: dict[str, Any] = {}
+    ks = [k for k in (p.logprobs, p.prompt_logprobs) if k is not None]
+    if ks:
+        out["logprobs"] = max(ks)
+    if p.prompt_logprobs is not None:
+        out["echo"] = True
+    if p.structured is not None:
+        out.update(structured_fields(p.structured, style))
+    return out
+
+
+def structured_fields(spec: StructuredOutput, style: str = "structured_outputs") -> dict[str, Any]:
+    if spec.json_object:
+        return {"response_format": {"type": "json_object"}}
+    kind = spec.kind()
+    if kind == "json":
+        return {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": json.loads(spec.json or "{}"), "strict": True}}}
+    if style == "guided":
+        return {f"guided_{kind}": getattr(spec, kind)}
+    return {"structured_outputs": {kind: getattr(spec, kind)}}
+
+
+def _get(obj: Any, name: str) -> Any:
+    return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+
+
+def entries(logprobs: Any, k: int) -> list[TokenLogprob]:
+    """A choice's completions `logprobs` object as TokenLogprob entries with k alternatives each."""
+    tokens = list(_get(logprobs, "tokens") or [])
+    values = list(_get(logprobs, "token_logprobs") or [])
+    tops = list(_get(logprobs, "top_logprobs") or [])
+    out = []
+    for j, tok in enumerate(tokens):
+        value = values[j] if j < len(values) else None
+        top = tops[j] if j < len(tops) else None
+        best = sorted((top or {}).items(), key=lambda kv: -float(kv[1]))[:k] if k > 0 else []
+        out.append(TokenLogprob(token=str(tok), logprob=None if value is None else float(value),
+                                top=[TopLogprob(token=str(t), logprob=float(v)) for t, v in best]))
+    return out
+
+
+def missing(url: str, what: str) -> EngineError:
+    return EngineError(f"upstream {url} answered without {what} (the server ignores the field; "
+                       "`transformers serve` does): leave it out, or serve with vLLM", 502)
+
+
+def split_echo(text: str, lps: list[TokenLogprob] | None, prompt: str, prompt_tokens: int | None,
+               url: str) -> tuple[str, list[TokenLogprob], list[TokenLogprob] | None]:
+    """An echoed choice (prompt + output, logprobs of both) as (output text, prompt entries,
+    output entries); 502 when the upstream did not echo or did not say how long the prompt is."""
+    if not text.startswith(prompt):
+        raise missing(url, "the echoed prompt (`echo`)")
+    if lps is None:
+        raise missing(url, "logprobs")
+    if not prompt_tokens or prompt_tokens > len(lps):
+        raise EngineError(f"upstream {url} answered an echo without usage.prompt_tokens matching its logprobs "
+                          f"({prompt_tokens} prompt tokens, {len(lps)} entries)", 502)
+    return text[len(prompt):], lps[:prompt_tokens], lps[prompt_tokens:]
