@@ -11,7 +11,9 @@ class PredictorSettings(CommonSettings, frozen=True, kw_only=True):
     prior_tokens: int = policy.PRIOR_TOKENS
     """Estimate before any history: median output of the Azure LLM 2023 conversation trace."""
     class_bounds: str = ",".join(str(b) for b in policy.DEFAULT_CLASS_BOUNDS)
-    """Comma-separated, strictly increasing token bounds of the length classes."""
+    """Comma-separated, strictly increasing token bounds of the length classes when no artifact is
+    configured (with one, its per-model and unseen-model classes apply to every source). Default: the
+    shipped artifact's unseen-model bounds (polyserve.core.length_classes.UNSEEN_BOUNDS)."""
     refresh_s: float = 2.0
     """How often the in-memory copy of the statistics is refreshed from Redis."""
     redis_timeout_s: float = 0.25

@@ -1,5 +1,12 @@
 """Predictor handlers: answer PredictRequests and learn from Completed events.
 
+Model names are normalised once (`polyserve.core.model_names.canonical`) for the length
+history and the semantic cache, so `gpt-3.5-turbo`, `GPT-3.5-Turbo` and `gpt-35-turbo`
+share one history; the proxy model resolves names itself (`artifact.Meta.resolve`).
+Every source answers in the same length-class scheme (`class_bounds`): the artifact's
+per-model percentile classes for a model the artifact knows, else its unseen-model classes
+(`polyserve.core.length_classes`); without an artifact, `settings.bounds`.
+
 `LengthStats` keeps an in-memory copy of the Redis length statistics so that a
 prediction never waits on Redis longer than `redis_timeout_s`, and a brief Redis
 outage is answered from memory. Observations that cannot be written are kept
@@ -16,6 +23,7 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
+from polyserve.core.model_names import canonical
 from polyserve.predictor import policy
 from polyserve.predictor.config import PredictorSettings
 from polyserve.proto import Completed, Keys, Prediction, PredictRequest
@@ -174,19 +182,55 @@ class LengthStats:
             return not self.pending
 
 
+def history_key(model: str) -> str:
+    """The model's key in the length history and the semantic cache: its canonical name.
+    (Redis hashes written before issue 17 under the raw name are not read: that history
+    restarts once, from the prior, and needs `min_samples` completions per bucket again.)"""
+    return canonical(model) or model
+
+
+def artifact_meta(settings: PredictorSettings) -> Any:
+    """The configured artifact's meta.json (JSON only, no torch), or None: its class
+    scheme is used by every source, the history and the prior included."""
+    if not settings.artifact_dir:
+        return None
+    try:
+        from polyserve.predictor.proxy import artifact
+
+        return artifact.read_meta(settings.artifact_dir)
+    except Exception as exc:  # noqa: BLE001 - no artifact: the history answers with settings.bounds
+        logger.warning("predictor: no class scheme from artifact %s (%s); using class_bounds %s",
+                       settings.artifact_dir, exc, settings.bounds)
+        return None
+
+
 class PredictHandlers:
     """`polyserve.v1.predict` and the `completed` event listener."""
 
-    def __init__(self, settings: PredictorSettings, stats: LengthStats, runner: Any = None):
+    def __init__(self, settings: PredictorSettings, stats: LengthStats, runner: Any = None,
+                 meta: Any = None):
         self.settings = settings
         self.stats = stats
         self.bounds = settings.bounds
+        self._meta = meta if meta is not None else artifact_meta(settings)
         self.runner = runner  # proxy.runtime.ModelRunner, or None without a model
         self.cache: Any = None  # proxy.semantic.CacheService once the model's encoder is loaded
         self.answers: dict[str, int] = {}  # by source
         self.fallbacks: dict[str, int] = {}  # why the model did not answer
         self.learned = 0
         self.ignored = 0
+
+    @property
+    def meta(self) -> Any:
+        """The loaded model's meta, else the configured artifact's, else None."""
+        loaded = getattr(self.runner, "meta", None) if self.runner is not None else None
+        return loaded if loaded is not None else self._meta
+
+    def class_bounds(self, model: str) -> tuple[float, ...]:
+        """Length-class bounds of `model`: the artifact's classes for it (its own when known,
+        the unseen-model classes otherwise), else `settings.bounds` (no artifact)."""
+        meta = self.meta
+        return tuple(meta.classes_for(model).bounds) if meta is not None else self.bounds
 
     async def _from_model(self, req: PredictRequest) -> Prediction | None:
         """The semantic cache's or the proxy model's answer, capped at `req.max_tokens`
@@ -205,7 +249,7 @@ class PredictHandlers:
         source, tokens, length_class = SOURCE_MODEL, r.tokens, r.length_class
         if self.cache is not None and r.key is not None:
             try:
-                hit = self.cache.lookup(req.request_id, req.model, r.key)
+                hit = self.cache.lookup(req.request_id, history_key(req.model), r.key)
             except Exception:  # a cache fault must not fail the prediction
                 logger.exception("predict %s: semantic cache lookup failed", req.request_id)
                 hit = None
@@ -231,9 +275,9 @@ class PredictHandlers:
         if answer is not None:
             self.answers[answer.source] = self.answers.get(answer.source, 0) + 1
             return answer
-        stats = await self.stats.get(req.model)
+        stats = await self.stats.get(history_key(req.model))
         est = policy.estimate(stats, req.input_tokens, min_samples=self.settings.min_samples,
-                              prior_tokens=self.settings.prior_tokens, bounds=self.bounds,
+                              prior_tokens=self.settings.prior_tokens, bounds=self.class_bounds(req.model),
                               max_tokens=req.max_tokens)
         self.answers[est.source] = self.answers.get(est.source, 0) + 1
         logger.debug("predict %s model=%s in=%d -> %d tokens (class %d, %s, bucket %d, n=%d)",
@@ -249,7 +293,7 @@ class PredictHandlers:
             logger.warning("ignoring completed event %s with model=%r input_tokens=%d output_tokens=%d",
                            ev.request_id, ev.model, ev.input_tokens, ev.output_tokens)
             return
-        if not self.stats.add(ev.model, ev.input_tokens, ev.output_tokens):
+        if not self.stats.add(history_key(ev.model), ev.input_tokens, ev.output_tokens):
             logger.warning("length-stats buffer full (%d models); dropped observation of %s",
                            len(self.stats.pending), ev.request_id)
             return
@@ -259,4 +303,5 @@ class PredictHandlers:
     async def on_completed_cache(self, ev: Completed) -> None:
         """Record the true length of a request this instance predicted in the semantic cache."""
         if self.cache is not None:
-            await self.cache.on_completed(ev.request_id, ev.model, ev.output_tokens, ev.finish_reason)
+            await self.cache.on_completed(ev.request_id, history_key(ev.model), ev.output_tokens,
+                                          ev.finish_reason)

@@ -31,9 +31,12 @@ conversation workload (Azure/AzurePublicDataset,
 
 Length classes (`length_class`): ``num_classes = len(bounds) + 1`` ordered
 classes; class ``k`` holds estimates with ``bounds[k-1] <= tokens < bounds[k]``.
-The default bounds ``(32, 128, 256, 512)`` give 0: <32 tokens, 1: 32-127,
-2: 128-255, 3: 256-511, 4: >=512, i.e. five classes as in µ-Serve §3.3 (which
-uses percentile bounds; the µ-Serve proxy model will replace this mapping).
+The service passes the proxy artifact's per-model percentile bounds (µ-Serve §3.3:
+p25/p50/p75/p99 of the model's training answers) for a model the artifact knows and
+its unseen-model bounds otherwise (`handlers.PredictHandlers.class_bounds`), so a
+class means the same whichever source answered. The default bounds, used without an
+artifact, are the shipped artifact's unseen-model bounds ``(101, 205, 290, 661)``
+(`polyserve.core.length_classes.UNSEEN_BOUNDS`; before issue 17: 32/128/256/512).
 """
 from __future__ import annotations
 
@@ -42,9 +45,11 @@ from bisect import bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from polyserve.core.length_classes import UNSEEN_BOUNDS
+
 PRIOR_TOKENS = 129
 """Median output tokens of the Azure LLM 2023 conversation trace (see module docstring)."""
-DEFAULT_CLASS_BOUNDS: tuple[int, ...] = (32, 128, 256, 512)
+DEFAULT_CLASS_BOUNDS: tuple[int, ...] = UNSEEN_BOUNDS
 DEFAULT_MIN_SAMPLES = 5
 
 SOURCE_HISTORY = "history"
@@ -170,7 +175,7 @@ def parse_bounds(text: str | Iterable[int]) -> tuple[int, ...]:
     return bounds
 
 
-def length_class(tokens: float, bounds: Sequence[int] = DEFAULT_CLASS_BOUNDS) -> int:
+def length_class(tokens: float, bounds: Sequence[float] = DEFAULT_CLASS_BOUNDS) -> int:
     """Class 0..len(bounds) of an output length: k such that bounds[k-1] <= tokens < bounds[k]."""
     return bisect_right(bounds, tokens)
 
@@ -194,7 +199,7 @@ def capped(tokens: int, max_tokens: int) -> int:
 
 
 def estimate(stats: ModelStats | None, input_tokens: int, *, min_samples: int = DEFAULT_MIN_SAMPLES,
-             prior_tokens: int = PRIOR_TOKENS, bounds: Sequence[int] = DEFAULT_CLASS_BOUNDS,
+             prior_tokens: int = PRIOR_TOKENS, bounds: Sequence[float] = DEFAULT_CLASS_BOUNDS,
              max_tokens: int = 0) -> Estimate:
     """Aladdin's conditional mean for `input_tokens`: bucket mean, else model mean, else the
     prior; capped at `max_tokens` when > 0 (the length class is that of the capped estimate)."""

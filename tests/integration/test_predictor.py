@@ -38,7 +38,7 @@ async def test_prior_then_history_persisted_across_restart(make_settings, bus, s
     cfg = make_settings(PredictorSettings, "predictor", refresh_s=0.2, redis_timeout_s=2.0)
     async with running(PredictorService(cfg)):
         first = await predict(bus, subjects)
-        assert (first.source, first.tokens_estimate, first.length_class, first.num_classes) == ("prior", 129, 2, 5)
+        assert (first.source, first.tokens_estimate, first.length_class, first.num_classes) == ("prior", 129, 1, 5)
         for i in range(5):  # input 100 -> bucket 6 (64..127 tokens)
             await bus.publish(subjects.event("completed"), completed(i))
 
@@ -47,7 +47,7 @@ async def test_prior_then_history_persisted_across_restart(make_settings, bus, s
             return p.source == "history" and p.tokens_estimate == 50 and p
 
         p = await wait_for(learned, what="a history estimate after 5 completed events")
-        assert p.length_class == 1
+        assert p.length_class == 0  # "m" is unknown to the shipped artifact: its unseen-model bounds
         # persisted to Redis (a save that timed out anyway is retried after the back-off: wait)
         async def saved():
             return await state.r.hgetall(Keys(prefix).lenstats("m"))
@@ -71,7 +71,7 @@ async def test_prediction_is_clamped_to_max_tokens(make_settings, bus, subjects)
                                                                   max_tokens=max_tokens), Prediction, timeout=2)
 
     async with running(PredictorService(make_settings(PredictorSettings, "predictor", refresh_s=0.2))):
-        p = await ask(20)  # the prior is 129 tokens, class 2
+        p = await ask(20)  # the prior is 129 tokens, class 1
         assert (p.source, p.tokens_estimate, p.length_class) == ("prior", 20, 0)
         assert (await ask(0)).tokens_estimate == 129
         assert (await ask(1000)).tokens_estimate == 129
@@ -83,7 +83,7 @@ async def test_prediction_is_clamped_to_max_tokens(make_settings, bus, subjects)
 
         await wait_for(learned, what="a history estimate of 300 tokens")
         p = await ask(100)
-        assert (p.source, p.tokens_estimate, p.length_class) == ("history", 100, 1)
+        assert (p.source, p.tokens_estimate, p.length_class) == ("history", 100, 0)
 
 
 async def test_bad_input_is_400(make_settings, bus, subjects):
@@ -176,3 +176,23 @@ async def test_redis_outage_answers_from_memory_and_saves_later(make_settings, b
 
             await wait_for(saved, timeout=10, what="the buffered observations in the restarted Redis")
             assert not svc.stats.pending and svc.stats.redis_ok
+
+
+async def test_history_is_shared_by_spellings_of_one_model(make_settings, bus, subjects, state, prefix):
+    """Issue 17: names are normalised (core.model_names) before the history is read or written, and
+    the history's length class is in the artifact's scheme for the model (its own percentiles)."""
+    svc = PredictorService(make_settings(PredictorSettings, "predictor", refresh_s=0.2, redis_timeout_s=2.0))
+    async with running(svc):
+        for i in range(5):
+            await bus.publish(subjects.event("completed"), completed(i, model="GPT-3.5-Turbo-0613", out=300))
+
+        async def learned():
+            p = await predict(bus, subjects, model="gpt-35-turbo-0613")
+            return p.source == "history" and p.tokens_estimate == 300 and p
+
+        p = await wait_for(learned, what="a history estimate under another spelling")
+        gpt = svc.handlers.meta.classes["gpt-3.5-turbo-0613"]  # p50 282, p75 396.5: 300 is class 2
+        assert p.length_class == int(gpt.classes([300])[0]) == 2
+        raw = await wait_for(_until(lambda: state.r.hgetall(Keys(prefix).lenstats("gpt35turbo0613")),
+                                    lambda r: int(r.get(b"n:6", 0)) >= 5), what="saved under the canonical name")
+        assert int(raw[b"sum:6"]) == 1500

@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytest.importorskip("faiss")
 
+from polyserve.core.model_names import canonical  # noqa: E402
 from polyserve.predictor.config import PredictorSettings  # noqa: E402
 from polyserve.predictor.proxy import artifact  # noqa: E402
 from polyserve.predictor.service import PredictorService  # noqa: E402
@@ -69,7 +70,7 @@ async def test_model_answers_and_cache_learns_true_lengths_across_restart(make_s
         assert (await predict(bus, subjects, "r6", UNRELATED)).source == "model"
         space = svc.runner.predictor.key_space
         assert space.startswith("lora-")  # keys of the artifact's tuned encoder
-        assert await state.r.hlen(f"{prefix}:predcache:{space}:m:{MODEL}") == 1
+        assert await state.r.hlen(f"{prefix}:predcache:{space}:m:{canonical(MODEL)}")  # the normalised name (issue 17) == 1
         assert await state.r.zcard(f"{prefix}:predcache:{space}:index") == 1
 
         # past its budget the model is skipped and the history answers

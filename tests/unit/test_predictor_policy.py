@@ -15,7 +15,8 @@ def test_buckets_are_powers_of_two():
 
 
 def test_length_classes_follow_bounds():
-    bounds = p.DEFAULT_CLASS_BOUNDS
+    assert p.DEFAULT_CLASS_BOUNDS == (101, 205, 290, 661)  # the unseen-model bounds (issue 17)
+    bounds = (32, 128, 256, 512)
     assert [p.length_class(t, bounds) for t in (1, 31, 32, 127, 128, 255, 256, 511, 512, 10_000)] == \
         [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
     assert p.parse_bounds("32, 128,256,512") == (32, 128, 256, 512)
@@ -26,7 +27,7 @@ def test_length_classes_follow_bounds():
 
 def test_prior_before_data_then_model_mean_then_bucket_mean():
     est = p.estimate(None, 100)
-    assert (est.tokens, est.source, est.samples, est.length_class, est.num_classes) == (129, "prior", 0, 2, 5)
+    assert (est.tokens, est.source, est.samples, est.length_class, est.num_classes) == (129, "prior", 0, 1, 5)
     stats = p.ModelStats()
     for _ in range(4):  # bucket 3 (8..15 tokens), below min_samples=5
         stats = p.observe(stats, 10, 40)
@@ -36,7 +37,7 @@ def test_prior_before_data_then_model_mean_then_bucket_mean():
     assert (est.tokens, est.source, est.samples) == (140, "history", 5)
     stats = p.observe(stats, 12, 40)  # bucket 3 now has 5 samples of 40
     est = p.estimate(stats, 9)
-    assert (est.tokens, est.source, est.samples, est.length_class) == (40, "history", 5, 1)
+    assert (est.tokens, est.source, est.samples, est.length_class) == (40, "history", 5, 0)
     # a bucket with too few samples falls back to the model-wide mean
     assert p.estimate(stats, 1000).tokens == round((5 * 40 + 540) / 6)
     assert p.estimate(stats, 10, min_samples=50, prior_tokens=7).tokens == 7
@@ -44,14 +45,14 @@ def test_prior_before_data_then_model_mean_then_bucket_mean():
 
 def test_estimate_never_exceeds_max_tokens():
     assert [p.capped(129, m) for m in (0, -1, 20, 129, 500)] == [129, 129, 20, 129, 129]
-    est = p.estimate(None, 100, max_tokens=20)  # the prior (129, class 2) capped: class of 20
+    est = p.estimate(None, 100, max_tokens=20)  # the prior (129, class 1) capped: class of 20
     assert (est.tokens, est.source, est.length_class) == (20, "prior", 0)
     assert p.estimate(None, 100, max_tokens=0).tokens == 129  # 0: no cap known
     stats = p.ModelStats()
     for _ in range(5):
         stats = p.observe(stats, 100, 300)
     est = p.estimate(stats, 100, max_tokens=100)
-    assert (est.tokens, est.source, est.length_class, est.samples) == (100, "history", 1, 5)
+    assert (est.tokens, est.source, est.length_class, est.samples) == (100, "history", 0, 5)
     assert p.estimate(stats, 100, max_tokens=4096).tokens == 300
 
 
@@ -72,7 +73,7 @@ def test_redis_hash_round_trip_and_std():
 
 def test_settings_validate_bounds_and_defaults():
     s = load(PredictorSettings, "predictor", environ={})
-    assert (s.min_samples, s.prior_tokens, s.bounds) == (5, 129, (32, 128, 256, 512))
+    assert (s.min_samples, s.prior_tokens, s.bounds) == (5, 129, (101, 205, 290, 661))
     s = load(PredictorSettings, "predictor", environ={"POLYSERVE_PREDICTOR_CLASS_BOUNDS": "10,20"})
     assert s.bounds == (10, 20)
     with pytest.raises(SettingsError, match="class_bounds"):

@@ -10,7 +10,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from polyserve.predictor.proxy import artifact, data, encoder, train  # noqa: E402
+from polyserve.predictor.proxy import artifact, data, encoder, labels, train  # noqa: E402
 from polyserve.predictor.proxy.infer import ProxyPredictor  # noqa: E402
 
 pytestmark = [pytest.mark.unit, pytest.mark.torch]  # torch: builds torch models
@@ -39,12 +39,18 @@ def test_train_writes_a_small_artifact_that_loads_and_predicts(tmp_path):
     assert artifact.size_bytes(tmp_path / "a") < 1_000_000
     # class bounds are per model: beta's answers are three times longer
     assert meta.classes["beta"].bounds[1] > 2 * meta.classes["alpha"].bounds[1]
+    # the unknown-model row is decoded with the unseen-model classes, stored at training (issue 17):
+    # per class the geometric mean of the models' own classes, not the classes of the pooled answers
+    stored = artifact.read_meta(tmp_path / "a").unseen_classes
+    assert stored == labels.ModelClasses.unseen([meta.classes["alpha"], meta.classes["beta"]])
+    assert stored.medians[2] == pytest.approx((meta.classes["alpha"].medians[2]
+                                               * meta.classes["beta"].medians[2]) ** 0.5)
 
     pred = ProxyPredictor.load(tmp_path / "a")
     answers, keys = pred.predict(["write a detailed essay about rivers", "answer yes or no: is 3 even"],
                                  ["alpha", "somebody-else"])
     assert [a.known_model for a in answers] == [True, False]
-    for a, mc in zip(answers, (meta.classes["alpha"], meta.default_classes)):
+    for a, mc in zip(answers, (meta.classes["alpha"], meta.unseen_classes)):
         assert 0 <= a.length_class < 5 and a.tokens == mc.tokens(a.length_class)
     assert keys.shape == (2, pred.dim) and abs(float((keys[0] ** 2).sum()) - 1) < 1e-4
 

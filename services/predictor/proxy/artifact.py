@@ -2,7 +2,10 @@
 
 * ``meta.json``: format version, objective, pooling, encoder name, tokenizer name
   and fingerprint, max_length, LoRA rank, target models (in embedding order)
-  with their class bounds and class medians, pooled bounds for unknown models,
+  with their class bounds and class medians, pooled bounds (``default_classes``, kept
+  for reference), the unseen-model classes (``unseen_classes``: how the unknown-model
+  row is decoded, `polyserve.core.length_classes`; derived from the per-model classes
+  when absent, as in artifacts trained before issue 17),
   the log-length scale, the data hash, the encoder precision phase 2 was fitted
   on (``precision``: fp32, bf16 or int8; absent = fp32), the training budget and
   validation scores;
@@ -21,6 +24,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from polyserve.core.model_names import Match, ModelResolver
 from polyserve.predictor.proxy import labels
 
 FORMAT = 1
@@ -53,16 +57,28 @@ class Meta:
     lora_targets: list[str] = field(default_factory=lambda: ["query", "value"])
     precision: str = "fp32"  # encoder precision the head was fitted on in phase 2, and served with by default
     extra: dict[str, Any] = field(default_factory=dict)  # budget, timings, validation scores
+    unseen_classes: labels.ModelClasses | None = None  # None: derived from `classes` (older artifacts)
+
+    def __post_init__(self) -> None:
+        self._resolver = ModelResolver(self.models)
+        if self.unseen_classes is None:
+            known = [self.classes[m] for m in self.models if m in self.classes]
+            self.unseen_classes = labels.ModelClasses.unseen(known) if known else self.default_classes
+
+    def resolve(self, model: str) -> Match:
+        """Which known model `model` stands for (`polyserve.core.model_names`: exact, version, family)."""
+        return self._resolver.resolve(model)
 
     def classes_for(self, model: str) -> labels.ModelClasses:
-        return self.classes.get(model, self.default_classes)
+        """Class bounds/medians of `model` as resolved; the unseen-model classes when unknown."""
+        known = self.resolve(model).known
+        cls = self.classes.get(known) if known is not None else None
+        return cls if cls is not None else self.unseen_classes  # type: ignore[return-value]
 
     def model_index(self, model: str) -> int:
-        """Row of the target-model embedding (0 = unknown)."""
-        try:
-            return self.models.index(model) + 1
-        except ValueError:
-            return 0
+        """Row of the target-model embedding of `model` as resolved (0 = unknown)."""
+        known = self.resolve(model).known
+        return self.models.index(known) + 1 if known is not None else 0
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "objective": self.objective, "pooling": self.pooling, "encoder": self.encoder,
@@ -72,6 +88,7 @@ class Meta:
                 "default_classes": self.default_classes.to_json(), "log_mean": self.log_mean,
                 "log_std": self.log_std, "data_hash": self.data_hash, "head_hidden": self.head_hidden,
                 "model_dim": self.model_dim, "lora_targets": self.lora_targets, "precision": self.precision,
+                "unseen_classes": self.unseen_classes.to_json() if self.unseen_classes else None,
                 "extra": self.extra}
 
     @classmethod
@@ -87,7 +104,9 @@ class Meta:
                    data_hash=d.get("data_hash", ""), head_hidden=int(d.get("head_hidden", 256)),
                    model_dim=int(d.get("model_dim", 32)),
                    lora_targets=list(d.get("lora_targets", ["query", "value"])),
-                   precision=str(d.get("precision", "fp32")), extra=dict(d.get("extra", {})))
+                   precision=str(d.get("precision", "fp32")), extra=dict(d.get("extra", {})),
+                   unseen_classes=labels.ModelClasses.from_json(d["unseen_classes"])
+                   if d.get("unseen_classes") else None)
 
 
 def save(path: str | Path, meta: Meta, head_state: dict, lora_state: dict | None) -> Path:

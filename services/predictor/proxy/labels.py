@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from polyserve.core.length_classes import unseen_scheme
+
 PERCENTILES: tuple[float, ...] = (25.0, 50.0, 75.0, 99.0)
 NUM_CLASSES = len(PERCENTILES) + 1
 
@@ -83,6 +85,14 @@ class ModelClasses:
     def fit(cls, lengths: Sequence[float]) -> "ModelClasses":
         bounds = percentile_bounds(lengths)
         return cls(bounds, class_medians(lengths, bounds), len(lengths))
+
+    @classmethod
+    def unseen(cls, known: Sequence["ModelClasses"]) -> "ModelClasses":
+        """Classes for a model not in training: per class, the geometric mean over the known
+        models of their bounds and medians, each model weighted equally
+        (`polyserve.core.length_classes.unseen_scheme`)."""
+        bounds, medians = unseen_scheme([(k.bounds, k.medians) for k in known])
+        return cls(bounds, medians, sum(k.count for k in known))
 
     @property
     def num_classes(self) -> int:

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from polyserve.core.model_names import ModelResolver, canonical
 from polyserve.predictor.proxy import artifact, data, labels
 from polyserve.predictor.proxy import encoder as enc_mod
 from polyserve.predictor.proxy import model as M
@@ -103,10 +104,16 @@ class SplitData:
 
 
 def fit_classes(rows: list[data.Row]) -> tuple[list[str], dict[str, labels.ModelClasses], labels.ModelClasses]:
-    """Per-model class bounds/medians from the training rows, and pooled ones for unknown models."""
+    """Per-model class bounds/medians from the training rows, and pooled ones (kept for reference).
+
+    Rows whose model names share a `canonical` key are one model, named by the first of its
+    spellings; `labels.ModelClasses.unseen` of the result decodes the unknown-model row."""
+    name_of: dict[str, str] = {}
+    for m in sorted({r.model for r in rows}):
+        name_of.setdefault(canonical(m), m)
     by_model: dict[str, list[int]] = defaultdict(list)
     for r in rows:
-        by_model[r.model].append(r.output_tokens)
+        by_model[name_of[canonical(r.model)]].append(r.output_tokens)
     models = sorted(by_model)
     classes = {m: labels.ModelClasses.fit(by_model[m]) for m in models}
     return models, classes, labels.ModelClasses.fit([r.output_tokens for r in rows])
@@ -114,6 +121,9 @@ def fit_classes(rows: list[data.Row]) -> tuple[list[str], dict[str, labels.Model
 
 def split_data(rows: list[data.Row], models: list[str], classes: dict[str, labels.ModelClasses],
                default: labels.ModelClasses) -> SplitData:
+    """Rows as arrays; model names resolved as served (`artifact.Meta.resolve`), labels in the
+    resolved model's classes, `default` (the unseen-model classes) for unknown models."""
+    resolver = ModelResolver(models)
     index: dict[str, int] = {}
     prompts: list[str] = []
     pidx, midx, cls, lens, inp, names = [], [], [], [], [], []
@@ -122,8 +132,9 @@ def split_data(rows: list[data.Row], models: list[str], classes: dict[str, label
             index[r.prompt] = len(prompts)
             prompts.append(r.prompt)
         pidx.append(index[r.prompt])
-        midx.append(models.index(r.model) + 1 if r.model in models else M.UNKNOWN_MODEL)
-        cls.append(classes.get(r.model, default).classes([r.output_tokens])[0])
+        known = resolver.resolve(r.model).known
+        midx.append(models.index(known) + 1 if known is not None else M.UNKNOWN_MODEL)
+        cls.append((classes[known] if known is not None else default).classes([r.output_tokens])[0])
         lens.append(r.output_tokens)
         inp.append(r.input_tokens)
         names.append(r.model)
@@ -320,7 +331,8 @@ def head_pooling(head: M.Head) -> str:
 
 def val_scores(objective: str, out: np.ndarray, sd: SplitData, classes: dict[str, labels.ModelClasses],
                default: labels.ModelClasses, scale: M.LogScale) -> dict[str, float]:
-    mcs = [classes.get(m, default) for m in sd.models]
+    resolver = ModelResolver(list(classes))
+    mcs = [classes.get(resolver.resolve(m).known or "", default) for m in sd.models]
     value, cls, _ = M.decode_outputs(objective, out, mcs, scale)
     sc = labels.scores(sd.classes, cls, value, sd.lengths)
     sc["kendall_tau"] = labels.mean_group_tau(sd.models, value, sd.lengths)  # as `evaluate` reports it
@@ -373,7 +385,8 @@ def train(ds: data.Dataset, cfg: TrainConfig, out_dir: str | Path) -> artifact.M
     tok = enc_mod.load_tokenizer(str(enc_dir))
     fingerprint = enc_mod.tokenizer_fingerprint(enc_dir)
     train_rows, val_rows = ds.split("train"), ds.split("val")
-    models, classes, default = fit_classes(train_rows)
+    models, classes, pooled = fit_classes(train_rows)
+    default = labels.ModelClasses.unseen(list(classes.values()))  # decodes the unknown-model row
     scale = M.LogScale.fit(np.array([r.output_tokens for r in train_rows]))
     tr = subset(split_data(train_rows, models, classes, default), cfg.max_train_prompts, cfg.seed)
     va = split_data(val_rows, models, classes, default)
@@ -425,7 +438,7 @@ def train(ds: data.Dataset, cfg: TrainConfig, out_dir: str | Path) -> artifact.M
     meta = artifact.Meta(objective=cfg.objective, pooling=pooling, encoder=enc_mod.encoder_name(cfg.encoder_dir),
                          tokenizer=ds.tokenizer, tokenizer_fingerprint=fingerprint, max_length=cfg.max_length,
                          lora_rank=cfg.lora_rank, lora_targets=list(targets), models=models, classes=classes,
-                         default_classes=default,
+                         default_classes=pooled, unseen_classes=default,
                          log_mean=scale.mean, log_std=scale.std, data_hash=ds.data_hash,
                          head_hidden=head.cfg.head_hidden, model_dim=head.cfg.model_dim,
                          precision=cfg.phase2_precision, extra=extra)
