@@ -31,6 +31,7 @@ ERROR_CODE = "Nats-Service-Error-Code"
 ERROR_DESC = "Nats-Service-Error"
 
 _encoder = msgspec.json.Encoder()
+COALESCE_S = 0.002  # publish_soon's window: events reach subscribers at most this much later
 
 
 class BusError(Exception):
@@ -90,6 +91,8 @@ class Bus:
         self._mux_ids = itertools.count(1)
         self._mux_prefix = ""
         self._mux_sub: Any = None
+        self._soon: list[tuple[str, bytes, dict[str, str]]] = []  # publish_soon's pending messages
+        self._soon_timer: asyncio.TimerHandle | None = None
 
     @classmethod
     async def connect(cls, url: str, tracer: trace.Tracer, service: str, **kw: Any) -> "Bus":
@@ -124,6 +127,30 @@ class Bus:
 
     async def publish(self, subject: str, msg: Any, reply: str = "") -> None:
         await self.nc.publish(subject, encode(msg), reply=reply, headers=trace_headers())
+
+    def publish_soon(self, subject: str, msg: Any) -> None:
+        """Publish `msg` within `COALESCE_S`, with the messages of every other caller in that
+        window: one socket write for them all. For what no one waits on (events): a write to
+        nats-server was the gateway's largest single cost per request (py-spy; the client writes
+        what is pending once per loop iteration, so publishes in different iterations each cost
+        one). Encoded and trace headers taken now; `flush_soon()` sends what is pending at once."""
+        self._soon.append((subject, encode(msg), trace_headers()))
+        if self._soon_timer is None:
+            self._soon_timer = asyncio.get_running_loop().call_later(COALESCE_S, self._send_soon)
+
+    def _send_soon(self) -> None:
+        self._soon_timer = None
+        if self._soon:
+            self._spawn(self.flush_soon())
+
+    async def flush_soon(self) -> None:
+        """Send the messages of `publish_soon` now (best effort: logged when NATS refuses)."""
+        batch, self._soon = self._soon, []
+        for subject, data, headers in batch:  # nc.publish only queues: one write after the loop
+            try:
+                await self.nc.publish(subject, data, headers=headers)
+            except Exception as exc:  # noqa: BLE001 - events are best effort
+                logger.warning("could not publish on %s: %s", subject, exc)
 
     @asynccontextmanager
     async def inbox(self, max_pending: int = 10_000) -> AsyncIterator[tuple[str, asyncio.Queue]]:
@@ -238,6 +265,10 @@ class Bus:
         return not pending
 
     async def close(self) -> None:
+        if self._soon_timer is not None:
+            self._soon_timer.cancel()
+            self._soon_timer = None
+        await self.flush_soon()
         try:
             await self.nc.drain()
         except Exception:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -40,24 +41,34 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> float:
 
 
 async def drive(base: str, model: str, stream: bool, n: int, concurrency: int, tokens: int) -> dict:
-    """Closed-loop load: `concurrency` clients send `n` requests in total."""
+    """Closed-loop load: `concurrency` clients send `n` requests in total.
+
+    Each client has its own one-connection httpx pool: one pool of `concurrency` connections
+    costs O(connections) per request in httpx (`_assign_requests_to_connections` checks every
+    connection's expiry, with a getpeername each); at 64 that was 8 ms of client CPU per request,
+    the load generator taking the 2-core machine from both sides (docs/benchmarks/overhead.md)."""
     body = {"model": model, "prompt": "measure the control plane overhead please", "max_tokens": tokens,
             "stream": stream, "min_tokens": tokens}
+    url = base + "/v1/completions"
     lat: list[float] = []
-    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=concurrency)) as client:
+    clients = [httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=1)) for _ in range(concurrency)]
+    try:
+        await asyncio.gather(*(_one(c, url, body) for c in clients))  # open every connection
         for _ in range(min(20, n)):  # warm-up
-            await _one(client, base + "/v1/completions", body)
+            await _one(clients[0], url, body)
         remaining = n
 
-        async def worker():
+        async def worker(client: httpx.AsyncClient):
             nonlocal remaining
             while remaining > 0:
                 remaining -= 1
-                lat.append(await _one(client, base + "/v1/completions", body))
+                lat.append(await _one(client, url, body))
 
         t = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(c) for c in clients))
         elapsed = time.perf_counter() - t
+    finally:
+        await asyncio.gather(*(c.aclose() for c in clients))
     arr = np.array(lat)
     return {"rps": len(lat) / elapsed, "p50_ms": float(np.percentile(arr, 50)),
             "p99_ms": float(np.percentile(arr, 99)), "mean_ms": float(arr.mean()), "n": len(lat)}
@@ -102,49 +113,133 @@ def _wait_http(url: str, timeout: float = 20) -> None:
     raise RuntimeError(f"{url} not up within {timeout}s")
 
 
-def main(args: argparse.Namespace) -> int:
-    """`polyserve bench overhead`."""
-    run_dir = Path(tempfile.mkdtemp(prefix="ps-bench-"))
-    bare_port = infra.free_port()
-    bare = subprocess.Popen([sys.executable, "-m", "polyserve.bench.bare", "--port", str(bare_port),
-                             "--tokens", str(args.tokens)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    spec = launcher.ClusterSpec(run_dir=run_dir, engine="sim", model="bench-sim", port=infra.free_port(),
-                                nats_port=0, redis_port=0, prefix="polyserve", min_replicas=1, max_replicas=1,
-                                extra_env={"POLYSERVE_WORKER_TIME_SCALE": "0", "POLYSERVE_LOG_LEVEL": "WARNING",
-                                           # the control plane alone: the historical-mean predictor, unless
-                                           # --with-model also measures the BERT proxy model on this CPU
-                                           "POLYSERVE_PREDICTOR_PROXY_ARTIFACT": "shipped" if args.with_model else ""})
-    print("starting polyserve (sim engine, zero compute time) and a bare FastAPI endpoint ...", flush=True)
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) `pid` has used; 0 once it is gone (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _processes(state: launcher.ClusterState) -> dict[str, int]:
+    """pid of every process of the run by role (gateways summed as "gateway"; workers are
+    the gpu-agent's children), and this process as the load generator."""
+    procs = {name: pid for name, pid in state.pids.items() if name != "supervisor"}
+    agent = state.pids.get("gpu-agent")
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == agent:
+                procs[f"worker-{stat.parent.name}"] = int(stat.parent.name)
+        except (OSError, ValueError, IndexError):
+            continue
+    procs["load generator"] = os.getpid()
+    return procs
+
+
+def _role(name: str) -> str:
+    return "gateway" if name.startswith("gateway") else "worker" if name.startswith("worker-") else name
+
+
+def _cpu_by_role(procs: dict[str, int], before: dict[str, float], n: int) -> dict[str, float]:
+    """CPU ms per request of each role since `before` (over `n` requests)."""
+    out: dict[str, float] = {}
+    for name, pid in procs.items():
+        role = _role(name)
+        out[role] = out.get(role, 0.0) + (_cpu_s(pid) - before[name]) * 1e3 / max(1, n)
+    return {k: round(v, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+
+
+def _spec(args: argparse.Namespace, gateways: int) -> launcher.ClusterSpec:
+    return launcher.ClusterSpec(
+        run_dir=Path(tempfile.mkdtemp(prefix="ps-bench-")), engine="sim", model="bench-sim",
+        port=infra.free_port(), nats_port=0, redis_port=0, prefix="polyserve", min_replicas=1, max_replicas=1,
+        gateways=gateways,
+        extra_env={"POLYSERVE_WORKER_TIME_SCALE": "0", "POLYSERVE_LOG_LEVEL": "WARNING",
+                   # the control plane alone: the historical-mean predictor, unless
+                   # --with-model also measures the BERT proxy model on this CPU
+                   "POLYSERVE_PREDICTOR_PROXY_ARTIFACT": "shipped" if args.with_model else ""})
+
+
+def _run(args: argparse.Namespace, gateways: int, bare_url: str | None) -> dict:
+    """Every case against polyserve with `gateways` gateway processes (and against the bare
+    endpoint, case by case, when `bare_url` is given), with the CPU each role used."""
+    spec = _spec(args, gateways)
+    out: dict = {"results": {}, "cpu_ms_per_request": {}}
     try:
         state = launcher.up(spec, progress=lambda m: None)
-        _wait_http(f"http://127.0.0.1:{bare_port}/healthz")
-        results = {}
+        procs = _processes(state)
         for stream in (False, True):
             for conc in args.concurrency:
-                mode = "stream" if stream else "json"
-                print(f"  {mode} concurrency {conc}: bare ...", flush=True)
-                b = asyncio.run(drive(f"http://127.0.0.1:{bare_port}", "bare", stream, args.requests, conc,
-                                      args.tokens))
-                print(f"  {mode} concurrency {conc}: polyserve ...", flush=True)
-                p = asyncio.run(drive(state.gateway_url, "bench-sim", stream, args.requests, conc, args.tokens))
-                results[f"{mode}-c{conc}"] = {"bare": b, "polyserve": p}
-        stages = asyncio.run(stage_breakdown(state.nats_url, state.prefix, state.gateway_url, "bench-sim", 100))
+                case = f"{'stream' if stream else 'json'}-c{conc}"
+                cell: dict = {}
+                if bare_url is not None:
+                    print(f"  {case}: bare ...", flush=True)
+                    cell["bare"] = asyncio.run(drive(bare_url, "bare", stream, args.requests, conc, args.tokens))
+                print(f"  {case}: polyserve, {gateways} gateway process(es) ...", flush=True)
+                before, t = {n: _cpu_s(p) for n, p in procs.items()}, time.perf_counter()
+                cell["polyserve"] = p = asyncio.run(drive(state.gateway_url, "bench-sim", stream, args.requests,
+                                                          conc, args.tokens))
+                cpu = _cpu_by_role(procs, before, p["n"])
+                cpu["cores busy"] = round(sum(cpu.values()) * p["n"] / 1e3 / (time.perf_counter() - t), 2)
+                out["results"][case], out["cpu_ms_per_request"][case] = cell, cpu
+        if bare_url is not None:
+            out["stages"] = asyncio.run(stage_breakdown(state.nats_url, state.prefix, state.gateway_url,
+                                                         "bench-sim", 100))
     finally:
-        launcher.down(run_dir, progress=lambda m: None)
-        bare.terminate()
-        bare.wait(10)
+        launcher.down(spec.run_dir, progress=lambda m: None)
+    return out
+
+
+def _print_overhead(args: argparse.Namespace, first: dict) -> None:
     predictor = "BERT proxy model" if args.with_model else "historical mean"
     print(f"\ncontrol-plane overhead ({args.requests} requests per cell, {args.tokens} output tokens, "
-          f"sim worker with zero compute time, predictor: {predictor})")
+          f"sim worker with zero compute time, predictor: {predictor}, {args.gateways[0]} gateway process(es))")
     print(f"{'case':<12}{'bare rps':>10}{'ps rps':>10}{'rps ratio':>10}{'bare p50':>10}{'ps p50':>10}"
           f"{'added p50':>11}{'bare p99':>10}{'ps p99':>10}")
-    for case, r in results.items():
+    for case, r in first["results"].items():
         b, p = r["bare"], r["polyserve"]
         print(f"{case:<12}{b['rps']:>10.1f}{p['rps']:>10.1f}{p['rps'] / b['rps']:>10.3f}{b['p50_ms']:>10.2f}"
               f"{p['p50_ms']:>10.2f}{p['p50_ms'] - b['p50_ms']:>11.2f}{b['p99_ms']:>10.2f}{p['p99_ms']:>10.2f}")
-    print(f"\nper-stage medians over 100 sequential requests (ms, from request events): {stages}")
+    print(f"\nper-stage medians over 100 sequential requests (ms, from request events): {first['stages']}")
+
+
+def _print_scale_out(runs: dict[int, dict]) -> None:
+    """polyserve requests/s by gateway processes, and the CPU per request of each role (where
+    the next bottleneck is: the role with the most ms, or the machine when its cores are busy)."""
+    print(f"\nscale-out: polyserve requests/s by gateway processes (this machine: {os.cpu_count()} CPUs)")
+    cases = list(next(iter(runs.values()))["results"])
+    print(f"{'gateways':<10}" + "".join(f"{c:>12}" for c in cases))
+    for n, run in runs.items():
+        print(f"{n:<10}" + "".join(f"{run['results'][c]['polyserve']['rps']:>12.1f}" for c in cases))
+    for n, run in runs.items():
+        for case in cases[-1:] + [c for c in cases if c.endswith("-c8")][:1]:
+            cpu = run["cpu_ms_per_request"][case]
+            print(f"  {n} gateway(s), {case}: CPU ms/request " + ", ".join(f"{k} {v}" for k, v in cpu.items()))
+
+
+def main(args: argparse.Namespace) -> int:
+    """`polyserve bench overhead`: the overhead table with the first --gateways count, then
+    (with several) the scale-out table."""
+    bare_port = infra.free_port()
+    bare = subprocess.Popen([sys.executable, "-m", "polyserve.bench.bare", "--port", str(bare_port),
+                             "--tokens", str(args.tokens)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    print("starting polyserve (sim engine, zero compute time) and a bare FastAPI endpoint ...", flush=True)
+    runs: dict[int, dict] = {}
+    try:
+        _wait_http(f"http://127.0.0.1:{bare_port}/healthz")
+        for i, n in enumerate(args.gateways):
+            runs[n] = _run(args, n, f"http://127.0.0.1:{bare_port}" if i == 0 else None)
+    finally:
+        bare.terminate()
+        bare.wait(10)
+    _print_overhead(args, runs[args.gateways[0]])
+    if len(runs) > 1:
+        _print_scale_out(runs)
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": results, "stages": stages}, indent=2))
+        first = runs[args.gateways[0]]
+        Path(args.json).write_text(json.dumps({"results": first["results"], "stages": first["stages"],
+                                               "by_gateways": runs}, indent=2))
         print(f"wrote {args.json}")
     return 0
 
@@ -156,3 +251,6 @@ def add_arguments(o) -> None:
     o.add_argument("--json", help="also write the figures to this file")
     o.add_argument("--with-model", action="store_true",
                    help="predict with the BERT proxy model (default: the historical mean, i.e. the control plane alone)")
+    o.add_argument("--gateways", type=int, nargs="+", default=[1], metavar="N",
+                   help="gateway processes (polyserve up --gateways N) to measure, e.g. 1 2 4: the overhead "
+                        "table with the first, then requests/s and CPU per role for each")

@@ -27,7 +27,10 @@ def cmd_up(args: argparse.Namespace) -> int:
                                 upstream_metrics_url=args.upstream_metrics_url or "",
                                 config_file=args.config or "", supervise=not args.no_supervisor,
                                 admin_key="" if args.no_admin_key else None, insecure=args.insecure,
-                                nats_tls=_tls(args))
+                                nats_tls=_tls(args), gateways=args.gateways)
+    if args.gateways < 1:
+        _say("polyserve up failed: --gateways must be >= 1")
+        return 2
     t0 = time.monotonic()
     try:
         state = launcher.up(spec, progress=_say)
@@ -35,7 +38,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         _say(f"polyserve up failed: {exc}")
         return 1
     _say(f"\npolyserve is up in {time.monotonic() - t0:.1f}s (engine {state.engine}, model '{state.model}')")
-    _say(f"  gateway      {state.gateway_url}/v1   (OpenAI-compatible; try GET {state.gateway_url}/v1/models)")
+    _say(f"  gateway      {state.gateway_url}/v1   (OpenAI-compatible; try GET {state.gateway_url}/v1/models)"
+         + (f"; {spec.gateways} processes on this port" if spec.gateways > 1 else ""))
     if state.admin_key_file:
         _say(f"  admin key    {state.admin_key_file}   (owner-only; admin API: "
              f"curl -H \"Authorization: Bearer $(cat {state.admin_key_file})\" {state.gateway_url}/v1/deployments)")
@@ -180,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default <upstream-url>/metrics; 'off' = none)")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--gateways", type=int, default=1, metavar="N",
+                    help="gateway processes serving --port together (SO_REUSEPORT; the in-flight limit is "
+                         "per process)")
     up.add_argument("--prefix", default="polyserve")
     up.add_argument("--policy", default="least_outstanding")
     up.add_argument("--min-replicas", type=int, default=1)

@@ -58,6 +58,7 @@ class ClusterSpec:
     admin_key: str | None = None  # None: $POLYSERVE_GATEWAY_ADMIN_API_KEY, else the run dir's, else a new one; "": none
     insecure: bool = False  # allow a gateway beyond loopback without an admin key
     nats_tls: auth.TlsFiles | None = None  # nats-server TLS certificate and key (and the CA clients verify with)
+    gateways: int = 1  # gateway processes sharing `port` (SO_REUSEPORT); each its own in-flight limit
 
 
 @dataclass
@@ -145,11 +146,23 @@ def _env(state: ClusterState, spec: ClusterSpec) -> dict[str, str]:
     return env
 
 
-def spawn_service(svc: str, env: dict[str, str], run_dir: Path) -> subprocess.Popen:
-    """One service process (`svc` as in SERVICES) with its own credentials, its output
-    appended to logs/<svc>.log."""
+def gateway_names(n: int) -> list[str]:
+    """The process names of `n` gateways: "gateway", then "gateway-2", "gateway-3", ..."""
+    return ["gateway"] + [f"gateway-{i}" for i in range(2, n + 1)]
+
+
+def module_of(name: str) -> str:
+    """The module (`svc` as in SERVICES) a process name of state.json runs: "gateway-2" -> "gateway"."""
+    if name.startswith("gateway-"):
+        return "gateway"
+    return {v: k for k, v in SERVICE_NAMES.items()}.get(name, name)
+
+
+def spawn_service(svc: str, env: dict[str, str], run_dir: Path, name: str = "") -> subprocess.Popen:
+    """One service process (`svc` as in SERVICES) with its own credentials (every gateway
+    process the gateway user's), its output appended to logs/<name or svc>.log."""
     env = credentials.service_env(SERVICE_NAMES.get(svc, svc), env, run_dir)
-    log = open(Path(run_dir) / "logs" / f"{svc}.log", "ab")
+    log = open(Path(run_dir) / "logs" / f"{name or svc}.log", "ab")
     try:
         return subprocess.Popen([sys.executable, "-m", f"polyserve.{svc}"], stdout=log, stderr=log,
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)
@@ -209,11 +222,12 @@ def _ensure_deployment(r: redis.Redis, keys: Keys, spec: ClusterSpec, engine: st
     r.sadd(keys.deployments, dep_id)
 
 
-def _live(r: redis.Redis, keys: Keys) -> tuple[set[str], int]:
+def _live(r: redis.Redis, keys: Keys) -> tuple[set[str], int, int]:
+    """(live service names, live workers, live gateway instances) in the Redis registry."""
     now = time.time()
-    services = {m.decode().split(":", 1)[0] for m in r.zrangebyscore(keys.services, now, "+inf")}
+    names = [m.decode().split(":", 1)[0] for m in r.zrangebyscore(keys.services, now, "+inf")]
     workers = r.zcount(keys.workers, now, "+inf")
-    return services, workers
+    return set(names), workers, names.count("gateway")
 
 
 def _check(spec: ClusterSpec) -> tuple[str, str, object]:
@@ -273,11 +287,12 @@ def up(spec: ClusterSpec, progress=print) -> ClusterState:
             _ensure_deployment(r, keys, spec, engine, model)
         env = _service_env(state, spec, port)
         for svc in SERVICES:
-            pids[SERVICE_NAMES.get(svc, svc)] = spawn_service(svc, env, run_dir).pid
-            state.save()
+            for name in gateway_names(spec.gateways) if svc == "gateway" else [SERVICE_NAMES.get(svc, svc)]:
+                pids[name] = spawn_service(svc, env, run_dir, name if svc == "gateway" else "").pid
+                state.save()
         progress(f"started {', '.join(SERVICE_NAMES.get(s, s) for s in SERVICES)}; waiting for them and a "
                  f"{engine} worker to report ready")
-        wait_ready(r, keys, state, spec.ready_timeout_s, progress)
+        wait_ready(r, keys, state, spec.ready_timeout_s, progress, gateways=spec.gateways)
         if spec.supervise:
             start_supervisor(state, env)
         return state
@@ -306,6 +321,8 @@ def _service_env(state: ClusterState, spec: ClusterSpec, port: int) -> dict[str,
     if spec.config_file:
         env["POLYSERVE_PLANNER_DESIRED_STATE_FILE"] = str(Path(spec.config_file).resolve())
     env.update(upstream_env(spec))
+    if spec.gateways > 1:  # one port for all of them: the kernel spreads the connections
+        env["POLYSERVE_GATEWAY_REUSE_PORT"] = "true"
     env.setdefault("POLYSERVE_GATEWAY_ADAPTER_ROOTS", str(default_run_dir().parent / "adapters"))  # issue 14
     return env
 
@@ -323,20 +340,21 @@ def wait_redis(r: redis.Redis, timeout: float) -> None:
             time.sleep(0.05)
 
 
-def wait_ready(r: redis.Redis, keys: Keys, state: ClusterState, timeout: float, progress=print) -> None:
+def wait_ready(r: redis.Redis, keys: Keys, state: ClusterState, timeout: float, progress=print,
+               gateways: int = 1) -> None:
     want = {SERVICE_NAMES.get(s, s) for s in SERVICES}
     deadline = time.monotonic() + timeout
     seen: set[str] = set()
     while time.monotonic() < deadline:
         for name, pid in state.pids.items():
             if not infra.pid_alive(pid):
-                log = Path(state.run_dir, "logs", f"{name.replace('-', '_')}.log")
+                log = Path(state.run_dir, "logs", f"{name if name.startswith('gateway') else module_of(name)}.log")
                 raise LaunchError(f"{name} exited during start-up; see {log}")
-        services, workers = _live(r, keys)
+        services, workers, live_gateways = _live(r, keys)
         for name in sorted((services & want) - seen):
             progress(f"  {name} ready")
         seen |= services & want
-        if want <= services and workers >= 1:
+        if want <= services and workers >= 1 and live_gateways >= gateways:
             progress(f"  worker ready ({workers})")
             return
         time.sleep(0.2)
@@ -358,7 +376,8 @@ def down(run_dir: Path, timeout: float = 30.0, progress=print) -> bool:
         state = ClusterState.load(run_dir) or state  # the pids it restarted
         n = sum(state.restarts.values())
         progress(f"stopped the supervisor (pid {sup}; {n} restart{'s' if n != 1 else ''})")
-    order = [SERVICE_NAMES.get(s, s) for s in STOP_ORDER] + ["redis-server", "nats-server"]
+    extra_gateways = sorted(n for n in state.pids if n.startswith("gateway-"))
+    order = extra_gateways + [SERVICE_NAMES.get(s, s) for s in STOP_ORDER] + ["redis-server", "nats-server"]
     for name in order:
         pid = state.pids.get(name)
         if pid and infra.pid_alive(pid):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from polyserve.cli.launcher import SERVICE_NAMES, ClusterState, spawn_service
+from polyserve.cli.launcher import ClusterState, module_of, spawn_service
 from polyserve.shared import infra
 
 logger = logging.getLogger("polyserve.supervisor")
@@ -30,7 +30,6 @@ INITIAL_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
 RESET_AFTER_S = 60.0
 POLL_S = 0.1
-MODULES = {v: k for k, v in SERVICE_NAMES.items()}  # "gpu-agent" -> "gpu_agent"
 
 
 def backoff(delay: float, uptime: float) -> tuple[float, float]:
@@ -74,7 +73,8 @@ class Supervisor:
             proc, _ = infra.start_redis(self.run_dir / "redis", port=urlparse(st.redis_url).port,
                                         config=st.redis_config or None)
         else:  # with its own credentials and the same configuration files, as `up` did
-            proc = spawn_service(MODULES.get(name, name), self.env, self.run_dir)
+            module = module_of(name)  # "gpu-agent" -> "gpu_agent", "gateway-2" -> "gateway"
+            proc = spawn_service(module, self.env, self.run_dir, name if module == "gateway" else "")
         return proc.pid
 
     def step(self) -> None:

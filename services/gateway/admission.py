@@ -14,6 +14,7 @@ embeddings), after the endpoint validated its body:
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -24,6 +25,7 @@ from opentelemetry import propagate
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from polyserve.core import length_hint
+from polyserve.core.names import MODEL_POLICIES
 from polyserve.proto import (
     AdapterSpec,
     Deployment,
@@ -43,6 +45,12 @@ from .errors import GatewayError, status_of
 from .policy import InvalidRequest
 
 logger = logging.getLogger(__name__)
+
+# Dispatch policies that read the request's prediction (`predicted_tokens` / `length_class`):
+# aladdin and caraserve (their performance models), first_fit (room for input + predicted
+# output) and least_loaded (tokens of the tracked requests). For every other policy the gateway
+# asks the predictor and the dispatcher at once (handlers.RequestRun._predict_and_place).
+USES_PREDICTION = MODEL_POLICIES | {"first_fit", "least_loaded"}
 
 
 @dataclass
@@ -144,11 +152,13 @@ async def predict(gs: GatewayState, req: PredictRequest, base: dict) -> Predicti
     return p
 
 
-async def place(gs: GatewayState, req: DispatchRequest, base: dict) -> Placement:
+async def place(gs: GatewayState, req: DispatchRequest, base: dict, after: asyncio.Future | None = None) -> Placement:
     """The dispatcher's placement of `req`; publishes `dispatched`. A dispatcher that does not
     answer in time is asked once more (the queue group may pick another replica); when none
     answers (timeouts, or no dispatcher listening) the gateway places the request itself on the
-    least-outstanding live worker from the heartbeats it follows (policy "local-fallback")."""
+    least-outstanding live worker from the heartbeats it follows (policy "local-fallback").
+    With `after` (the prediction asked at the same time), `dispatched` waits for it, so the
+    events of a request keep their order: admitted, predicted, dispatched."""
     t = time.monotonic()
     placement = None
     for attempt in range(2):
@@ -167,8 +177,11 @@ async def place(gs: GatewayState, req: DispatchRequest, base: dict) -> Placement
     if placement is None:
         placement = await local_placement(gs, req)
         gs.metrics.fallbacks.labels("dispatch").inc()
+    latency_ms = (time.monotonic() - t) * 1e3
+    if after is not None:
+        await asyncio.shield(after)  # the caller may cancel this wait, never the prediction under it
     await gs.event("dispatched", Dispatched(**base, worker_id=placement.worker_id, policy=placement.policy,
-                                            latency_ms=(time.monotonic() - t) * 1e3))
+                                            latency_ms=latency_ms))
     return placement
 
 

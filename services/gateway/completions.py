@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from opentelemetry import trace
 
 from polyserve.proto import SamplingParams, TokenChunk
@@ -96,7 +96,7 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
         if tl is not None and tl.listed:
             for choice in answer["choices"]:
                 tools.render_message(choice, tl)
-        return JSONResponse(answer, headers=headers)
+        return Response(_json(answer), media_type="application/json", headers=headers)
     except GatewayError as exc:
         adm.failed(exc)
         raise
@@ -235,8 +235,21 @@ def _constrain(params: SamplingParams, body: CompletionBody | ChatBody, tl: tool
     return params if spec is None else msgspec.structs.replace(params, structured=spec)
 
 
+_encoder = msgspec.json.Encoder()
+
+
+def _json(obj: Any) -> bytes:
+    """`obj` as compact JSON. msgspec is several times faster than json.dumps on the hot path
+    (one call per SSE chunk); json.dumps is the fallback for what msgspec refuses (a string
+    with a lone surrogate, which json.dumps escapes)."""
+    try:
+        return _encoder.encode(obj)
+    except (TypeError, UnicodeEncodeError):
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+
 def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _json(obj) + b"\n\n"
 
 
 def _sim_header(simulated: bool | None) -> dict[str, str] | None:

@@ -7,6 +7,9 @@ from polyserve.shared.settings import CommonSettings, SettingsError
 class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     host: str = "127.0.0.1"  # loopback by default; expose deliberately
     port: int = 8000
+    # SO_REUSEPORT on the listening socket: several gateway processes serve one port, the kernel
+    # spreads connections over them (`polyserve up --gateways N`; Linux and the BSDs).
+    reuse_port: bool = False
     admin_api_key: str = ""  # when set, admin endpoints need `Authorization: Bearer <key>`
     max_inflight: int = 512  # beyond this: 429 with Retry-After
     # The prediction is a hint: past this budget the gateway answers it locally (history, else the

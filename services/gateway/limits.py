@@ -192,12 +192,62 @@ def header_timeout_protocol(seconds: float):
     return HeaderTimeoutH11Protocol
 
 
-def uvicorn_kwargs(settings) -> dict[str, Any]:
-    """The uvicorn.Config keyword arguments for the gateway's edge settings."""
-    return {"limit_concurrency": settings.max_connections or None,
-            "timeout_keep_alive": max(1, int(settings.keep_alive_s)),
-            "h11_max_incomplete_event_size": settings.max_header_bytes,
-            "http": header_timeout_protocol(settings.header_timeout_s)}
+def header_timeout_httptools_protocol(seconds: float):
+    """The same slow-header guard for uvicorn's httptools protocol (the C parser the gateway
+    uses where installed): the timer is armed when a connection opens and when the parser sees
+    the next request begin, and disarmed when its headers are complete."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class HeaderTimeoutHttpToolsProtocol(HttpToolsProtocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(seconds, self._header_timeout)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_timeout(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()  # no request line and headers in time: drop the connection
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def on_message_begin(self) -> None:
+            if self._header_timer is None:
+                self._arm()  # the first bytes of a kept-alive connection's next request
+            super().on_message_begin()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()  # headers complete: the request runs (the body has its own limit)
+            super().on_headers_complete()
+
+    return HeaderTimeoutHttpToolsProtocol
+
+
+def uvicorn_kwargs(settings, http: str = "h11") -> dict[str, Any]:
+    """The uvicorn.Config keyword arguments for the gateway's edge settings, for the HTTP
+    implementation `http` ("httptools" or "h11"): the connection cap (503 beyond it), the
+    keep-alive idle timeout and the slow-header timeout; the header size cap is h11's
+    (httptools bounds a header line by its own fixed buffer)."""
+    kwargs: dict[str, Any] = {"limit_concurrency": settings.max_connections or None,
+                              "timeout_keep_alive": max(1, int(settings.keep_alive_s))}
+    if http == "httptools":
+        kwargs["http"] = header_timeout_httptools_protocol(settings.header_timeout_s)
+    else:
+        kwargs["http"] = header_timeout_protocol(settings.header_timeout_s)
+        kwargs["h11_max_incomplete_event_size"] = settings.max_header_bytes
+    return kwargs
 
 
 def raise_nofile_limit() -> tuple[int, int] | None:

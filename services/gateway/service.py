@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 
 import uvicorn
 
+from polyserve.gateway import limits
 from polyserve.proto import Heartbeat, WorkerDown
 from polyserve.shared.lifecycle import ServiceBase
 
@@ -18,6 +20,33 @@ from .config import GatewaySettings
 from .context import GatewayState
 
 logger = logging.getLogger(__name__)
+
+
+def _http_impl() -> str:
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return "h11"
+    return "httptools"
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) with SO_REUSEPORT, for uvicorn to listen on: every
+    gateway process of `polyserve up --gateways N` binds the same port this way and the kernel
+    hashes incoming connections over them. uvicorn has no option for it, hence the socket."""
+    if not hasattr(socket, "SO_REUSEPORT"):
+        raise RuntimeError("reuse_port: this platform has no SO_REUSEPORT; run one gateway per port")
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(info[0], socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(info[4])
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(False)
+    return sock
 
 
 class _Server(uvicorn.Server):
@@ -57,11 +86,18 @@ class GatewayService(ServiceBase):
         await self.bus.listen(self.subjects.worker_event("down"), WorkerDown, self.gs.on_down)
         with contextlib.suppress(Exception):
             await self.gs.refresh_deployments(force=True)
+        # loop="none": uvicorn runs on the service's loop (uvloop when installed, shared/lifecycle.py);
+        # httptools parses HTTP in C where installed (h11, pure Python, was ~8% of the gateway's CPU).
+        # The edges (limits.py): connection cap (503 beyond it), keep-alive and slow-header timeouts,
+        # on whichever HTTP implementation runs; and as many open files as the OS allows.
+        limits.raise_nofile_limit()
         config = uvicorn.Config(self.app, host=self.settings.host, port=self.settings.port,
-                                log_level="warning", lifespan="off", access_log=False,
-                                timeout_graceful_shutdown=max(1, int(self.settings.drain_timeout_s)))
+                                loop="none", log_level="warning", lifespan="off", access_log=False,
+                                timeout_graceful_shutdown=max(1, int(self.settings.drain_timeout_s)),
+                                **limits.uvicorn_kwargs(self.settings, _http_impl()))
         self._server = _Server(config)
-        self._server_task = asyncio.create_task(self._server.serve())
+        sockets = [reuse_port_socket(self.settings.host, self.settings.port)] if self.settings.reuse_port else None
+        self._server_task = asyncio.create_task(self._server.serve(sockets=sockets))
         while not self._server.started:
             if self._server_task.done():
                 self._server_task.result()

@@ -180,11 +180,11 @@ async def test_adapters_register_only_under_the_roots(plane, tmp_path):
 
 
 @contextlib.asynccontextmanager
-async def serving(app, **settings):
-    """`app` under uvicorn with the gateway's edge settings (limits.uvicorn_kwargs)."""
+async def serving(app, http: str = "h11", **settings):
+    """`app` under uvicorn with the gateway's edge settings (limits.uvicorn_kwargs) on `http`."""
     s = GatewaySettings(**settings)
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
-                            **limits.uvicorn_kwargs(s))
+                            **limits.uvicorn_kwargs(s, http))
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     await wait_for(lambda: server.started, what="uvicorn")
@@ -201,8 +201,9 @@ async def slow_app(scope, receive, send):
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-async def test_slow_headers_are_dropped_and_connections_capped():
-    async with serving(slow_app, header_timeout_s=0.3, max_connections=3) as port:
+@pytest.mark.parametrize("http", ["h11", "httptools"])
+async def test_slow_headers_are_dropped_and_connections_capped(http):
+    async with serving(slow_app, http, header_timeout_s=0.3, max_connections=3) as port:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n")  # headers never finished
         assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the gateway
@@ -212,7 +213,7 @@ async def test_slow_headers_are_dropped_and_connections_capped():
             assert r.status_code == 200 and r.text == "ok"
             await asyncio.sleep(0.5)  # kept alive past the header timeout, idle: still usable
             assert (await h.get("/")).status_code == 200
-    async with serving(slow_app, header_timeout_s=30, max_connections=2) as port:
+    async with serving(slow_app, http, header_timeout_s=30, max_connections=2) as port:
         idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as h:
             assert (await h.get("/")).status_code == 503  # a clean 503 beyond the cap
