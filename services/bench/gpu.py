@@ -1,0 +1,131 @@
+"""`polyserve bench gpu energy|roofline`: the GPU checks that need a real device (read-only).
+
+* `energy`: the NVML energy counter (`nvmlDeviceGetTotalEnergyConsumption`, Volta and later)
+  against power samples (`nvmlDeviceGetPowerUsage`) integrated over the same window, idle and
+  under a matmul load, as `polyserve.gpu_agent.gpu.NvmlGpu` reads them. The gpu-agent's energy
+  per request uses the counter when the GPU has one (`services/gpu_agent/energy.py`).
+* `roofline`: decode tokens/s at batch 1 of the hf engine's random Llama on CUDA (sized with
+  `--hidden`/`--layers` so weights dominate), against the memory-bandwidth bound: every decode
+  step reads all weights once, so tokens/s <= bandwidth / weight bytes. The peak bandwidth is
+  NVML's max memory clock x bus width x 2 (DDR), or `--peak-gb-s` when given.
+
+Nothing here changes clocks, power limits or modes. Without an NVIDIA GPU it says so and
+exits 2. Figures are printed with the device's name; record them with the device.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+
+class NoGpu(RuntimeError):
+    """No NVIDIA GPU (or NVML, or CUDA) here; the message says which."""
+
+
+def _nvml_handle(index: int) -> tuple[Any, Any]:
+    try:
+        import pynvml as nvml
+
+        nvml.nvmlInit()
+        return nvml, nvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception as exc:  # noqa: BLE001 - ImportError, library missing, no device
+        raise NoGpu(f"no NVIDIA GPU through NVML ({exc})") from exc
+
+
+def _burn(seconds: float, index: int) -> None:
+    """A matmul loop on the GPU for `seconds` (so power is not idle)."""
+    import torch
+
+    dev = torch.device("cuda", index)
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.float16)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        a = (a @ a).clamp_(-1, 1)
+    torch.cuda.synchronize(dev)
+
+
+def energy(args: argparse.Namespace) -> dict:
+    """Counter delta vs integrated power, idle then under load."""
+    nvml, h = _nvml_handle(args.index)
+    out = {"device": nvml.nvmlDeviceGetName(h), "windows": []}
+    for label in ("idle", "load"):
+        import threading
+
+        worker = threading.Thread(target=_burn, args=(args.seconds, args.index)) if label == "load" else None
+        e0, t0, p_prev = nvml.nvmlDeviceGetTotalEnergyConsumption(h) / 1e3, time.monotonic(), None
+        integrated, samples = 0.0, 0
+        if worker:
+            worker.start()
+        while time.monotonic() - t0 < args.seconds:
+            time.sleep(args.interval)
+            p, t = nvml.nvmlDeviceGetPowerUsage(h) / 1e3, time.monotonic()
+            integrated += (p if p_prev is None else (p + p_prev[0]) / 2) * (t - (p_prev[1] if p_prev else t0))
+            p_prev, samples = (p, t), samples + 1
+        if worker:
+            worker.join()
+        counter = nvml.nvmlDeviceGetTotalEnergyConsumption(h) / 1e3 - e0
+        out["windows"].append({"window": label, "seconds": round(time.monotonic() - t0, 2), "samples": samples,
+                               "counter_j": round(counter, 1), "integrated_j": round(integrated, 1),
+                               "integrated_over_counter": round(integrated / counter, 4) if counter else None})
+    return out
+
+
+def roofline(args: argparse.Namespace) -> dict:
+    """Batch-1 decode tokens/s of a random Llama vs the memory-bandwidth bound."""
+    import torch
+
+    from polyserve.worker.engines.hf_model import build_random_model
+
+    if not torch.cuda.is_available():
+        raise NoGpu("torch sees no CUDA device")
+    nvml, h = _nvml_handle(args.index)
+    peak = args.peak_gb_s * 1e9 if args.peak_gb_s else (
+        nvml.nvmlDeviceGetMaxClockInfo(h, nvml.NVML_CLOCK_MEM) * 1e6 * nvml.nvmlDeviceGetMemoryBusWidth(h) / 8 * 2)
+    arch = {"hidden_size": args.hidden, "intermediate_size": 4 * args.hidden, "num_hidden_layers": args.layers,
+            "num_attention_heads": max(1, args.hidden // 128), "num_key_value_heads": max(1, args.hidden // 128)}
+    model = build_random_model(0, device=f"cuda:{args.index}", dtype=torch.bfloat16, arch=arch)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    ids = torch.ones(1, 16, dtype=torch.long, device=model.device)
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)  # warm-up
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
+        torch.cuda.synchronize()
+        secs = time.perf_counter() - t
+    tps = args.tokens / secs
+    bound = peak / weight_bytes
+    return {"device": nvml.nvmlDeviceGetName(h), "weights_gb": round(weight_bytes / 1e9, 3),
+            "peak_gb_s": round(peak / 1e9, 1), "decode_tokens_per_s": round(tps, 1),
+            "bound_tokens_per_s": round(bound, 1), "fraction_of_bound": round(tps / bound, 3),
+            "achieved_gb_s": round(tps * weight_bytes / 1e9, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="polyserve bench gpu", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--index", type=int, default=0, help="GPU index")
+    ap.add_argument("--json", help="also write the figures to this file")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("energy", help="NVML energy counter vs integrated power samples, idle and under load")
+    e.add_argument("--seconds", type=float, default=10.0)
+    e.add_argument("--interval", type=float, default=0.05, help="seconds between power samples")
+    e.set_defaults(fn=energy)
+    r = sub.add_parser("roofline", help="batch-1 decode tokens/s vs the memory-bandwidth bound")
+    r.add_argument("--hidden", type=int, default=2048)
+    r.add_argument("--layers", type=int, default=16)
+    r.add_argument("--tokens", type=int, default=128)
+    r.add_argument("--peak-gb-s", type=float, default=0.0, help="peak memory bandwidth (default: from NVML)")
+    r.set_defaults(fn=roofline)
+    args = ap.parse_args(argv)
+    try:
+        res = args.fn(args)
+    except NoGpu as exc:
+        print(f"polyserve bench gpu {args.cmd}: {exc}; nothing to measure on this machine")
+        return 2
+    print(json.dumps(res, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0

@@ -1,0 +1,43 @@
+"""`polyserve bench gpu`: refuses cleanly without a GPU; its energy arithmetic checked against a
+contract fake of pynvml (the real function names and units: mJ for the energy counter, mW for
+power), since no GPU runs here."""
+from __future__ import annotations
+
+import sys
+import time
+import types
+
+import pytest
+
+from polyserve.bench import gpu
+
+pytestmark = pytest.mark.unit
+
+
+def test_no_gpu_is_a_clear_exit_2(monkeypatch, capsys):
+    fake = types.SimpleNamespace(nvmlInit=lambda: (_ for _ in ()).throw(RuntimeError("NVML Shared Library Not Found")))
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert gpu.main(["energy", "--seconds", "0.1"]) == 2
+    assert "no NVIDIA GPU" in capsys.readouterr().out
+
+
+def contract_nvml(watts: float):
+    """pynvml's read API as polyserve uses it: the counter in mJ grows at `watts`, power in mW."""
+    t0 = time.monotonic()
+    return types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda i: object(),
+        nvmlDeviceGetName=lambda h: "Contract GPU",
+        nvmlDeviceGetTotalEnergyConsumption=lambda h: int((time.monotonic() - t0) * watts * 1000),
+        nvmlDeviceGetPowerUsage=lambda h: int(watts * 1000),
+    )
+
+
+def test_energy_counter_and_integrated_power_agree_on_a_constant_load(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", contract_nvml(200.0))
+    monkeypatch.setattr(gpu, "_burn", lambda seconds, index: time.sleep(seconds))
+    res = gpu.energy(types.SimpleNamespace(index=0, seconds=0.3, interval=0.02))
+    assert res["device"] == "Contract GPU" and [w["window"] for w in res["windows"]] == ["idle", "load"]
+    for w in res["windows"]:
+        assert w["samples"] >= 5 and w["counter_j"] == pytest.approx(60, rel=0.2)
+        assert w["integrated_over_counter"] == pytest.approx(1.0, rel=0.15)
