@@ -15,6 +15,7 @@ from polyserve.gateway import limits
 from polyserve.proto import Heartbeat, WorkerDown
 from polyserve.shared.lifecycle import ServiceBase
 
+from . import observe
 from .app import build_app
 from .config import GatewaySettings
 from .context import GatewayState
@@ -84,6 +85,7 @@ class GatewayService(ServiceBase):
         self.gs.bus, self.gs.state = self.bus, self.state
         await self.bus.listen(self.subjects.worker_event("heartbeat"), Heartbeat, self.gs.on_heartbeat)
         await self.bus.listen(self.subjects.worker_event("down"), WorkerDown, self.gs.on_down)
+        await observe.start(self.gs)  # dashboards' metrics: own request events, fleet events (observe.py)
         with contextlib.suppress(Exception):
             await self.gs.refresh_deployments(force=True)
         # loop="none": uvicorn runs on the service's loop (uvloop when installed, shared/lifecycle.py);
