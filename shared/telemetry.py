@@ -4,8 +4,9 @@ Export goes to an OTLP/HTTP endpoint when one is configured (settings
 `otlp_endpoint` or the standard OTEL_EXPORTER_OTLP_ENDPOINT); none by default.
 Tests pass their own SpanExporter (the SDK's InMemorySpanExporter).
 
-When nothing exports, spans are sampled off (`ParentBased(ALWAYS_OFF)`): they still carry
-trace ids and propagate `traceparent` across NATS, but record nothing. A recording span
+When nothing exports, spans are sampled off (`ALWAYS_OFF`): they still carry trace ids and
+propagate `traceparent` across NATS, but record nothing; a service that exports records all
+its spans (`ALWAYS_ON`), whatever the caller's sampled flag. A recording span
 with no exporter cost about 240 µs per NATS hop (docs/benchmarks/overhead.md). The
 standard OTEL_TRACES_SAMPLER variable, when set, decides instead.
 """
@@ -18,7 +19,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON
 
 logger = logging.getLogger(__name__)
 
@@ -27,9 +28,8 @@ def make_tracer(service: str, otlp_endpoint: str = "",
                 exporter: SpanExporter | None = None) -> tuple[trace.Tracer, TracerProvider]:
     """A tracer for `service`, not installed globally (several services may share a process in tests)."""
     endpoint = otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
-    quiet = exporter is None and not endpoint and not os.environ.get("OTEL_TRACES_SAMPLER")
     provider = TracerProvider(resource=Resource.create({"service.name": f"polyserve-{service}"}),
-                              sampler=ParentBased(ALWAYS_OFF) if quiet else None)
+                              sampler=_sampler(exporter is not None or bool(endpoint)))
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     elif endpoint:
@@ -41,6 +41,15 @@ def make_tracer(service: str, otlp_endpoint: str = "",
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url)))
         logger.info("exporting traces to %s", url)
     return provider.get_tracer(f"polyserve.{service}"), provider
+
+
+def _sampler(exporting: bool):
+    """ALWAYS_ON when this service exports: its spans are recorded even under a caller that
+    does not export (and so sent `traceparent` unsampled); ALWAYS_OFF when it does not. The
+    standard OTEL_TRACES_SAMPLER variable, when set, decides instead (None: the SDK reads it)."""
+    if os.environ.get("OTEL_TRACES_SAMPLER"):
+        return None
+    return ALWAYS_ON if exporting else ALWAYS_OFF
 
 
 def shutdown_tracer(provider: TracerProvider) -> None:

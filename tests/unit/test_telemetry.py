@@ -36,3 +36,23 @@ def test_the_standard_sampler_variable_decides_when_set(monkeypatch):
     with tracer.start_as_current_span("x") as span:
         assert span.is_recording()
     provider.shutdown()
+
+
+def test_an_exporting_service_records_under_a_caller_that_does_not(monkeypatch):
+    """A gateway without export sends an unsampled traceparent; a worker that exports still
+    records its spans, children of the caller's span."""
+    from opentelemetry import trace
+
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_TRACES_SAMPLER", raising=False)
+    quiet, p1 = make_tracer("caller")
+    exp = InMemorySpanExporter()
+    loud, p2 = make_tracer("callee", exporter=exp)
+    with quiet.start_as_current_span("client") as parent:
+        ctx = trace.set_span_in_context(parent)
+        with loud.start_as_current_span("server", context=ctx):
+            pass
+    [server] = exp.get_finished_spans()
+    assert server.parent.span_id == parent.get_span_context().span_id
+    p1.shutdown()
+    p2.shutdown()
