@@ -16,6 +16,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "dispatch": ("polyserve.bench.dispatch", "dispatch decision latency per policy: O(n) scan vs index"),
     "embeddings": ("polyserve.bench.embeddings", "Arlo polymorphing experiment (ST vs DT vs MLQ)"),
     "lora": ("polyserve.bench.lora", "LoRA TTFT: cold on-demand vs CPU-assisted vs cached (CaraServe)"),
+    "grammar": ("polyserve.bench.grammar", "per-token cost of structured outputs (llguidance masks) in the hf engine"),
     "gpu": ("polyserve.bench.gpu", "GPU checks (read-only): NVML energy counter vs integrated power; decode roofline"),
     "arlo": ("polyserve.bench.arlo", "solve time of Arlo's runtime allocation MILP (synthetic instances)"),
 }

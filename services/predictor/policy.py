@@ -41,24 +41,19 @@ artifact, are the shipped artifact's unseen-model bounds ``(101, 205, 290, 661)`
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from polyserve.core.length_classes import UNSEEN_BOUNDS
+from polyserve.core.length_hint import MIN_SAMPLES, PRIOR_TOKENS, bucket_of, capped, length_class  # noqa: F401
 
-PRIOR_TOKENS = 129
-"""Median output tokens of the Azure LLM 2023 conversation trace (see module docstring)."""
+# The prior, the buckets, the cap and the class lookup are shared with the gateway's local
+# fallback, so they live once in `polyserve.core.length_hint` (re-exported here).
 DEFAULT_CLASS_BOUNDS: tuple[int, ...] = UNSEEN_BOUNDS
-DEFAULT_MIN_SAMPLES = 5
+DEFAULT_MIN_SAMPLES = MIN_SAMPLES
 
 SOURCE_HISTORY = "history"
 SOURCE_PRIOR = "prior"
-
-
-def bucket_of(input_tokens: int) -> int:
-    """Power-of-two bucket of an input length: floor(log2(n)), with 0 and 1 in bucket 0."""
-    return max(0, int(input_tokens).bit_length() - 1)
 
 
 def bucket_range(bucket: int) -> tuple[int, int]:
@@ -175,11 +170,6 @@ def parse_bounds(text: str | Iterable[int]) -> tuple[int, ...]:
     return bounds
 
 
-def length_class(tokens: float, bounds: Sequence[float] = DEFAULT_CLASS_BOUNDS) -> int:
-    """Class 0..len(bounds) of an output length: k such that bounds[k-1] <= tokens < bounds[k]."""
-    return bisect_right(bounds, tokens)
-
-
 @dataclass(frozen=True, slots=True)
 class Estimate:
     """One answer of the predictor."""
@@ -190,12 +180,6 @@ class Estimate:
     source: str  # "history" | "prior"
     bucket: int
     samples: int  # how many observations the estimate rests on (0 for the prior)
-
-
-def capped(tokens: int, max_tokens: int) -> int:
-    """An output-length estimate within the request's hard cap `max_tokens` (0 = no cap known):
-    a request never generates more than max_tokens tokens, so no estimate says it will."""
-    return min(tokens, max_tokens) if max_tokens > 0 else tokens
 
 
 def estimate(stats: ModelStats | None, input_tokens: int, *, min_samples: int = DEFAULT_MIN_SAMPLES,

@@ -1,6 +1,6 @@
 """Per-token overhead of structured outputs on the `hf` engine (docs/benchmarks/structured-outputs.md).
 
-    HF_HUB_OFFLINE=1 python -m polyserve.worker.engines.hf_grammar_bench [--rows 8] [--tokens 64] [--repeats 3]
+    HF_HUB_OFFLINE=1 polyserve bench grammar [--rows 8] [--tokens 64] [--repeats 3]
 
 Runs the small random Llama on the CPU: `rows` rows decoding `tokens` tokens each, free and under
 a regex that never ends early (`[a-z0-9]{N}`: every step masked, so the cost per token is the
@@ -45,7 +45,7 @@ async def _run(engine: HfEngine, rid: str, rows: int, params: SamplingParams) ->
     return tokens, time.perf_counter() - start
 
 
-async def main(rows: int, n_tokens: int, repeats: int) -> dict[str, tuple[float, int]]:
+async def run(rows: int, n_tokens: int, repeats: int) -> dict[str, tuple[float, int]]:
     engine = HfEngine(types.SimpleNamespace(model="tiny-random", model_path="", device="cpu", dtype="float32",
                                             max_batch=rows, max_waiting=8, kv_capacity_tokens=1 << 20,
                                             max_input_len=512))
@@ -70,13 +70,13 @@ async def main(rows: int, n_tokens: int, repeats: int) -> dict[str, tuple[float,
     return out
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="polyserve bench grammar", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    a = ap.parse_args()
-    res = asyncio.run(main(a.rows, a.tokens, a.repeats))
+    a = ap.parse_args(argv)
+    res = asyncio.run(run(a.rows, a.tokens, a.repeats))
     free = res["free"][0]
     for name, (tps, tokens) in res.items():
         extra = (1 / tps - 1 / free) * 1e3 if name != "free" else 0.0
@@ -84,3 +84,4 @@ if __name__ == "__main__":
               f"overhead {extra:+.3f} ms per generated token")
     print(f"mask (llguidance bitmask + unpack + fill): {MASKED['s'] / max(MASKED['rows'], 1) * 1e3:.3f} ms per "
           f"row-token over {MASKED['rows']} row-tokens")
+    return 0
