@@ -59,6 +59,7 @@ class Completed(RequestEvent, tag="completed", kw_only=True):
     predicted_tokens: int = 0
     finish_reason: str = "stop"
     simulated: bool = False
+    migrations: int = 0  # times the request moved to another worker after its worker died (request migration)
 
 
 class Failed(RequestEvent, tag="failed", kw_only=True):
@@ -94,6 +95,7 @@ class Heartbeat(Event, tag="heartbeat", kw_only=True):
     kernel: str = ""  # LoRA kernel cost model: "bgmv" | "mbgmv" ("" = unknown)
     profile: str = ""  # engine profile (core/profiles/<name>.json or a path) the dispatcher starts its fits from
     max_adapters: int = 0  # adapter slots on the device (0 = no limit)
+    resumable: bool = False  # the engine continues a started stream from prompt + output (request migration)
 
 
 class WorkerUp(Event, tag="worker_up", kw_only=True):

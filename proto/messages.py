@@ -125,12 +125,31 @@ class GenerateRequest(Msg, kw_only=True):
     predicted_tokens: int = 0
     length_class: int = -1
     adapter_path: str = ""  # where the worker loads `adapter` from if it has not yet (lazy load)
+    # Flow control (slow readers): at most `window` chunks beyond the last one acknowledged with a
+    # `Credit` are in flight; 0 = no window (the worker sends as fast as the engine makes them).
+    window: int = 0
+    resume: "Resume | None" = None  # request migration: continue a stream another worker started
+
+
+class Resume(Msg, kw_only=True):
+    """What the client already has of a stream whose worker died (request migration, as in
+    NVIDIA Dynamo): the new worker generates on from `prompt + text`, at most
+    `max_tokens - tokens` more tokens, numbers its chunks from 0 again, and reports usage as
+    if it had produced the whole output (input tokens of `prompt`, output `tokens` + its own)."""
+
+    text: str  # the output the client already got (choice 0; started streams migrate only with n = 1)
+    tokens: int  # output tokens in `text`
+    migrations: int = 1  # this is the request's n-th move
 
 
 class GenerateAccepted(Msg, kw_only=True):
     request_id: str
     worker_id: str
     queue_position: int = 0
+    # What this worker does for the stream, so the gateway knows what it may ask for:
+    replay: bool = False  # keeps the chunks it sent and answers `ReplayRequest` on its replay subject
+    resumable: bool = False  # its engine continues a started stream from prompt + output (`Resume`)
+    window: int = 0  # the credit window it honours (0 = none)
 
 
 class RequestStats(Msg, kw_only=True):
@@ -163,6 +182,11 @@ class TokenLogprob(Msg, kw_only=True):
     top: list[TopLogprob] = []
 
 
+WORKER_SHUTDOWN = "worker shutting down"
+"""The `error` of a done chunk whose worker stopped before the stream ended (drain timeout):
+the gateway moves such a stream to another worker (request migration)."""
+
+
 class TokenChunk(Msg, kw_only=True):
     request_id: str
     seq: int
@@ -177,6 +201,34 @@ class TokenChunk(Msg, kw_only=True):
     redirect: Placement | None = None  # the request was withdrawn before it started: send it there
     logprobs: list[TokenLogprob] | None = None  # the tokens this chunk adds (params.logprobs set)
     prompt_logprobs: list[TokenLogprob] | None = None  # on a choice's first chunk (params.prompt_logprobs)
+
+
+class ReplayRequest(Msg, kw_only=True):
+    """Gateway -> worker (`worker.<id>.replay`): send again the chunks `from_seq`..`to_seq` (-1 =
+    all buffered from `from_seq`) of a stream; asked when a `seq` gap does not fill within
+    `gap_wait_s`, and when a stream has been quiet (which also proves the worker is alive: a
+    killed worker's subject has no responders)."""
+
+    request_id: str
+    from_seq: int
+    to_seq: int = -1
+
+
+class ReplayReply(Msg, kw_only=True):
+    request_id: str
+    worker_id: str
+    known: bool  # False: this worker has no such stream (never had it, or forgot it after it ended)
+    chunks: list[TokenChunk] = []  # the buffered chunks in the range, in seq order (at most 256)
+    first_seq: int = -1  # the oldest seq still buffered (-1 = none): older ones cannot be re-sent
+
+
+class Credit(Msg, kw_only=True):
+    """Gateway -> worker (`worker.<id>.credit`, no reply): the client has been given every
+    chunk up to `acked` of a stream; the worker may send up to `acked + window` and forget
+    the chunks up to `acked` (its replay buffer)."""
+
+    request_id: str
+    acked: int
 
 
 class Withdraw(Msg, kw_only=True):
@@ -354,5 +406,5 @@ ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     ScaleDecision, GpuTelemetry, StartWorker, StopWorker, AgentReply, ScalerPolicy, Deployment,
     AgentInfo, AdapterSpec, AdapterCommand,
     EmbedRequest, EmbedReply, RuntimeProfile, EncoderProfile,
-    Withdraw, WithdrawReply, ClockDecision, ScaleSignal, EnergyReport, RuntimePlan, Refused,
+    Withdraw, WithdrawReply, Resume, ReplayRequest, ReplayReply, Credit, ClockDecision, ScaleSignal, EnergyReport, RuntimePlan, Refused,
 )

@@ -70,6 +70,14 @@ class Subjects:
         """Withdraw -> WithdrawReply: take back a request that has not started."""
         return f"{self.prefix}.v1.worker.{worker_id}.withdraw"
 
+    def replay(self, worker_id: str) -> str:
+        """ReplayRequest -> ReplayReply: re-send chunks of a stream (a `seq` gap, or a liveness probe)."""
+        return f"{self.prefix}.v1.worker.{worker_id}.replay"
+
+    def credit(self, worker_id: str) -> str:
+        """Credit (no reply): flow control of the streams on one worker (slow readers)."""
+        return f"{self.prefix}.v1.worker.{worker_id}.credit"
+
     def embed(self, worker_id: str) -> str:
         """An encoder worker's embeddings: EmbedRequest -> EmbedReply."""
         return f"{self.prefix}.v1.worker.{worker_id}.embed"

@@ -158,15 +158,17 @@ async def _chunks(runs: list[RequestRun]) -> AsyncIterator[tuple[int, TokenChunk
         async for chunk in runs[0].chunks():
             yield 0, chunk
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    # Bounded, so a slow client holds every run of the batch (their credit windows) rather than
+    # this queue growing without limit.
+    queue: asyncio.Queue = asyncio.Queue(maxsize=4 * len(runs))
 
     async def pump(i: int, run: RequestRun) -> None:
         try:
             async for chunk in run.chunks():
-                queue.put_nowait((i, chunk, None))
+                await queue.put((i, chunk, None))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            queue.put_nowait((i, None, exc))
-        queue.put_nowait((i, None, None))
+            await queue.put((i, None, exc))
+        await queue.put((i, None, None))
 
     tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(runs)]
     try:

@@ -21,7 +21,18 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     accept_timeout_s: float = 2.0  # worker must acknowledge a generate request within this
     first_token_timeout_s: float = 60.0
     idle_timeout_s: float = 10.0  # no chunk from the worker for this long once it streams -> explicit error (504)
-    gap_wait_s: float = 1.0  # a chunk after a missing `seq` waits this long for it, then the stream fails (502)
+    # A chunk after a missing `seq` waits this long for it; then the worker is asked to re-send it
+    # (its replay buffer), and only if that fails does the stream end with an explicit error (502).
+    gap_wait_s: float = 1.0
+    # A stream quiet this long asks its worker to re-send what follows (a lost tail comes back, and
+    # a worker whose subject has no responders is dead: the request migrates at once).
+    liveness_probe_s: float = 1.0
+    # Request migration: times one request may move to another worker after its worker died (a
+    # started stream continues there from prompt + output when the engine can resume); 0 = never.
+    max_migrations: int = 3
+    # Slow readers: chunks a worker may send beyond those handed to the client (credit window);
+    # the gateway's inbox per stream holds 4x this (+64). 0 = no flow control.
+    stream_window: int = 256
     max_tokens_limit: int = 4096
     default_max_tokens: int = 16
     max_n: int = 8
@@ -47,6 +58,16 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     keep_alive_s: float = 5.0
     max_connections: int = 4096  # connections + running requests; 0 = no cap
     max_header_bytes: int = 64 * 1024  # request line + headers (h11_max_incomplete_event_size)
+    # Client API keys (keys.py, access.py; docs/security.md): "auto" = required when the gateway
+    # listens beyond loopback; "on" = required; "off" = optional (a `psk_` key given still counts).
+    client_keys: str = "auto"
+    key_cache_s: float = 2.0  # key lookups cached this long: a revoked key works at most this much longer
+    metrics_access: str = "auto"  # /metrics: open | keys | admin; auto = admin when keys are required
+    docs_access: str = "auto"  # /docs, /redoc, /openapi.json: open | keys | admin | off; auto as above
+    # Fair sharing (fairness.py, VTC): requests with a client key wait in a per-deployment queue once
+    # `fair_slots` of this gateway's requests run (0 = the batch slots of the live workers).
+    fair_share: bool = True
+    fair_slots: int = 0
 
     def validate(self) -> None:
         super().validate()
@@ -56,10 +77,26 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
             raise SettingsError("max_inflight and max_tokens_limit must be >= 1")
         if min(self.predict_timeout_s, self.dispatch_timeout_s, self.idle_timeout_s, self.gap_wait_s) <= 0:
             raise SettingsError("predict_timeout_s, dispatch_timeout_s, idle_timeout_s and gap_wait_s must be > 0")
+        if self.liveness_probe_s <= 0 or self.max_migrations < 0 or self.stream_window < 0:
+            raise SettingsError("liveness_probe_s must be > 0, max_migrations and stream_window >= 0")
         self._validate_edges()
+        self._validate_access()
         if self.response_ttl_s <= 0:
             raise SettingsError(f"response_ttl_s must be > 0 (seconds a stored /v1/responses response is kept), "
                                 f"got {self.response_ttl_s}")
+
+    def _validate_access(self) -> None:
+        if self.client_keys not in ("auto", "on", "off"):
+            raise SettingsError(f"client_keys must be auto, on or off, got {self.client_keys!r}")
+        for name, allowed in (("metrics_access", ("auto", "open", "keys", "admin")),
+                              ("docs_access", ("auto", "open", "keys", "admin", "off"))):
+            if getattr(self, name) not in allowed:
+                raise SettingsError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if not 0 <= self.key_cache_s <= 60:
+            raise SettingsError(f"key_cache_s must be within 0..60 s (how long a revoked key may still work), "
+                                f"got {self.key_cache_s}")
+        if self.fair_slots < 0:
+            raise SettingsError(f"fair_slots must be >= 0 (0 = the workers' batch slots), got {self.fair_slots}")
 
     def _validate_edges(self) -> None:
         if self.max_replicas_limit < 1:

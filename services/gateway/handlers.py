@@ -26,6 +26,7 @@ from polyserve.proto import (
     Placement,
     Prediction,
     PredictRequest,
+    Resume,
     SamplingParams,
     TokenChunk,
     TokenLogprob,
@@ -34,6 +35,7 @@ from polyserve.shared.bus import BusError, decode, error_of
 
 from . import admission
 from .context import GatewayState
+from .delivery import Delivery, WorkerDied, inbox_size
 from .errors import GatewayError, status_of
 from .policy import InvalidRequest, estimate_tokens
 
@@ -53,8 +55,9 @@ class Outcome:
 
 
 @dataclass
-class RequestRun:
-    """State of one admitted completion; use `start()` then iterate `chunks()`."""
+class RequestRun(Delivery):
+    """State of one admitted completion; use `start()` then iterate `chunks()`. Lost chunks,
+    dead workers and slow readers are handled by `Delivery` (delivery.py)."""
 
     gs: GatewayState
     deployment: Deployment
@@ -80,6 +83,17 @@ class RequestRun:
     _expect: int = 0  # the next chunk `seq` to relay (the worker numbers them 0, 1, 2, ...)
     _held: dict[int, TokenChunk] = field(default_factory=dict)  # chunks that came after a missing seq
     _gap_since: float = 0.0  # monotonic time the oldest missing seq was first missed
+    migrations: int = 0  # times the request moved to another worker after its worker died
+    _caps: GenerateAccepted | None = None  # what the current worker said it does (replay, resume, window)
+    _dead: list[str] = field(default_factory=list)  # workers this request died on
+    _out_text: dict[int, str] = field(default_factory=dict)  # per choice: the text handed to the client
+    _out_tokens: dict[int, int] = field(default_factory=dict)  # per choice: its tokens
+    _finished: set[int] = field(default_factory=set)  # choices whose last chunk came
+    _returned: int = -1  # seq of the chunk last handed out (acknowledged by the next call)
+    _acked: int = -1  # seq last acknowledged to the worker (Credit)
+    _last_rx: float = 0.0  # monotonic time the last chunk arrived
+    _probed: float = 0.0  # monotonic time of the last liveness probe
+    _fresh: bool = False  # moved to a new worker that has sent nothing yet (its first-token limit)
 
     def _ms(self) -> float:
         return (time.monotonic() - self.t0) * 1e3
@@ -121,14 +135,15 @@ class RequestRun:
                                                max_tokens=self.params.max_tokens, stream=self.stream,
                                                n=self.params.n))
         admission.check_input(gs, self.deployment, self.input_tokens)
-        self._inbox, self._queue = await self._exit.enter_async_context(gs.bus.inbox())
+        self._inbox, self._queue = await self._exit.enter_async_context(
+            gs.bus.inbox(max_pending=inbox_size(s.stream_window)))
         first = await self._predict_and_place()
         excluded: list[str] = []
         for attempt in range(s.dispatch_retries + 1):
             self.placement = first if attempt == 0 else await self._dispatch(excluded)
             try:
-                await gs.bus.request(self.placement.generate_subject, self._generate(self._inbox),
-                                     GenerateAccepted, timeout=s.accept_timeout_s, span_name="generate")
+                self._caps = await gs.bus.request(self.placement.generate_subject, self._generate(self._inbox),
+                                                  GenerateAccepted, timeout=s.accept_timeout_s, span_name="generate")
                 self._sent_at = time.monotonic()
                 return
             except BusError as exc:
@@ -169,69 +184,63 @@ class RequestRun:
             exclude=excluded, adapter_rank=a.rank if a else 0, max_tokens=self.params.max_tokens), self._base(),
             after)
 
-    def _generate(self, inbox: str) -> GenerateRequest:
+    def _generate(self, inbox: str, resume: Resume | None = None) -> GenerateRequest:
         p, a = self.prediction, self.adapter
         return GenerateRequest(request_id=self.request_id, deployment=self.deployment.id,
                                model=self.deployment.model, prompt=self.prompt, input_tokens=self.input_tokens,
                                params=self.params, stream_to=inbox, adapter=a.name if a else None,
                                adapter_path=a.path if a else "", priority=self.priority,
                                predicted_tokens=p.tokens_estimate if p else 0,
-                               length_class=p.length_class if p else -1)
+                               length_class=p.length_class if p else -1,
+                               window=self.gs.settings.stream_window, resume=resume)
 
     async def _next(self, first: bool) -> TokenChunk:
-        """The next chunk in `seq` order, failing fast if the worker is gone, silent longer
-        than the limit, or a chunk is lost (a gap in `seq` not filled within `gap_wait_s`:
-        chunks that overtook it are held, duplicates dropped). Never a normal end after a gap."""
+        """The next chunk in `seq` order. Chunks that overtook a missing one are held and
+        duplicates dropped; a gap not filled within `gap_wait_s` is asked of the worker again,
+        else the stream fails (never a normal end after a gap). Raises WorkerDied when the
+        worker is gone, GatewayError when it is silent longer than the limit."""
         s = self.gs.settings
+        first = first or self._fresh
         limit = s.first_token_timeout_s if first else s.idle_timeout_s
         deadline = time.monotonic() + limit
-        worker = self.placement.worker_id
+        await self._credit()  # the caller has handed out the chunk returned last
         while True:
             held = self._held.pop(self._expect, None)
             if held is not None:
-                self._expect += 1
-                return held
+                if (got := self._take(held)) is not None:
+                    return got
+                continue
             if self._held and time.monotonic() - self._gap_since > s.gap_wait_s:
-                got = min(self._held)
-                raise GatewayError(502, f"lost {got - self._expect} chunk(s) of the stream from worker {worker} "
-                                        f"(seq {self._expect}..{got - 1} never arrived); the output is incomplete")
+                await self._fill_gap()
+                continue
             try:
                 # a chunk already queued needs no wait_for (a task and a timer per chunk otherwise)
                 msg = self._queue.get_nowait() if not self._queue.empty() else \
                     await asyncio.wait_for(self._queue.get(), timeout=0.25)
             except asyncio.TimeoutError:
-                gone = await self.gs.worker_lost(worker, since=self.t0)
-                if gone:
-                    raise GatewayError(502, f"worker {worker} failed mid-request: {gone}") from None
-                if time.monotonic() > deadline:
-                    raise GatewayError(504, f"worker {worker} sent nothing for {limit:.0f}s "
-                                            f"({'first_token' if first else 'idle'}_timeout_s)") from None
+                await self._quiet(deadline, limit, first)
                 continue
             err = error_of(msg)
             if err is not None:
                 raise GatewayError(err.code, err.description)
-            chunk = decode(msg.data, TokenChunk)
-            if chunk.redirect is not None:  # the next worker numbers its chunks from 0 again
-                self._expect, self._held = 0, {}
-                return chunk
-            if chunk.seq == self._expect:
-                self._expect += 1
-                return chunk
-            if chunk.seq > self._expect and chunk.seq not in self._held:
-                if not self._held:
-                    self._gap_since = time.monotonic()
-                self._held[chunk.seq] = chunk
-            # else: a duplicate of a chunk already relayed
+            if (got := self._take(decode(msg.data, TokenChunk))) is not None:
+                return got
 
     async def chunks(self) -> AsyncIterator[TokenChunk]:
         """Relay the worker's chunks; the done chunk is yielded last. Publishes the terminal event."""
         first = True
         try:
             while True:
-                chunk = await self._next(first)
+                try:
+                    chunk = await self._next(first)
+                except WorkerDied as died:
+                    chunk = await self._migrate(died.reason)
+                    if chunk is None:
+                        continue
                 if chunk.redirect is not None:
                     await self._redirect(chunk.redirect)
                     continue
+                self._count(chunk)
                 self.simulated = self.simulated or chunk.simulated
                 if chunk.finish_reason and not chunk.done:
                     self.finish_reason = chunk.finish_reason
@@ -243,6 +252,8 @@ class RequestRun:
                                                                 ttft_ms=self._ms()))
                     self.gs.metrics.ttft(self.deployment.id, self._ms() / 1e3)
                 if chunk.done:
+                    self._returned = chunk.seq  # acknowledged at once: the worker forgets the stream
+                    await self._credit(force=True)
                     # The terminal event first: a consumer may stop iterating at the done chunk.
                     await self._completed(chunk)
                     yield chunk
@@ -259,6 +270,16 @@ class RequestRun:
         finally:
             self.gs.spawn(self.close())
 
+    def _count(self, chunk: TokenChunk) -> None:
+        """What the client has been given, per choice: what a migrated stream continues from."""
+        if chunk.done:
+            return
+        i = chunk.index
+        self._out_text[i] = self._out_text.get(i, "") + chunk.text
+        self._out_tokens[i] = self._out_tokens.get(i, 0) + chunk.tokens
+        if chunk.finish_reason:
+            self._finished.add(i)
+
     async def _redirect(self, placement: Placement) -> None:
         """The worker gave the request back before starting it (dispatcher re-balancing):
         send it to the new placement; if that worker refuses, dispatch it afresh."""
@@ -272,8 +293,9 @@ class RequestRun:
         target = placement
         for attempt in range(s.dispatch_retries + 1):
             try:
-                await gs.bus.request(target.generate_subject, self._generate(self._inbox), GenerateAccepted,
-                                     timeout=s.accept_timeout_s, span_name="generate (moved)")
+                self._caps = await gs.bus.request(target.generate_subject, self._generate(self._inbox),
+                                                  GenerateAccepted, timeout=s.accept_timeout_s,
+                                                  span_name="generate (moved)")
             except BusError as exc:
                 if attempt >= s.dispatch_retries:
                     raise status_of(exc, f"worker {target.worker_id}") from exc
@@ -308,7 +330,7 @@ class RequestRun:
             tbt_mean_ms=st.tbt_mean_ms if st else 0.0, tbt_max_ms=st.tbt_max_ms if st else 0.0,
             atgt_ms=st.atgt_ms if st else 0.0,
             predicted_tokens=self.prediction.tokens_estimate if self.prediction else 0,
-            finish_reason=self.finish_reason, simulated=self.simulated))
+            finish_reason=self.finish_reason, simulated=self.simulated, migrations=self.migrations))
 
     async def cancel(self, reason: str) -> None:
         """Cancel at the worker (frees its slot at once) and record the failure."""

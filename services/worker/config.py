@@ -34,6 +34,13 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
     time_scale: float = 1.0  # × simulated compute time; 0 = none (control-plane benchmarks)
     max_input_len: int = 4096
     scheduling: str = "fcfs"  # waiting-queue order, see policy.ORDERS
+    # Delivery (issue 13; docs/reliability.md): the chunks of a stream stay in a replay buffer until
+    # the gateway acknowledges them (at most this many when the gateway sets no credit window) ...
+    replay_chunks: int = 1024
+    replay_linger_s: float = 5.0  # ... or, once the stream ended, at most this long
+    # A stream held because its client reads nothing (no credit from the gateway) ends with an
+    # explicit error after this long.
+    slow_reader_limit_s: float = 30.0
     model_path: str = ""  # hf engine: local checkpoint directory
     device: str = "cpu"  # hf engine
     dtype: str = "float32"  # hf engine (vllm: float32 means "auto")
@@ -92,6 +99,8 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
             raise SettingsError("need heartbeat_interval_s > 0 and heartbeat_ttl_s > heartbeat_interval_s")
         if self.max_waiting < 1 or self.max_batch < 1 or self.max_input_len < 1:
             raise SettingsError("max_waiting, max_batch and max_input_len must be >= 1")
+        if self.replay_chunks < 1 or self.replay_linger_s <= 0 or self.slow_reader_limit_s <= 0:
+            raise SettingsError("replay_chunks must be >= 1, replay_linger_s and slow_reader_limit_s > 0")
         if self.kv_capacity_tokens < 0:
             raise SettingsError("kv_capacity_tokens must be >= 0 (0 = from the profile)")
         if self.time_scale < 0:

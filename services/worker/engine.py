@@ -46,6 +46,10 @@ class EngineRequest:
     predicted_tokens: int = 0
     length_class: int = -1
     arrival: float = field(default_factory=time.monotonic)
+    # Request migration: output another worker already streamed to the client. `prompt` then
+    # already ends with it (the engine just generates on); engines that shape their first
+    # token (the sim's leading space) look here.
+    continuation: str = ""
 
 
 @dataclass
@@ -83,6 +87,9 @@ class Engine(abc.ABC):
     name: str = "engine"
     simulated: bool = False
     model_name: str = ""
+    # Whether a started stream can be continued here from prompt + the output so far (request
+    # migration, `EngineRequest.continuation`); advertised in heartbeats and GenerateAccepted.
+    resumable: bool = False
 
     @abc.abstractmethod
     async def start(self) -> None:

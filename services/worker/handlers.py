@@ -9,6 +9,13 @@ Streaming protocol, which the gateway relies on:
 3. The last chunk has `done=True` with the request's `stats`, or `error` when
    the engine failed or the worker shut down mid-stream. Every chunk says
    whether it is `simulated`.
+4. Every chunk sent is kept in the stream's `Outbox` (outbox.py) until the gateway
+   acknowledges it (`Credit`), so a lost one can be sent again (`ReplayRequest` on
+   the worker's replay subject). With `req.window` > 0 at most that many chunks are
+   unacknowledged: a client that reads slowly holds its stream here (bounded), and
+   one that reads nothing for `slow_reader_limit_s` gets an explicit error.
+5. `req.resume` (request migration): the stream continues what another worker
+   started; the engine generates on from prompt + that output.
 """
 from __future__ import annotations
 
@@ -17,25 +24,32 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
+import msgspec
 from opentelemetry import trace
 
 from polyserve.proto import (
+    WORKER_SHUTDOWN,
     AdapterCommand,
     CancelRequest,
+    Credit,
     GenerateAccepted,
     GenerateRequest,
     Placement,
+    ReplayReply,
+    ReplayRequest,
     RequestStats,
+    SamplingParams,
     TokenChunk,
     Withdraw,
     WithdrawReply,
 )
 from polyserve.shared.bus import Bus, BusError
 from polyserve.worker.engine import Delta, Engine, EngineError, EngineOverloaded, EngineRequest, Finished, Withdrawn
+from polyserve.worker.outbox import Outbox
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN = "worker shutting down"
+SHUTDOWN = WORKER_SHUTDOWN
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
 
 
@@ -77,10 +91,40 @@ async def _next(stream: AsyncIterator):
     return await stream.__anext__()
 
 
+class SlowReader(EngineError):
+    """No credit came for a held stream: its client has read nothing for the limit."""
+
+
+def resumed_params(req: GenerateRequest) -> SamplingParams:
+    """The sampling parameters of a migrated stream: what is left of the token budget."""
+    p, done = req.params, req.resume.tokens
+    return msgspec.structs.replace(p, max_tokens=p.max_tokens - done, min_tokens=max(0, p.min_tokens - done),
+                                   prompt_logprobs=None)
+
+
+def check_resume(req: GenerateRequest, engine: Engine) -> None:
+    """Raise BusError saying why this worker cannot continue the migrated stream `req`."""
+    r, p = req.resume, req.params
+    if not engine.resumable:
+        raise BusError(501, f"the {engine.name} engine cannot continue a started stream (request migration)")
+    if p.n != 1 or p.structured is not None:
+        raise BusError(400, "only a stream with n = 1 and no structured output can be continued elsewhere")
+    if r.tokens < 0 or r.tokens >= p.max_tokens:
+        raise BusError(400, f"resume.tokens must be between 0 and max_tokens - 1 (got {r.tokens})")
+
+
 class WorkerHandlers:
     """Generate and cancel for one engine; streams run in tasks kept in a set."""
 
-    def __init__(self, engine: Engine, bus: Bus, tracer: trace.Tracer, worker_id: str):
+    def __init__(self, engine: Engine, bus: Bus, tracer: trace.Tracer, worker_id: str, *,
+                 replay_chunks: int = 1024, replay_linger_s: float = 5.0, slow_reader_limit_s: float = 30.0):
+        self.replay_chunks = replay_chunks  # replay buffer of a stream without a credit window
+        self.replay_linger_s = replay_linger_s  # how long an ended stream's chunks stay unacknowledged
+        self.slow_reader_limit_s = slow_reader_limit_s  # a held stream with no credit this long: error
+        self.outboxes: dict[str, Outbox] = {}
+        self.migrated_in = 0  # streams this worker continued for another (request migration)
+        self.replays = 0  # replay requests answered with chunks
+        self.holds = 0  # times a stream waited for credit (slow readers)
         self.engine = engine
         self.bus = bus
         self.tracer = tracer
@@ -124,9 +168,14 @@ class WorkerHandlers:
                 await self.ensure_adapter(req.adapter, req.adapter_path)
             except EngineError as exc:
                 raise BusError(exc.status, f"adapter {req.adapter}: {exc}") from exc
-        ereq = EngineRequest(request_id=req.request_id, prompt=req.prompt, params=req.params,
+        prompt, params, cont = req.prompt, req.params, ""
+        if req.resume is not None:
+            check_resume(req, self.engine)
+            prompt, params, cont = req.prompt + req.resume.text, resumed_params(req), req.resume.text
+        ereq = EngineRequest(request_id=req.request_id, prompt=prompt, params=params,
                              adapter=req.adapter, priority=req.priority,
-                             predicted_tokens=req.predicted_tokens, length_class=req.length_class)
+                             predicted_tokens=max(0, req.predicted_tokens - (req.resume.tokens if cont else 0)),
+                             length_class=req.length_class, continuation=cont)
         try:
             # Engines admit either in the generate() call (sim) or, as async
             # generators, before the first suspension of their first __anext__;
@@ -141,11 +190,59 @@ class WorkerHandlers:
         except EngineError as exc:
             raise BusError(exc.status, str(exc)) from exc
         # Started in the server span's context, so "worker generate" is its child.
-        task = asyncio.create_task(self._stream(req, stream, first), name=f"stream:{req.request_id}")
+        box = self.outboxes[req.request_id] = Outbox(req.window, self.replay_chunks)
+        if req.resume is not None:
+            self.migrated_in += 1
+            logger.info("worker %s continues %s after %d token(s) streamed elsewhere (migration %d)",
+                        self.worker_id, req.request_id, req.resume.tokens, req.resume.migrations)
+        task = asyncio.create_task(self._stream(req, stream, first, box), name=f"stream:{req.request_id}")
         self.streams.add(task)
         task.add_done_callback(self.streams.discard)
         return GenerateAccepted(request_id=req.request_id, worker_id=self.worker_id,
-                                queue_position=max(0, self.engine.load().waiting - 1))
+                                queue_position=max(0, self.engine.load().waiting - 1), replay=True,
+                                resumable=self.engine.resumable, window=box.window)
+
+    async def replay(self, req: ReplayRequest) -> ReplayReply:
+        """Send back the buffered chunks of a stream (a gap the gateway saw, or its liveness probe)."""
+        box = self.outboxes.get(req.request_id)
+        if box is None:
+            return ReplayReply(request_id=req.request_id, worker_id=self.worker_id, known=False)
+        chunks = box.replay(req.from_seq, req.to_seq)
+        if chunks:
+            self.replays += 1
+            logger.info("worker %s re-sends %d chunk(s) of %s from seq %d", self.worker_id, len(chunks),
+                        req.request_id, req.from_seq)
+        return ReplayReply(request_id=req.request_id, worker_id=self.worker_id, known=True, chunks=chunks,
+                           first_seq=box.first_seq)
+
+    async def credit(self, c: Credit) -> None:
+        """The gateway relayed chunks up to `c.acked`: open the window; forget a finished stream."""
+        box = self.outboxes.get(c.request_id)
+        if box is not None:
+            box.ack(c.acked)
+            if box.finished:
+                self.outboxes.pop(c.request_id, None)
+
+    def _linger(self, request_id: str, box: Outbox) -> None:
+        """Keep an ended stream's chunks for replay until acknowledged, at most `replay_linger_s`."""
+        def forget() -> None:
+            if self.outboxes.get(request_id) is box:
+                del self.outboxes[request_id]
+
+        if box.finished:
+            forget()
+        else:
+            asyncio.get_running_loop().call_later(self.replay_linger_s, forget)
+
+    async def _send(self, req: GenerateRequest, box: Outbox, chunk: TokenChunk) -> None:
+        """Publish one chunk within the credit window (the last chunk of a stream always goes)."""
+        if box.window and chunk.seq - box.acked > box.window:
+            self.holds += 1  # the client reads more slowly than the engine writes: hold the stream
+        if not chunk.done and not await box.wait_credit(chunk.seq, self.slow_reader_limit_s):
+            raise SlowReader(f"the client read nothing for {self.slow_reader_limit_s:.0f}s "
+                             f"(slow_reader_limit_s); the stream was stopped, not cut short silently", 504)
+        box.add(chunk)
+        await self.bus.publish(req.stream_to, chunk)
 
     async def cancel(self, req: CancelRequest) -> GenerateAccepted:
         """Stop a request now; its stream ends with finish_reason "cancelled".
@@ -168,7 +265,8 @@ class WorkerHandlers:
         return WithdrawReply(request_id=req.request_id, worker_id=self.worker_id, withdrawn=ok,
                              reason="" if ok else "started, finished or unknown on this worker")
 
-    async def _stream(self, req: GenerateRequest, stream: AsyncIterator, first: asyncio.Future) -> None:
+    async def _stream(self, req: GenerateRequest, stream: AsyncIterator, first: asyncio.Future,
+                      box: Outbox) -> None:
         simulated = self.engine.simulated
         seq, tokens = 0, 0
         reasons: dict[int, str] = {}
@@ -183,7 +281,7 @@ class WorkerHandlers:
                     ev = await first
                     while not isinstance(ev, Finished):
                         if isinstance(ev, Delta):
-                            await self.bus.publish(req.stream_to, TokenChunk(
+                            await self._send(req, box, TokenChunk(
                                 request_id=req.request_id, seq=seq, index=ev.index, text=ev.text,
                                 tokens=ev.tokens, finish_reason=ev.finish_reason, simulated=simulated,
                                 logprobs=ev.logprobs, prompt_logprobs=ev.prompt_logprobs))
@@ -192,17 +290,18 @@ class WorkerHandlers:
                             if ev.finish_reason:
                                 reasons[ev.index] = ev.finish_reason
                         ev = await stream.__anext__()
-                    stats = ev.stats
+                    stats = self._whole(req, ev.stats)
             except Withdrawn:
                 target = self._redirects.pop(req.request_id, None)
                 if target is not None:
                     self.withdrawn += 1
                     span.set_attribute("polyserve.moved_to", target.worker_id)
                     try:
-                        await self.bus.publish(req.stream_to, TokenChunk(request_id=req.request_id, seq=seq,
-                                                                         redirect=target, simulated=simulated))
+                        await self._send(req, box, TokenChunk(request_id=req.request_id, seq=seq, done=False,
+                                                              redirect=target, simulated=simulated))
                     except Exception:
                         logger.exception("cannot send the redirect of %s", req.request_id)
+                    self._linger(req.request_id, box)
                     return
                 error = "withdrawn without a destination"
             except asyncio.CancelledError:
@@ -224,9 +323,17 @@ class WorkerHandlers:
             else:
                 self.completed += 1
             try:
-                await self.bus.publish(req.stream_to, done)
+                await self._send(req, box, done)
             except Exception:
                 logger.exception("cannot send the final chunk of %s", req.request_id)
+            self._linger(req.request_id, box)
+
+    def _whole(self, req: GenerateRequest, stats: RequestStats) -> RequestStats:
+        """A migrated stream's usage as the client sees it: its own prompt and the whole output."""
+        if req.resume is None:
+            return stats
+        return msgspec.structs.replace(stats, input_tokens=self.engine.count_tokens(req.prompt),
+                                       output_tokens=stats.output_tokens + req.resume.tokens)
 
     async def drain(self, timeout: float) -> None:
         """Refuse new work; let streams finish within `timeout`, then cancel the rest,

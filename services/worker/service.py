@@ -3,10 +3,22 @@ announced by WorkerUp, heartbeats (NATS event + Redis registry with TTL) and Wor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
-from polyserve.proto import AdapterCommand, CancelRequest, GenerateRequest, Heartbeat, Withdraw, WorkerDown, WorkerUp
+from polyserve.proto import (
+    AdapterCommand,
+    CancelRequest,
+    Credit,
+    GenerateRequest,
+    Heartbeat,
+    ReplayRequest,
+    Withdraw,
+    WorkerDown,
+    WorkerUp,
+)
+from polyserve.shared.bus import decode, encode
 from polyserve.shared.lifecycle import ServiceBase
 from polyserve.worker.config import WorkerSettings, with_worker_id
 from polyserve.worker.embed_handler import serve_embeddings
@@ -42,6 +54,7 @@ class WorkerService(ServiceBase):
         self._heartbeat: asyncio.Task | None = None
         self._beating = False
         self._redis_ok = True
+        self._delivery: list = []  # the replay and credit subscriptions
 
     # ---------------------------------------------------------------- lifecycle hooks
     async def on_start(self) -> None:
@@ -50,8 +63,11 @@ class WorkerService(ServiceBase):
         if self.engine is None:
             self.engine = make_engine(s)
         await self.engine.start()
-        self.handlers = WorkerHandlers(self.engine, self.bus, self.tracer, self.worker_id)
+        self.handlers = WorkerHandlers(self.engine, self.bus, self.tracer, self.worker_id,
+                                       replay_chunks=s.replay_chunks, replay_linger_s=s.replay_linger_s,
+                                       slow_reader_limit_s=s.slow_reader_limit_s)
         await self.bus.serve(self.subjects.generate(self.worker_id), GenerateRequest, self.handlers.generate)
+        await self._serve_delivery()
         await self.bus.serve(self.subjects.cancel(self.worker_id), CancelRequest, self.handlers.cancel)
         await self.bus.serve(self.subjects.withdraw(self.worker_id), Withdraw, self.handlers.withdraw)
         self.embed_handler = await serve_embeddings(self)  # encoder engines: <p>.v1.worker.<id>.embed
@@ -78,12 +94,38 @@ class WorkerService(ServiceBase):
         await self._deregister("draining")
         if self.handlers is not None:
             await self.handlers.drain(timeout)
+        for sub in self._delivery:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
         if self.engine is not None:
             try:
                 await self.engine.stop()
             except Exception:
                 logger.exception("worker %s: engine stop failed", self.worker_id)
         await self._deregister("stopped")
+
+    async def _serve_delivery(self) -> None:
+        """Replay (also the gateway's liveness probe) and credits. Subscribed outside the bus's
+        intake on purpose: while draining, the streams still running need their credits and
+        replays until they end; `on_drain` unsubscribes them last."""
+        handlers, nc = self.handlers, self.bus.nc
+
+        async def on_replay(m) -> None:
+            try:
+                reply = await handlers.replay(decode(m.data, ReplayRequest))
+                if m.reply:
+                    await nc.publish(m.reply, encode(reply))
+            except Exception:  # noqa: BLE001 - a bad request: the gateway's request times out
+                logger.exception("worker %s: replay request failed", self.worker_id)
+
+        async def on_credit(m) -> None:
+            try:
+                await handlers.credit(decode(m.data, Credit))
+            except Exception:  # noqa: BLE001
+                logger.warning("worker %s: undecodable credit on %s", self.worker_id, m.subject)
+
+        self._delivery = [await nc.subscribe(self.subjects.replay(self.worker_id), cb=on_replay),
+                          await nc.subscribe(self.subjects.credit(self.worker_id), cb=on_credit)]
 
     # ---------------------------------------------------------------- heartbeats
     def heartbeat(self) -> Heartbeat:
@@ -99,7 +141,8 @@ class WorkerService(ServiceBase):
             generate_subject=self.subjects.generate(self.worker_id),
             cancel_subject=self.subjects.cancel(self.worker_id),
             max_batch=s.max_batch, kernel=getattr(self.engine, "lora_kernel", ""),
-            profile=profile_ref(s, self.engine.name), max_adapters=getattr(self.engine, "max_adapters", 0) or 0)
+            profile=profile_ref(s, self.engine.name), max_adapters=getattr(self.engine, "max_adapters", 0) or 0,
+            resumable=self.engine.resumable)
 
     async def beat(self) -> None:
         """Publish one heartbeat and refresh the Redis registry; failures are logged, never raised."""

@@ -88,6 +88,7 @@ class HfEngine(Engine):
 
     name = "hf"
     simulated = False
+    resumable = True  # request migration: the prompt + the output so far are tokenized and prefilled afresh
 
     def __init__(self, settings: Any, order: OrderKey | None = None):
         self.model_path = getattr(settings, "model_path", "") or ""

@@ -109,6 +109,7 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
 
     name = "openai-http"
     simulated = False
+    resumable = True  # request migration: /v1/completions with prompt + output so far (chat too: rendered)
 
     def __init__(self, settings: Any):
         def g(key: str, default: Any) -> Any:

@@ -150,6 +150,7 @@ class SimEngine(Engine):
 
     name = "sim"
     simulated = True
+    resumable = True  # a migrated stream goes on from prompt + output (EngineRequest.continuation)
 
     def __init__(self, profile: SimProfile, *, model_name: str = "sim", max_waiting: int = 256,
                  max_batch: int = 64, kv_capacity_tokens: int = 0, time_scale: float = 1.0,
@@ -383,7 +384,7 @@ class SimEngine(Engine):
                 piece = ch.script[ch.generated]
             else:
                 word = ch.rng.choice(VOCAB)
-                piece = word if ch.generated == 0 else " " + word
+                piece = word if ch.generated == 0 and not r.req.continuation else " " + word
             search_from = max(0, len(ch.text) - hold)
             ch.text += piece
             ch.generated += 1

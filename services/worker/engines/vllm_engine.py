@@ -122,6 +122,7 @@ class VllmEngine(Engine):
 
     name = "vllm"
     simulated = False
+    resumable = True  # request migration: prompt + output so far as the prompt (vLLM API; not run on a GPU)
 
     def __init__(self, settings: Any):
         self.api = vllm_api.import_vllm(TARGET_VLLM_VERSION)  # lazy: EngineError now if vLLM is missing
