@@ -68,16 +68,42 @@ class _CaraGroup:
         return d
 
 
-def _cara_signature(w: WorkerView) -> tuple[tuple, tuple, bool, bool, tuple]:
+def _batch_sums(w: WorkerView, prev: tuple | None, added) -> tuple | None:
+    """(Σ(input + generated), b, max rank, Σ rank) of the worker's requests (None: it lists
+    none), from `prev` (those of its requests but `added`, the one a placement appended) in
+    O(1), else in one pass. Integers, so `sums[0] / b` is `_batch_state`'s mean context
+    exactly; before, every placement re-summed all of the worker's requests."""
+    if prev is not None and added is not None:
+        tot, b, mx, sm = prev
+        rank = added.rank
+        return tot + added.input_tokens + added.generated, b + 1, mx if mx >= rank else rank, sm + rank
+    reqs = w.requests
+    if not reqs:
+        return None
+    ranks = [r.rank for r in reqs]
+    return sum(r.input_tokens + r.generated for r in reqs), len(reqs), max(ranks), sum(ranks)
+
+
+def _cara_signature(w: WorkerView, sums: tuple | None = None) -> tuple[tuple, tuple, bool, bool, tuple]:
     """(group signature, member key, ordered, bounded, cost inputs) of a worker (see the
     module docstring); the cost inputs are what `cost_of` computes before it looks at the
-    request: (perf, kernel, b, mean context, max rank, Σ rank, step time now)."""
+    request: (k2, c2, c3, LoRA α, LoRA β, MBGMV?, b, mean context, max rank, Σ rank, step
+    time now, KV room, adapters) — what `_cara_cost` and a decision read, so that neither
+    fetches the perf model or the view. `sums`: its `_batch_sums` (None: computed here)."""
     perf = w.perf or CS._LORA_ONLY
-    b, ctx, mx, sm = CS._batch_state(w)
-    state = (perf, w.kernel, b, ctx, mx, sm, CS.step_ms(perf, w.kernel, b, ctx, mx, sm))
+    if sums is None and w.requests:
+        sums = _batch_sums(w, None, None)
+    if sums is not None:
+        b, mx, sm = sums[1], sums[2], sums[3]
+        ctx = sums[0] / b
+    else:
+        b, ctx, mx, sm = CS._batch_state(w)
     m = perf.base
     lora = tuple(perf.lora.get(w.kernel, LORA_DEFAULTS[BGMV]))
     alpha = lora[0]
+    state = (m.k2, m.c2, m.c3, alpha, lora[1], w.kernel == MBGMV, b, ctx, mx, sm,
+             CS.step_ms(perf, w.kernel, b, ctx, mx, sm),
+             w.kv_capacity - w.kv_used if w.kv_capacity > 0 else _INF, w.adapters)
     bounded = m.k2 >= 0 and alpha >= 0
     if m.k2 > 0 and m.c2 >= 0 and m.c3 >= 0:
         ordered, mkey = True, (ctx, w.worker_id)
@@ -92,12 +118,22 @@ def _cara_signature(w: WorkerView) -> tuple[tuple, tuple, bool, bool, tuple]:
 
 def _cara_cost(state: tuple, n_in: int, rank: int, slo: float, penalty: float) -> tuple[float, bool]:
     """(cost, violates) of `policy_caraserve.cost_of` from a worker's cost inputs: the same
-    calls and float operations, without recomputing what does not depend on the request."""
-    perf, kernel, b, ctx, mx, sm, t0 = state
-    ctx1 = (ctx * b + n_in) / (b + 1)
-    t1 = CS.step_ms(perf, kernel, b + 1, ctx1, max(mx, rank), sm + rank)
+    float operations, without recomputing what does not depend on the request. The step
+    time after (`policy_caraserve.step_ms` → `WorkerPerf.decode_ms` + `lora_ms`, four calls)
+    is written out here from the coefficients in `state`: a decision evaluates ~3 workers,
+    and those calls were a third of its time (docs/benchmarks/dispatch.md, fourth round)."""
+    k2, c2, c3, alpha, beta, mbgmv, b, ctx, mx, sm, t0 = state[:11]
+    b1 = b + 1
+    ctx1 = (ctx * b + n_in) / b1
+    t1 = (k2 * ctx1 + c2) * b1 + c3  # decode_ms: max(0, ...), batch b + 1 >= 1
+    if not t1 > 0.0:
+        t1 = 0.0
+    mr = mx if mx >= rank else rank
+    if mr > 0:  # lora_ms: BGMV on batch·max rank, MBGMV on Σ rank; max(0, α·x + β)
+        lora = alpha * (sm + rank if mbgmv else b1 * mr) + beta
+        t1 += lora if lora > 0.0 else 0.0
     violates = t1 > slo
-    return (b + 1) * t1 - b * t0 + (penalty if violates else 0.0), violates
+    return b1 * t1 - b * t0 + (penalty if violates else 0.0), violates
 
 
 def _slots_full(w: WorkerView) -> bool:
@@ -116,6 +152,7 @@ class _Cara(_Struct):
         self.bounds: list[tuple] = []  # (bound, gid, group), sorted ((bound, gid) is unique)
         self.where: dict[str, tuple] = {}  # worker_id -> (group, member key, slot-free, adapters)
         self.state: dict[str, tuple] = {}  # worker_id -> its cost inputs (`_cara_signature`)
+        self.sums: dict[str, tuple] = {}  # worker_id -> `_batch_sums` of its requests
         self._next = 0
         # The same (bound, gid, group) entries, filed for requests naming an adapter: groups
         # holding more than NARROW adapters in `wide`; the others under each adapter they
@@ -176,7 +213,7 @@ class _Cara(_Struct):
         g.bound = bound
         insort(bounds, (bound, g.gid, g))
 
-    def update(self, old: WorkerView | None, new: WorkerView | None) -> None:
+    def update(self, old: WorkerView | None, new: WorkerView | None, added=None) -> None:
         if old is not None:
             g, mkey, free, adapters = self.where.pop(old.worker_id)
             first = g.members[0]
@@ -194,14 +231,22 @@ class _Cara(_Struct):
             self._file(g)
         if new is None:
             self.state.pop(old.worker_id, None)
+            self.sums.pop(old.worker_id, None)
             return
-        sig, mkey, ordered, bounded, self.state[new.worker_id] = _cara_signature(new)
+        wid = new.worker_id
+        sums = _batch_sums(new, self.sums.get(wid) if old is not None and old.requests else None, added)
+        if sums is None:
+            self.sums.pop(wid, None)
+        else:
+            self.sums[wid] = sums
+        sig, mkey, ordered, bounded, state = _cara_signature(new, sums)
+        self.state[wid] = state
         g = self.groups.get(sig)
         if g is None:
             g = self.groups[sig] = _CaraGroup(self._next, ordered, bounded)
             g.sig = sig
             g.perf, g.kernel = new.perf or CS._LORA_ONLY, new.kernel
-            g.b, _, g.mx, g.sm = CS._batch_state(new)
+            g.b, g.mx, g.sm = state[6], state[8], state[9]
             m = g.perf.base  # the cost grows by (b+1)·k2 per input token (when it is ordered)
             g.k2 = (g.b + 1) * m.k2 if ordered and m.k2 > 0 and m.c2 >= 0 and m.c3 >= 0 else 0.0
             self.by_gid[g.gid] = g
@@ -243,7 +288,7 @@ class _Cara(_Struct):
     def _visit(self, entries: list[tuple], req: RequestView, cfg: CS.CaraConfig, need: int,
                candidates_only: bool, best: tuple | None) -> tuple | None:
         """`best` or a cheaper candidate of the groups `entries` (sorted by bound) list."""
-        views, states = self.views, self.state
+        states = self.state
         adapter, rank, n_in = req.adapter, req.adapter_rank, req.input_tokens
         slo, penalty = cfg.atgt_slo_ms, cfg.penalty
         some = adapter is not None and candidates_only
@@ -267,11 +312,11 @@ class _Cara(_Struct):
                 lists = (g.members,) if h is None else (g.members, h)
             for lst in lists:
                 for key in lst:
-                    w = views[key[-1]]
-                    if candidates_only and w.kv_capacity > 0 and w.kv_used + need > w.kv_capacity:
+                    st = states[key[-1]]
+                    if candidates_only and need > st[11]:  # no KV room (kv_used + need > capacity)
                         continue
-                    cost, violates = _cara_cost(states[key[-1]], n_in, rank, slo, penalty)
-                    cand = (cost, not (adapter is None or adapter in w.adapters), w.worker_id, violates)
+                    cost, violates = _cara_cost(st, n_in, rank, slo, penalty)
+                    cand = (cost, not (adapter is None or lst is h or adapter in st[12]), key[-1], violates)
                     if best is None or cand < best:
                         best, best_cost = cand, cost
                     if g.ordered:

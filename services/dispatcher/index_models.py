@@ -3,6 +3,8 @@ index's docstring; CaraServe's cost groups are in `index_cara`).
 """
 from __future__ import annotations
 
+import math
+
 from polyserve.dispatcher import policy_aladdin as AL
 from polyserve.dispatcher.index_structs import _INF, _Blocked, _Struct
 from polyserve.dispatcher.views import RequestView, WorkerView
@@ -15,6 +17,54 @@ _PLAIN_SUM = sum([1e16, 1.0, -1e16]) == 0.0  # builtin sum adds floats left to r
 def _margin(x: float) -> float:
     """Tokens of slack a sufficient condition keeps from a limit (float rounding of `check`)."""
     return 1.0 + 1e-9 * abs(x) if x != _INF and x != -_INF else 1.0
+
+
+def _tol(real: float, mag: float) -> float:
+    """How far `check`'s float arithmetic may put a limit from `real` (tokens), where `mag`
+    bounds the magnitude of the operands both sides add up: 1e-9 relative, 10^7 times the
+    rounding error of the few additions involved. It used to be one whole token either way:
+    with integer inputs that left two input lengths per limit where only `check` could
+    tell, and as Alg. 1 packs workers, requests land there: ~1% of decisions ran `check`
+    (40-80 µs with a cold cache), the whole p99 (docs/benchmarks/dispatch.md, fourth round)."""
+    return 1e-9 * (abs(real) + mag + 1.0) if real != _INF and real != -_INF else 0.0
+
+
+class _Consts:
+    """What `capacity_norm` and `_aladdin_limits` read of a perf model under one config,
+    computed once per model instead of on every update (a placement's update used to redo
+    these ~15 attribute reads and divisions; docs/benchmarks/dispatch.md, fourth round).
+    Each value is the same float expression the policy evaluates, so results are identical."""
+
+    __slots__ = ("a0", "b_lim", "c1", "c2", "ctx_lim", "h", "j", "k1", "k2", "perf", "t_mag", "t_real0")
+
+    def __init__(self, perf, cfg: AL.AladdinConfig):
+        self.perf = perf  # (held: the cache is keyed by its id)
+        self.h, self.j = (perf.base.h, perf.base.j) if perf is not None else (1.0, 0.0)
+        self.b_lim = self.ctx_lim = 0.0
+        if perf is None:
+            return
+        m = perf.base
+        self.k1, self.c1, self.k2, self.c2 = m.k1, m.c1, m.k2, m.c2
+        self.a0 = cfg.atgt_slo_ms - m.c3  # WorkerPerf.l_d: (T_dec - c3) - c2·b, / k2
+        if m.c2 > 0:  # norm_of's batch limit when the worker reports no max_batch
+            self.b_lim = max(1.0, (cfg.atgt_slo_ms - m.c3) / m.c2)
+        ld1 = self.l_d(1)
+        self.ctx_lim = ld1 if ld1 and math.isfinite(ld1) and ld1 > 0 else 0.0  # 0: kv_capacity
+        if m.k1 > 0:
+            self.t_real0 = (cfg.ttft_slo_ms - m.c1) / m.k1
+            self.t_mag = (abs(cfg.ttft_slo_ms) + abs(m.c1)) / m.k1
+
+    def l_d(self, b: int) -> float:
+        """`WorkerPerf.l_d(b, cfg.atgt_slo_ms)`, the same float operations."""
+        room = self.a0 - self.c2 * b
+        if self.k2 <= 0:
+            return math.inf if room >= 0 else -1.0
+        return room / self.k2
+
+    def norm(self, w: WorkerView, b: int, ctx: float) -> float:
+        """`policy_aladdin.norm_of(w, cfg, perf, b, ctx)`."""
+        return math.hypot(b / (float(w.max_batch or 0) or self.b_lim or 1.0),
+                          ctx / (self.ctx_lim or float(w.kv_capacity or 1)))
 
 
 class _Agg:
@@ -53,26 +103,32 @@ class _Agg:
         return a
 
 
-def _capacity_norm(w: WorkerView, cfg: AL.AladdinConfig, perf, agg: _Agg) -> float:
+def _capacity_norm(w: WorkerView, cfg: AL.AladdinConfig, perf, agg: _Agg, k: _Consts | None = None) -> float:
     """`policy_aladdin.capacity_norm` from the aggregates (the same float operations)."""
     if not _PLAIN_SUM:
         return AL.capacity_norm(w, cfg)
     b = agg.n if w.requests else max(w.outstanding, w.running + w.waiting)
     ctx = float(agg.wctx) if w.requests else float(w.kv_used)
-    return AL.norm_of(w, cfg, perf, b, ctx)
+    if k is None:
+        return AL.norm_of(w, cfg, perf, b, ctx)
+    return k.norm(w, b, ctx)
 
 
-def _aladdin_limits(w: WorkerView, cfg: AL.AladdinConfig, perf=None, agg: _Agg | None = None) -> tuple | None:
+def _aladdin_limits(w: WorkerView, cfg: AL.AladdinConfig, perf=None, agg: _Agg | None = None,
+                    k: _Consts | None = None) -> tuple | None:
     """Limits on a request for `check(w, request)`: three *necessary* ones (most input tokens
     by the TTFT, slack and first-step KV constraints, most input + γ·predicted by ATGT, most
-    input + predicted by KV for a heartbeat-only view), each one token generous so that float
-    rounding never skips a feasible worker (inf = no limit), then three *sufficient* ones of
-    the same form, a margin strict (−inf: only `check` can tell): a request within them
+    input + predicted by KV for a heartbeat-only view), each generous by `_tol` (one token
+    for KV) so that float rounding never skips a feasible worker (inf = no limit), then
+    three *sufficient* ones of the same form, as strict (−inf: only `check` can tell): a
+    request within them
     passes every constraint. None when no request at all can pass (batch full, no TTFT /
     slack / ATGT / KV room)."""
     if perf is None:
         perf = AL._perf(w, cfg)
-    h, j = (perf.base.h, perf.base.j) if perf is not None else (1.0, 0.0)
+    if k is None:
+        k = _Consts(perf, cfg)
+    h, j = k.h, k.j
     if agg is None:
         agg = _Agg(w, cfg, h, j)
     b = (agg.n if w.requests else max(w.outstanding, w.running + w.waiting)) + 1
@@ -82,26 +138,30 @@ def _aladdin_limits(w: WorkerView, cfg: AL.AladdinConfig, perf=None, agg: _Agg |
     s_in = s_w = s_t = _INF
     queued, prefilling, slack = agg.queued, agg.prefilling, agg.slack
     if perf is not None:
-        m = perf.base
         # (b) ATGT: Σ(l_in + γ·l_out) + in + γ·pred <= θ·l_d(b)
-        real = cfg.theta * perf.l_d(b, cfg.atgt_slo_ms) - (agg.wctx if w.requests else float(w.kv_used))
-        room, s_w = real + 1.0, real - _margin(real)
+        cap_w = cfg.theta * k.l_d(b)
+        ctx_w = agg.wctx if w.requests else float(w.kv_used)
+        real = cap_w - ctx_w
+        e = _tol(real, abs(cap_w) + abs(ctx_w))
+        room, s_w = real + e, real - e
         if queued + prefilling > 0:  # (c) TTFT: prefill(queued + prefilling + in) <= T_pre
-            if m.k1 > 0:
-                real = (cfg.ttft_slo_ms - m.c1) / m.k1 - (queued + prefilling)
-                max_in = real + 1.0
-                s_in = real - _margin(real) if cfg.ttft_slo_ms >= 0 else -_INF
+            if k.k1 > 0:
+                real = k.t_real0 - (queued + prefilling)
+                e = _tol(real, k.t_mag + queued + prefilling)
+                max_in = real + e
+                s_in = real - e if cfg.ttft_slo_ms >= 0 else -_INF
             else:
                 s_in = -_INF
         if cfg.slack == "banked":  # (d): prefill(queued + in) <= θ·slack (Alg. 1's banked slack)
             if slack < 0:
                 return None  # a prefill takes >= 0 ms
             if slack < _INF:  # (with nothing queued an empty prompt takes 0 ms: never skip it)
-                if m.k1 > 0:
-                    real = (cfg.theta * slack - m.c1) / m.k1 - queued
-                    bound = real + 1.0
+                if k.k1 > 0:
+                    real = (cfg.theta * slack - k.c1) / k.k1 - queued
+                    e = _tol(real, (abs(cfg.theta * slack) + abs(k.c1)) / k.k1 + queued)
+                    bound = real + e
                     max_in = min(max_in, bound if queued else max(0.0, bound))
-                    s_in = min(s_in, real - _margin(real))
+                    s_in = min(s_in, real - e)
                 else:
                     s_in = -_INF
         elif slack < _INF:
@@ -143,6 +203,7 @@ class _Aladdin(_Struct):
         self.norms: dict[str, float] = {}
         self.live = _Blocked()
         self.aggs: dict[str, _Agg] = {}
+        self.consts: dict[int, _Consts] = {}  # id(perf) -> its constants under cfg
 
     def update(self, old: WorkerView | None, new: WorkerView | None, added=None) -> None:
         if new is None:
@@ -151,14 +212,18 @@ class _Aladdin(_Struct):
             self.aggs.pop(old.worker_id, None)
             return
         wid, cfg = new.worker_id, self.cfg
-        perf = AL._perf(new, cfg)
-        h, j = (perf.base.h, perf.base.j) if perf is not None else (1.0, 0.0)
+        perf = new.perf if new.perf is not None else cfg.perf
+        k = self.consts.get(id(perf))
+        if k is None or k.perf is not perf:
+            if len(self.consts) > 4096:  # per-worker online fits are replaced as they refit
+                self.consts.clear()
+            k = self.consts[id(perf)] = _Consts(perf, cfg)
         prev = self.aggs.get(wid) if added is not None and old is not None and old.requests else None
-        agg = prev.plus(added, cfg, h, j) if prev is not None else _Agg(new, cfg, h, j)
+        agg = prev.plus(added, cfg, k.h, k.j) if prev is not None else _Agg(new, cfg, k.h, k.j)
         self.aggs[wid] = agg
-        cn = -_capacity_norm(new, cfg, perf, agg)
+        cn = -_capacity_norm(new, cfg, perf, agg, k)
         self.norms[wid] = cn
-        limits = _aladdin_limits(new, cfg, perf, agg)
+        limits = _aladdin_limits(new, cfg, perf, agg, k)
         if limits is None:
             self.live.discard(wid)  # no request can fit it: never checked
         else:

@@ -58,8 +58,15 @@ _G2, _G3, _G4 = itemgetter(2), itemgetter(3), itemgetter(4)
 
 class _Blocked:
     """Aladdin's live keys (−cn, id, max_in, room, max_total, ...) sorted, in blocks of at most
-    `2·B` (8 -> 16) with the per-block maxima of the three necessary limits (recomputed lazily), so that a
-    decision skips a whole block no key of which can take the request."""
+    `2·B` (8 -> 16) with an upper bound of each block's three necessary limits, so that a
+    decision skips a whole block no key of which can take the request.
+
+    The bounds may be stale (too high), never too low: an insert raises them, a delete
+    leaves them, a split gives both halves the old block's. Recomputing them exactly after
+    each delete that removed a maximum (as before) cost ~2 recomputations of 3 × 16 keys per
+    decision (docs/benchmarks/dispatch.md, fourth round); a stale bound only makes a
+    decision walk a block it could have skipped, and
+    `tighten` (called by the walk when no key of a block qualified) makes it exact again."""
 
     __slots__ = ("blocks", "cur", "lasts", "maxes")
     B = 8
@@ -67,7 +74,7 @@ class _Blocked:
     def __init__(self) -> None:
         self.blocks: list[list[tuple]] = []
         self.lasts: list[tuple] = []  # each block's last key (to find a key's block)
-        self.maxes: list[tuple | None] = []  # None: to recompute
+        self.maxes: list[tuple] = []  # each block's (max_in, room, max_total) bound
         self.cur: dict[str, tuple] = {}
 
     @property
@@ -79,24 +86,40 @@ class _Blocked:
 
     def set(self, wid: str, key: tuple) -> None:
         old = self.cur.get(wid)
-        if old is not None:
-            if old == key:
-                return
-            self._del(old)
-        self._ins(key)
         self.cur[wid] = key
+        if old is None:
+            self._ins(key)
+        elif old != key and not self._move(old, key):
+            self._del(old)
+            self._ins(key)
 
     def discard(self, wid: str) -> None:
         old = self.cur.pop(wid, None)
         if old is not None:
             self._del(old)
 
+    def _move(self, old: tuple, key: tuple) -> bool:
+        """Replace `old` by `key` when `key` belongs in `old`'s block (a placement moves a
+        worker by a little): one search of the block list instead of two."""
+        lasts = self.lasts
+        i = bisect_left(lasts, old)
+        blk = self.blocks[i]
+        if len(blk) == 1 or not ((i == 0 or lasts[i - 1] < key) and (key < lasts[i] or i == len(lasts) - 1)):
+            return False
+        del blk[bisect_left(blk, old)]
+        insort(blk, key)
+        lasts[i] = blk[-1]
+        mx = self.maxes[i]
+        if key[2] > mx[0] or key[3] > mx[1] or key[4] > mx[2]:
+            self.maxes[i] = (max(mx[0], key[2]), max(mx[1], key[3]), max(mx[2], key[4]))
+        return True
+
     def _ins(self, key: tuple) -> None:
         blocks, lasts = self.blocks, self.lasts
         if not blocks:
             blocks.append([key])
             lasts.append(key)
-            self.maxes.append(None)
+            self.maxes.append((key[2], key[3], key[4]))
             return
         i = bisect_left(lasts, key)
         if i == len(blocks):
@@ -105,13 +128,13 @@ class _Blocked:
         insort(blk, key)
         lasts[i] = blk[-1]
         mx = self.maxes[i]
-        if mx is not None:
-            self.maxes[i] = (max(mx[0], key[2]), max(mx[1], key[3]), max(mx[2], key[4]))
+        if key[2] > mx[0] or key[3] > mx[1] or key[4] > mx[2]:
+            mx = self.maxes[i] = (max(mx[0], key[2]), max(mx[1], key[3]), max(mx[2], key[4]))
         if len(blk) > 2 * self.B:
             a, b = blk[:self.B], blk[self.B:]
             blocks[i:i + 1] = [a, b]
             lasts[i:i + 1] = [a[-1], b[-1]]
-            self.maxes[i:i + 1] = [None, None]
+            self.maxes[i:i + 1] = [mx, mx]
 
     def _del(self, key: tuple) -> None:
         lasts = self.lasts
@@ -122,17 +145,16 @@ class _Blocked:
             del self.blocks[i], lasts[i], self.maxes[i]
             return
         lasts[i] = blk[-1]
-        mx = self.maxes[i]
-        if mx is not None and (key[2] == mx[0] or key[3] == mx[1] or key[4] == mx[2]):
-            self.maxes[i] = None
+
+    def tighten(self, i: int) -> None:
+        """Make block `i`'s bound exact (its maxima)."""
+        blk = self.blocks[i]
+        self.maxes[i] = (max(map(_G2, blk)), max(map(_G3, blk)), max(map(_G4, blk)))
 
     def first(self, need_in: float, need_w: float, need_t: float):
         """The keys, in order, of the blocks where some key may take the request."""
-        maxes = self.maxes
         for i, blk in enumerate(self.blocks):
-            mx = maxes[i]
-            if mx is None:
-                mx = maxes[i] = (max(map(_G2, blk)), max(map(_G3, blk)), max(map(_G4, blk)))
+            mx = self.maxes[i]
             if need_in > mx[0] or need_w > mx[1] or need_t > mx[2]:
                 continue
             yield from blk
@@ -142,8 +164,10 @@ class _Struct(abc.ABC):
     """One policy's structure: told of every change of one worker's view."""
 
     @abc.abstractmethod
-    def update(self, old: WorkerView | None, new: WorkerView | None) -> None:
-        """`old` (None: a new worker) became `new` (None: the worker left)."""
+    def update(self, old: WorkerView | None, new: WorkerView | None, added=None) -> None:
+        """`old` (None: a new worker) became `new` (None: the worker left); `added`: the one
+        request `new` has more than `old` (`WorkerIndex.placed`), for structures that keep
+        sums over a worker's requests incrementally."""
 
     def membership_changed(self) -> None:
         """A worker joined or left (after `update`)."""
@@ -155,7 +179,7 @@ class _KeyOrder(_Struct):
         self.key = key
         self.sorted = _Sorted()
 
-    def update(self, old: WorkerView | None, new: WorkerView | None) -> None:
+    def update(self, old: WorkerView | None, new: WorkerView | None, added=None) -> None:
         if new is None:
             self.sorted.discard(old.worker_id)
         else:
@@ -201,7 +225,7 @@ class _FirstFit(_Struct):
             t[i] = max(t[2 * i], t[2 * i + 1])
         self.size, self.tree, self.dirty = size, t, False
 
-    def update(self, old: WorkerView | None, new: WorkerView | None) -> None:
+    def update(self, old: WorkerView | None, new: WorkerView | None, added=None) -> None:
         if self.dirty or old is None or new is None:
             self.dirty = True  # a worker joined or left: positions move
             return
@@ -246,7 +270,7 @@ class _Arlo(_Struct):
         self.ilb: dict[float, _Sorted] = {}
         self.where: dict[str, float] = {}
 
-    def update(self, old: WorkerView | None, new: WorkerView | None) -> None:
+    def update(self, old: WorkerView | None, new: WorkerView | None, added=None) -> None:
         if old is not None:
             n = self.where.pop(old.worker_id)
             if new is None or AR.runtime_length(new) != n:

@@ -51,13 +51,15 @@ class RequestBook:
         self._by_worker: dict[str, dict[str, _Entry]] = {}
         self.ledger = ErrorLedger()
 
-    def place(self, worker_id: str, req: RequestView) -> None:
+    def place(self, worker_id: str, req: RequestView) -> RunningRequest:
+        """Track `req` on the worker; its entry (`as_new(req)`) is returned."""
         self.finish(req.request_id, None, 0.0)
         if len(self._by_id) >= self.max_tracked:
             self.finish(next(iter(self._by_id)), None, 0.0)
         e = _Entry(worker_id, as_new(req))
         self._by_id[req.request_id] = e
         self._by_worker.setdefault(worker_id, {})[req.request_id] = e
+        return e.req
 
     def move(self, request_id: str, worker_id: str) -> bool:
         """A not-yet-started request now waits on `worker_id` (an Alg. 2 move)."""
@@ -189,8 +191,8 @@ class ModelBook:
                 "kernel": hb.kernel or "bgmv", "max_adapters": hb.max_adapters}
 
     # ---------------------------------------------------------------- events
-    def placed(self, worker_id: str, req: RequestView) -> None:
-        self.requests.place(worker_id, req)
+    def placed(self, worker_id: str, req: RequestView) -> RunningRequest:
+        return self.requests.place(worker_id, req)
 
     def moved(self, request_id: str, worker_id: str) -> bool:
         return self.requests.move(request_id, worker_id)

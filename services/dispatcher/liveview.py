@@ -89,9 +89,9 @@ class _DepIndex:
                 self.limits.pop(wid, None)
             self._min_limit = None
 
-    def placed(self, wid: str, request: RequestView) -> None:
+    def placed(self, wid: str, request: RequestView, entry=None) -> None:
         """`request` was placed on `wid`: outstanding + 1 (and, modelled, it joins `requests`)."""
-        v = self.index.placed(wid, request)
+        v = self.index.placed(wid, request, entry)
         if self.cap > 0 and v.outstanding >= self.cap:
             self.capped.add(wid)
 
@@ -179,14 +179,15 @@ class LiveView:
         self.policy_state[dep.id] = choice.decision.state
         self.outstanding.place(choice.request.request_id, wid)
         self.placed += 1
+        entry = None
         if dep.policy in MODEL_POLICIES:
-            self.models.placed(wid, choice.request)
+            entry = self.models.placed(wid, choice.request)
             self._model_deps.add(dep.id)
             self._dirty.add(wid)
-        self._placed_in_index(dep, wid, choice.request)
+        self._placed_in_index(dep, wid, choice.request, entry)
         self._refresh()
 
-    def _placed_in_index(self, dep: Deployment, wid: str, request: RequestView) -> None:
+    def _placed_in_index(self, dep: Deployment, wid: str, request: RequestView, entry=None) -> None:
         """Update the chosen worker's indexed view in place of rebuilding it: outstanding + 1
         and, for aladdin/caraserve, the request appended to `requests` as the book's newest
         (not yet started) entry — what a rebuild gives but for the time-based estimates of its
@@ -202,7 +203,7 @@ class LiveView:
             return
         if di.modelled and self.models.requests.tracked(wid) != len(v.requests) + 1:
             return
-        di.placed(wid, request)
+        di.placed(wid, request, entry)  # (the book's entry: the same `as_new(request)`)
         self._dirty.discard(wid)
 
     def views(self, beats: Iterable[Heartbeat], modelled: bool) -> list[WorkerView]:

@@ -248,7 +248,7 @@ def test_a_placement_updates_the_indexed_view_as_a_rebuild_would(policy_name, mo
 
     in_place = []
     real = liveview._DepIndex.placed
-    monkeypatch.setattr(liveview._DepIndex, "placed", lambda di, wid, r: (in_place.append(wid), real(di, wid, r)))
+    monkeypatch.setattr(liveview._DepIndex, "placed", lambda di, wid, r, e=None: (in_place.append(wid), real(di, wid, r, e)))
     view = make_view(True, max_outstanding=3)
     view.models.clock = lambda: 1000.0
     dep = Deployment(id="d", model="m", policy=policy_name)
