@@ -96,6 +96,7 @@ class Accounting:
         peak = max((c for _, c in self.timeline), default=cfg.workers) * tp
         self.counters["preemptions"] = sum(w.preemptions for w in self.workers.values())
         self.counters["kv_overflows"] = sum(w.kv_overflows for w in self.workers.values())
+        self.counters["refine_preemptions"] = sum(w.refine_preemptions for w in self.workers.values())
         self.counters["workers_opened"] = self._n_made
         conf = asdict(cfg)
         extra = self._extra(self.trace, horizon)

@@ -41,8 +41,9 @@ from polyserve.core.queue_order import ORDER_KEYS
 from polyserve.simulator import report
 from polyserve.simulator.cluster import SIM_POLICIES, SimConfig, simulate
 from polyserve.simulator.engine import WorkerConfig
+from polyserve.simulator.limits import context_limit, profiled_prompt_tokens
 from polyserve.simulator.power import gpu_from_profile, gpu_spec
-from polyserve.simulator.predictor import MODES, LengthPredictor, load_confusion
+from polyserve.simulator.predictor import ESTIMATES, MODES, LengthPredictor, resolve_confusion
 from polyserve.simulator.trace import SYNTHETIC_HELP, assign_adapters, datasets_dir, load_trace, make_adapters, window
 
 DEFAULT_PROFILE = profile_path(profiles.DEFAULT_SIM)
@@ -160,8 +161,14 @@ def _add_cluster_args(ap: argparse.ArgumentParser) -> None:
 
 def _add_worker_args(ap: argparse.ArgumentParser, traces: Path) -> None:
     """The length predictor, LoRA adapters and each worker's engine."""
-    ap.add_argument("--predictor", choices=MODES, default="confusion")
-    ap.add_argument("--confusion", default=None, help="JSON confusion matrix (rows: true class)")
+    ap.add_argument("--predictor", choices=MODES, default="confusion",
+                    help="confusion: noisy predictor drawn from a confusion matrix; real: the predictions the trace "
+                         "carries (muserve:CSV); oracle; history")
+    ap.add_argument("--confusion", default=None,
+                    help="JSON confusion matrix (rows: true class) or a predictor metadata JSON/folder with "
+                         "'ood_confusion' (default: the shipped artifact's ood_confusion, else a named fallback)")
+    ap.add_argument("--token-estimate", choices=ESTIMATES, default="class_mean",
+                    help="tokens of a predicted class: its mean, or E[true length | predicted class]")
     ap.add_argument("--class-bounds", default="percentile", help="'percentile' (µ-Serve) or e.g. 32,128,256,512")
     ap.add_argument("--adapters", type=int, default=0, help="LoRA adapters (0 = none), one per Azure function")
     ap.add_argument("--functions", default=str(traces / "azure_functions_2019_sample1000_invocations.csv"))
@@ -174,7 +181,20 @@ def _add_worker_args(ap: argparse.ArgumentParser, traces: Path) -> None:
     ap.add_argument("--max-waiting", type=int, default=0, help="queue bound per worker (0 = none)")
     ap.add_argument("--max-prefill-tokens", type=int, default=0,
                     help="prompt tokens per prefill step (vLLM max_num_batched_tokens; 0 = none, as the sim engine)")
-    ap.add_argument("--aging-s", type=float, default=0.0, help="ssjf aging: seconds per length class (0 = default)")
+    ap.add_argument("--aging-s", type=float, default=0.0,
+                    help="ssjf_class aging: seconds per length class (0 = default)")
+    ap.add_argument("--ssjf-input-weight", type=float, default=-1.0,
+                    help="ssjf: output-token equivalents per prompt token (< 0 = core.queue_order default)")
+    ap.add_argument("--ssjf-window-factor", type=float, default=0.0,
+                    help="ssjf starvation bound: only requests arriving within this x the recent mean JCT "
+                         "overtake one (0 = default)")
+    ap.add_argument("--ssjf-window-s", type=float, default=0.0,
+                    help="ssjf: that window before any request completed (0 = default)")
+    ap.add_argument("--context-limit", type=int, default=-1,
+                    help="context window in tokens (-1 = the profile's model's, 0 = none)")
+    ap.add_argument("--over-context", choices=("reject", "truncate"), default="truncate",
+                    help="a prompt at or over the context window: cut to fit (default: attainment stays "
+                         "comparable with runs from before the limit) or rejected (an SLO miss); counted either way")
     ap.add_argument("--max-input-len", type=int, default=0, help="reject longer prompts (0 = no limit)")
     ap.add_argument("--fit-online", action="store_true", help="policies use models fitted online from the steps")
 
@@ -198,7 +218,9 @@ def _search(trace, perf, cfg: SimConfig, target: float, max_workers: int, **kw):
         if hi > max_workers:
             hi = max_workers
             if run(hi)[1]["slo_both"] < target:
-                return (*run(hi), hi)
+                res, m = run(hi)
+                m["target_reached"] = False
+                return res, m, hi
             break
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -206,7 +228,9 @@ def _search(trace, perf, cfg: SimConfig, target: float, max_workers: int, **kw):
             hi = mid
         else:
             lo = mid
-    return (*run(hi), hi)
+    res, m = run(hi)
+    m["target_reached"] = True
+    return res, m, hi
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,7 +300,7 @@ def _grid(args) -> _Grid:
     if args.slice:
         a, _, b = args.slice.partition(":")
         start, end = float(a or 0), (float(b) if b else None)
-    confusion = load_confusion(args.confusion)
+    confusion, args.confusion_name = resolve_confusion(args.confusion)
     bounds = None if args.class_bounds == "percentile" else tuple(_csv(args.class_bounds, int))
     scalers = _csv(args.autoscaler) or [""]
     clocks = _csv(args.clock) or [""]
@@ -323,7 +347,13 @@ def _variants(args, slo_scales: list[float], scalers: list[str], factors: list[f
 def _base_config(args, raw: dict, tp: int, threshold_factor: float) -> SimConfig:
     """The SimConfig every run starts from (the grid's axes replace some of its fields)."""
     kv_cap = args.kv_capacity or int(raw.get("kv_capacity_tokens", 0))
-    return SimConfig(workers=args.workers, autoscale=args.autoscale, max_workers=args.max_workers,
+    ctx, args.context_source = context_limit(raw)
+    if args.context_limit >= 0:
+        ctx, args.context_source = args.context_limit, "--context-limit"
+    args.profiled_prompt, args.profiled_source = profiled_prompt_tokens(raw)
+    return SimConfig(context_limit=ctx, over_context=args.over_context, profiled_prefill_tokens=args.profiled_prompt,
+                     ssjf_input_weight=args.ssjf_input_weight, ssjf_window_factor=args.ssjf_window_factor,
+                     ssjf_window_s=args.ssjf_window_s,workers=args.workers, autoscale=args.autoscale, max_workers=args.max_workers,
                      idle_release_s=args.idle_release_s, cold_start_s=args.cold_start_s,
                      ttft_slo_ms=args.ttft_slo_ms, atgt_slo_ms=args.atgt_slo_ms, gamma=args.gamma,
                      theta=args.theta, slack=args.slack, max_input_len=args.max_input_len,
@@ -351,8 +381,7 @@ def _base_config(args, raw: dict, tp: int, threshold_factor: float) -> SimConfig
 def _run_scale(args, grid: _Grid, base: SimConfig, perf, tpath: str, full, scale: float, out: _Outputs) -> None:
     """Every policy x order x kernel x variant on `full` at `scale` x its rate (one predictor for all)."""
     tr = window(full, start_s=grid.start, end_s=grid.end, rate_scale=scale, duration_s=args.duration)
-    pred = LengthPredictor(args.predictor, full.output_len, bounds=grid.bounds, confusion=grid.confusion,
-                           seed=args.seed)
+    pred = make_predictor(args, grid, full, tr)
     kw = {"predictor": pred}
     if args.adapters:
         ads = make_adapters(args.functions, args.adapters, _csv(args.ranks, int), seed=args.seed)
@@ -373,7 +402,8 @@ def _run_scale(args, grid: _Grid, base: SimConfig, perf, tpath: str, full, scale
         else:
             res = simulate(tr, perf, cfg, **kw)
             m = report.metrics(res)
-        m.update(label=label, load=round(tr.rate, 3), rate_scale=scale, trace=full.name, slo_scale=slo, group=group)
+        m.update(label=label, load=round(tr.rate, 3), rate_scale=scale, trace=full.name, slo_scale=slo, group=group,
+                 predictor=pred.name)
         out.rows.append(m)
         out.cdfs.setdefault((full.name, scale), {})[label] = report.latencies(res)
         if cfg.autoscaler or cfg.clock:
@@ -381,6 +411,23 @@ def _run_scale(args, grid: _Grid, base: SimConfig, perf, tpath: str, full, scale
             out.series[(full.name, scale, slo)]["runs"][label] = (res.timeline, res.extra, res.horizon_s, cfg)
         print(report.table([m]).splitlines()[-1], f"  [{res.wall_s:.1f}s]", flush=True)
         out.runs_meta.append({"trace": tpath, "rate_scale": scale, "label": label, "config": res.config})
+
+
+def make_predictor(args, grid: _Grid, full, tr) -> LengthPredictor:
+    """The run's length predictor, named exactly (its name goes into the report)."""
+    if args.predictor == "real":
+        if tr.predicted_class is None:
+            raise ValueError(f"--predictor real: trace {full.name} carries no predictions (use muserve:CSV)")
+        return LengthPredictor("real", full.output_len, bounds=tr.class_bounds, seed=args.seed,
+                               estimate=args.token_estimate, given_classes=tr.predicted_class,
+                               name=f"real: the trace's own predictions ({full.name}), classes "
+                                    f"{'/'.join(map(str, tr.class_bounds))}, tokens {args.token_estimate}")
+    pred = LengthPredictor(args.predictor, full.output_len, bounds=grid.bounds, confusion=grid.confusion,
+                           seed=args.seed, estimate=args.token_estimate)
+    if args.predictor == "confusion":
+        pred.name = f"confusion: {args.confusion_name}; classes {'/'.join(map(str, pred.bounds))}; " \
+                    f"tokens {args.token_estimate}"
+    return pred
 
 
 def _write(args, raw: dict, base: SimConfig, tp: int, out: _Outputs, t_start: float) -> None:
@@ -391,6 +438,7 @@ def _write(args, raw: dict, base: SimConfig, tp: int, out: _Outputs, t_start: fl
              + (f", search: fewest workers with >= {args.target:g} attainment" if args.search_gpus else ""))
     names = list(dict.fromkeys(r["trace"] for r in rows))
     text = "\n\n".join(report.table([r for r in rows if r["trace"] == name], f"{name} — {title}") for name in names)
+    text += "\n\n" + report.honesty_notes(rows, args, base)
     if out.series:
         text += "\n\n" + "\n\n".join(
             report.extra_table([r for r in rows if r["trace"] == name],
@@ -404,7 +452,10 @@ def _write(args, raw: dict, base: SimConfig, tp: int, out: _Outputs, t_start: fl
                               f"modelled power")
             for name in names)
     payload = {"command": "polyserve simulate " + " ".join(args.argv), "profile": args.profile,
-               "title": title, "rows": rows, "runs": out.runs_meta,
+               "title": title, "predictor_model": sorted({r.get("predictor", "") for r in rows}),
+               "context_limit": {"tokens": base.context_limit, "source": args.context_source,
+                                 "over_context": base.over_context},
+               "profiled_prompt_tokens": {"tokens": args.profiled_prompt, "source": args.profiled_source}, "rows": rows, "runs": out.runs_meta,
                "wall_s": time.perf_counter() - t_start}
     pj, pt = report.write(args.out, payload, text)
     print("\n" + text)

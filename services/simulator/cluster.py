@@ -29,8 +29,9 @@ from dataclasses import replace
 
 import numpy as np
 
+from polyserve.core import queue_order as qo
 from polyserve.core.perf import PerfFitter, WorkerPerf
-from polyserve.core.queue_order import ORDER_KEYS, ssjf_key
+from polyserve.core.queue_order import ORDER_KEYS
 from polyserve.dispatcher import policy_aladdin as aladdin
 from polyserve.dispatcher.policy import POLICIES, PolicyState
 from polyserve.simulator import power as pw
@@ -44,6 +45,10 @@ from polyserve.simulator.trace import Adapters, Trace
 
 __all__ = ["NEEDS_REQUESTS", "POLICIES", "SIM_POLICIES", "Cluster", "RunResult", "SimConfig", "simulate",
            "with_worker"]
+
+REFINE_PAYBACK = 8.0
+"""refine_preempt evicts a request only if its expected remaining tokens are this many times
+the cost of recomputing it (prompt + generated tokens x the ssjf input weight)."""
 
 # Event kinds, in their order at equal times. Arrivals at time t are handled before any
 # event at t, and an idle worker is started by a _KICK at t, so requests arriving together
@@ -67,9 +72,7 @@ class Cluster(Placement, Scaling, Accounting):
         self.adapters, self.adapter_idx = adapters, adapter_idx
         self.fitter = PerfFitter(policy_perf or perf) if cfg.fit_online else None
         self.policy_perf = policy_perf or perf
-        self.order_key = ORDER_KEYS[cfg.order]
-        if cfg.order == "ssjf" and cfg.aging_s > 0:
-            self.order_key = lambda r, _a=cfg.aging_s: ssjf_key(r, _a)
+        self.order_key = self._order_key(cfg)
         self.acfg = aladdin.AladdinConfig(ttft_slo_ms=cfg.ttft_slo_ms, atgt_slo_ms=cfg.atgt_slo_ms, gamma=cfg.gamma,
                                           theta=cfg.theta, slack=cfg.slack,
                                           repredict=ConditionalMean(trace.output_len))
@@ -90,6 +93,38 @@ class Cluster(Placement, Scaling, Accounting):
         self.clock_series: list[tuple[float, float, int, int, int]] = []  # (t, mean, min, max MHz, workers)
         self.planner, self.thresholds = make_planner(cfg, trace)
         self._online = predictor is not None and predictor.mode == "history"
+
+    @staticmethod
+    def _order_key(cfg: SimConfig):
+        """The worker's sort key for `cfg.order`, with the run's SJF parameters."""
+        if cfg.order == "ssjf_class" and cfg.aging_s > 0:
+            return lambda r, _a=cfg.aging_s: qo.ssjf_class_key(r, _a)
+        return ORDER_KEYS[cfg.order]  # ssjf: a SizeRule per worker (_new_rule)
+
+    def _refiner(self, rule: qo.SizeRule):
+        """(request, generated) -> its key now: size = E[L | L > generated, predicted class] −
+        generated (+ the prompt term), the conditional mean learned from the trace's
+        (prediction, true length) pairs, as a live system would from completed requests."""
+        w_in = rule.input_weight
+
+        def key(r: SimRequest, generated: int):
+            cm = self._cond_by_class.get(r.length_class) or self._cond_by_class[None]
+            remaining = cm(0, 0, generated) - generated
+            recompute = w_in * (r.input_len + generated)  # its prefill again, in output-token equivalents
+            if remaining < REFINE_PAYBACK * max(recompute, 1.0):
+                return None
+            return rule.key_for(r.arrival, remaining + recompute)
+
+        return key
+
+    def _new_rule(self) -> qo.SizeRule | None:
+        """A worker's own `ssjf` state (its queue's recent sizes and JCTs), as in a live worker."""
+        cfg = self.cfg
+        if cfg.order != "ssjf":
+            return None
+        return qo.SizeRule(input_weight=cfg.ssjf_input_weight if cfg.ssjf_input_weight >= 0 else qo.INPUT_WEIGHT,
+                           window_factor=cfg.ssjf_window_factor or qo.WINDOW_FACTOR,
+                           window_s=cfg.ssjf_window_s or qo.WINDOW_S)
 
     # ------------------------------------------------------------------ run
     def run(self) -> RunResult:
@@ -118,7 +153,11 @@ class Cluster(Placement, Scaling, Accounting):
                 continue
             r = make(i)
             reqs.append(r)
-            self._arrive(r, r.arrival)
+            if r.rejected:  # over the context window (_fit_context)
+                self.counters["rejected"] += 1
+                self.misses += 1
+            else:
+                self._arrive(r, r.arrival)
             i += 1
         return self._result(reqs, last, t_wall)
 
@@ -129,12 +168,16 @@ class Cluster(Placement, Scaling, Accounting):
             pred_tok, pred_cls = self.predictor.precompute(tr.output_len)
         else:
             pred_tok, pred_cls = tr.output_len.copy(), np.full(len(tr), -1)
+        self._cond_by_class = {None: ConditionalMean(tr.output_len)}
+        for c in set(pred_cls.tolist()):
+            self._cond_by_class[c] = ConditionalMean(tr.output_len[pred_cls == c])
         arrivals, inputs, outputs = tr.arrival.tolist(), tr.input_len.tolist(), tr.output_len.tolist()
         pred_tok, pred_cls = pred_tok.tolist(), pred_cls.tolist()
 
         def make(i: int) -> SimRequest:
             r = SimRequest(idx=i, request_id=f"r{i}", arrival=arrivals[i], input_len=inputs[i],
                            output_len=outputs[i], predicted_tokens=pred_tok[i], length_class=pred_cls[i])
+            self._fit_context(r)
             if self._online:
                 r.predicted_tokens, r.length_class = self.predictor.predict_online(r.input_len)
             if self.adapters is not None:
@@ -143,6 +186,24 @@ class Cluster(Placement, Scaling, Accounting):
             return r
 
         return make
+
+    def _fit_context(self, r: SimRequest) -> None:
+        """The context window and the profiled range (SimConfig): reject or cut a prompt that
+        does not fit, cap an output at what the window leaves; count each case."""
+        cfg, c = self.cfg, self.counters
+        lim = cfg.context_limit
+        if lim and r.input_len >= lim:
+            if cfg.over_context == "reject":
+                r.rejected = f"prompt of {r.input_len} tokens >= context limit {lim}"
+                c["over_context_rejected"] = c.get("over_context_rejected", 0) + 1
+                return
+            r.input_len = lim - 1
+            c["prompt_truncated"] = c.get("prompt_truncated", 0) + 1
+        if lim and r.input_len + r.output_len > lim:
+            r.output_len = max(1, lim - r.input_len)
+            c["output_capped"] = c.get("output_capped", 0) + 1
+        if cfg.profiled_prefill_tokens and r.input_len > cfg.profiled_prefill_tokens:
+            c["prefill_extrapolated"] = c.get("prefill_extrapolated", 0) + 1
 
     def _on_event(self, now: float, kind: int, obj, arrivals_left: bool) -> int:
         """Handle one event: _ABORT (stop the run), _IDLE (a periodic event with nothing
@@ -171,6 +232,8 @@ class Cluster(Placement, Scaling, Accounting):
         prefilled = st.new
         for r in w.end_step(now):
             self._finished(w, r, now, self._online)
+            if w.rule is not None:
+                w.rule.observe(now - r.arrival)
         self._count_misses(prefilled, now)
         if self.clock is not None:
             self._clock_step(w, st, now)
@@ -211,7 +274,12 @@ class Cluster(Placement, Scaling, Accounting):
 
     def _open(self, now: float, ready_at: float) -> SimWorker:
         self._n_made += 1
-        w = SimWorker(f"w{self._n_made:03d}", self.perf, self.cfg.worker, self.order_key, started_at=now)
+        rule = self._new_rule()
+        w = SimWorker(f"w{self._n_made:03d}", self.perf, self.cfg.worker, rule.key if rule else self.order_key,
+                      started_at=now)
+        w.rule = rule
+        if rule is not None and self.cfg.worker.refine_preempt:
+            w.refined_key = self._refiner(rule)
         w.ready_at = ready_at
         self.workers[w.id] = w
         self.timeline.append((now, self._up()))

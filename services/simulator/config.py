@@ -40,7 +40,17 @@ class SimConfig:
     rebalance_s: float = 0.25  # not read: Alg. 2 re-balancing runs every tick_s (kept for results' configs)
     tick_s: float = 1.0
     max_input_len: int = 0  # 0 = no limit
-    aging_s: float = 0.0  # ssjf aging period (s per length class); 0 = the worker's default
+    aging_s: float = 0.0  # ssjf_class aging period (s per length class); 0 = the worker's default
+    # ssjf (size rank with a bounded overtake window, core.queue_order.SizeRule, one per worker);
+    # 0 / < 0 = the worker's default
+    ssjf_input_weight: float = -1.0
+    ssjf_window_factor: float = 0.0
+    ssjf_window_s: float = 0.0
+    # the model's context window (tokens; 0 = none): a prompt at or over it is rejected
+    # ("reject") or cut to fit ("truncate"); an output is capped at what the window leaves
+    context_limit: int = 0
+    over_context: str = "reject"
+    profiled_prefill_tokens: int = 0  # the longest prompt the profile was measured on (0 = unknown)
     fit_online: bool = False  # policies see a PerfFitter's model, fed with the steps' timings
     abort_misses: int = 0  # stop once more requests than this missed an SLO (0 = never): for searches
     seed: int = 0
@@ -83,6 +93,10 @@ class SimConfig:
             raise ValueError(f"order {self.order!r} is unknown; choose one of {', '.join(ORDER_KEYS)}")
         if self.workers < 1 or self.max_workers < self.workers:
             raise ValueError("need 1 <= workers <= max_workers")
+        if self.over_context not in ("reject", "truncate"):
+            raise ValueError("over_context must be 'reject' or 'truncate'")
+        if self.context_limit < 0:
+            raise ValueError("context_limit must be >= 0 (0 = no limit)")
         if self.worker.kv_mode not in ("grow", "reserve"):
             raise ValueError("kv_mode must be 'grow' or 'reserve'")
         if self.autoscaler:

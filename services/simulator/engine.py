@@ -78,6 +78,7 @@ class WorkerConfig:
     max_waiting: int = 0  # 0 = unbounded
     max_prefill_tokens: int = 0  # prompt tokens per prefill (vLLM max_num_batched_tokens); 0 = no limit
     tp: int = 1  # GPUs of one worker
+    refine_preempt: bool = False  # ssjf only: evict a running request whose refined key sorts behind the queue's head
 
 
 @dataclass
@@ -99,6 +100,9 @@ class SimWorker:
         self.perf = perf
         self.cfg = cfg
         self.order_key = order_key
+        self.rule = None  # the queue order's state where it has one (core.queue_order.SizeRule)
+        self.refined_key = None  # (request, tokens generated) -> its key now (refine_preempt; set by the cluster)
+        self.refine_preemptions = 0
         self.started_at = started_at
         self.stopped_at: float | None = None
         self.ready_at = started_at
@@ -181,6 +185,8 @@ class SimWorker:
         """Begin the next iteration at `now`; its end time, or None when there is nothing to do."""
         cfg, perf = self.cfg, self.perf
         preempted = self._preempt_for_growth() if cfg.kv_mode == "grow" and self.running else False
+        if not preempted and self.refined_key is not None and self.waiting and self.b >= cfg.max_batch:
+            self._preempt_for_shorter()
         new: list[SimRequest] = []
         if self.waiting and not preempted:
             new = self._admit()
@@ -294,6 +300,36 @@ class SimWorker:
             self.adapters[r.adapter] = r.rank
             ms += self.cfg.adapter_load_ms_per_rank * r.rank
         return ms
+
+    def _preempt_for_shorter(self) -> None:
+        """Shortest-remaining with refinement (TRAIL-style), once per request: the running
+        request whose key *now* (its remaining length given what it has generated, see
+        cluster) sorts furthest behind goes back to the queue (recompute) when the queue's
+        head sorts before it. A key is still at most arrival + W (the starvation bound)."""
+        head_key = self.waiting[0][0]
+        worst, worst_key = None, None
+        for r in self.running.values():
+            if r.preemptions:
+                continue
+            k = self.refined_key(r, self.generated_of(r))
+            if k is None:  # not worth its recompute
+                continue
+            if worst_key is None or k > worst_key:
+                worst, worst_key = r, k
+        if worst is None or not worst_key > head_key:
+            return
+        r = worst
+        r.generated = self.generated_of(r)
+        self._leave(r)
+        self._fin = [(d, s, x) for d, s, x in self._fin if x is not r]
+        heapq.heapify(self._fin)
+        r.preemptions += 1
+        self.preemptions += 1
+        self.refine_preemptions += 1
+        r.prefill_len = r.input_len + r.generated
+        r.key = worst_key
+        self._seq += 1
+        heapq.heappush(self.waiting, (r.key, self._seq, r))
 
     def _preempt_for_growth(self) -> bool:
         """vLLM recompute preemption: while this decode step would overflow the KV budget,

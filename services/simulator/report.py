@@ -132,8 +132,13 @@ def table(rows: Sequence[dict], title: str = "") -> str:
     def lat(d: dict) -> str:
         return "/".join(_f(d[k]) for k in ("mean", "p50", "p98", "p99"))
 
+    def both(r: dict) -> str:
+        if r.get("target_reached") is False:  # --search-gpus gave up: say so, never print it as reached
+            return f"NOT REACHED ({'<=' if r.get('aborted') else ''}{_f(r['slo_both'], '{:.3f}')} at max)"
+        return ("<=" if r.get("aborted") else "") + _f(r["slo_both"], "{:.3f}")
+
     body = [[r["label"], _f(r.get("load"), "{:g}"), str(r["requests"]), _f(r["slo_ttft"], "{:.3f}"),
-             _f(r["slo_atgt"], "{:.3f}"), _f(r["slo_both"], "{:.3f}"), lat(r["ttft_ms"]), lat(r["atgt_ms"]),
+             _f(r["slo_atgt"], "{:.3f}"), both(r), lat(r["ttft_ms"]), lat(r["atgt_ms"]),
              lat(r["e2e_ms"]), str(r["gpus_peak"]), _f(r["gpu_seconds"]), _f(r["gpus_mean"], "{:.1f}")]
             for r in rows]
     widths = [max(len(c), *(len(b[k]) for b in body)) if body else len(c) for k, c in enumerate(COLUMNS)]
@@ -141,6 +146,38 @@ def table(rows: Sequence[dict], title: str = "") -> str:
     out = [f"{LABEL}: {title}" if title else LABEL, line(COLUMNS), line(["-" * w for w in widths])]
     out += [line(b) for b in body]
     return "\n".join(out)
+
+
+def honesty_notes(rows: Sequence[dict], args, base) -> str:
+    """What the runs assumed and where they went beyond their models: the predictor model,
+    the context window (requests rejected, cut, capped), prefill beyond the profiled prompt
+    range, and --search-gpus runs whose target was not reached."""
+    out = ["predictor model: " + "; ".join(sorted({r.get("predictor", "?") for r in rows}))]
+    lim = base.context_limit
+    out.append(f"context limit: {lim} tokens ({getattr(args, 'context_source', '')}), over it: {base.over_context}"
+               if lim else f"context limit: none ({getattr(args, 'context_source', '')})")
+    keys = ("over_context_rejected", "prompt_truncated", "output_capped", "prefill_extrapolated")
+    for r in rows:
+        c = r.get("counters") or {}
+        hit = {k: c.get(k, 0) for k in keys if c.get(k)}
+        if hit:
+            out.append(f"  {r.get('trace', '')} {r['label']} x{r.get('rate_scale', 1):g}: "
+                       + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in hit.items()))
+    prof = getattr(args, "profiled_prompt", 0)
+    if prof:
+        n = max(((r.get("counters") or {}).get("prefill_extrapolated", 0) for r in rows), default=0)
+        out.append(f"profiled prompt range: up to {prof} tokens ({args.profiled_source}); "
+                   + (f"PREFILL EXTRAPOLATED beyond it for up to {n} requests per run (see the lines above)"
+                      if n else "no prompt beyond it"))
+    else:
+        out.append(f"profiled prompt range: {getattr(args, 'profiled_source', 'unknown')} — prefill times of long "
+                   "prompts may be extrapolated")
+    missed = [r for r in rows if r.get("target_reached") is False]
+    for r in missed:
+        out.append(f"TARGET NOT REACHED: {r.get('trace', '')} {r['label']} x{r.get('rate_scale', 1):g}: even "
+                   f"{r.get('workers')} workers (--max-workers) attain {'at most ' if r.get('aborted') else ''}"
+                   f"{_f(r['slo_both'], '{:.3f}')} < target")
+    return f"{LABEL}: notes\n" + "\n".join(out)
 
 
 EXTRA_COLUMNS = ("run", "load", "viol TTFT n/%", "viol ATGT n/%", "viol any n/%", "GPU-s", "workers peak",

@@ -37,6 +37,8 @@ class Trace:
     input_len: np.ndarray  # int64
     output_len: np.ndarray  # int64 (>= 1)
     step_s: float | None = None  # synthetic traces: when the load step (or ramp) starts
+    predicted_class: np.ndarray | None = None  # a real predictor's class per request (workloads.load_muserve)
+    class_bounds: tuple[int, ...] | None = None  # what those classes mean (token bounds)
 
     def __len__(self) -> int:
         return int(self.arrival.size)
@@ -105,7 +107,9 @@ def window(trace: Trace, *, start_s: float = 0.0, end_s: float | None = None, ra
         step = (trace.step_s - a[mask][0]) / rate_scale
         if step < 0 or (duration_s is not None and step > duration_s) or (end_s is not None and trace.step_s >= end_s):
             step = None
-    return Trace(trace.name + suffix, arr[keep], trace.input_len[mask][keep], trace.output_len[mask][keep], step)
+    pc = trace.predicted_class[mask][keep] if trace.predicted_class is not None else None
+    return Trace(trace.name + suffix, arr[keep], trace.input_len[mask][keep], trace.output_len[mask][keep], step,
+                 pc, trace.class_bounds)
 
 
 # ------------------------------------------------------------------ synthetic load steps
@@ -157,12 +161,22 @@ def parse_synthetic(spec: str) -> dict:
 
 
 def load_trace(spec: str | Path, lengths_path: str | Path | None = None, seed: int = 0) -> Trace:
-    """An Azure CSV path, or a synthetic spec whose lengths come from `lengths_path` (an Azure CSV)."""
+    """An Azure CSV path, a Mooncake ``.jsonl``, a ``servegen:``/``muserve:`` spec
+    (`simulator.workloads`), or a synthetic spec; lengths that a spec lacks come from
+    `lengths_path` (an Azure CSV)."""
+    from polyserve.simulator import workloads
+
     s = str(spec)
+    src = lengths_path or datasets_dir() / "traces" / "azure_llm_2023_conv.csv"
+    if s.startswith("servegen:"):
+        return workloads.load_servegen(s, load_azure_llm(src), seed=seed)
+    if s.startswith("muserve:"):
+        return workloads.load_muserve(s, load_azure_llm(src), seed=seed)
+    if s.endswith(".jsonl"):
+        return workloads.load_mooncake(s)
     if not s.startswith(SYNTHETIC_PREFIX):
         return load_azure_llm(s)
     kw = parse_synthetic(s)
-    src = lengths_path or datasets_dir() / "traces" / "azure_llm_2023_conv.csv"
     return synthetic_step(lengths=load_azure_llm(src), seed=seed, **kw)
 
 

@@ -1,5 +1,6 @@
-"""Worker queue orders: FCFS unchanged, speculative SJF with aging (no starvation),
-oracle SJF, and the static sort keys the simulator uses."""
+"""Worker queue orders: FCFS unchanged, speculative SJF (by expected size with a bounded
+overtake window; the earlier class rule with aging), oracle SJF, and the static sort keys
+the simulator uses."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ class Q:
     length_class: int = -1
     priority: int = 0
     true_tokens: int = 0
+    predicted_tokens: int = 0
+    input_len: int = 0
 
 
 def names(xs) -> list[str]:
@@ -28,14 +31,14 @@ def test_fcfs_and_priority_are_unchanged():
     qs = [Q("b", 2.0), Q("a", 1.0, priority=1), Q("c", 3.0)]
     assert names(wp.fcfs(qs)) == ["a", "b", "c"]
     assert names(wp.priority_fcfs(qs)) == ["b", "c", "a"]
-    assert set(wp.ORDERS) >= {"fcfs", "priority", "ssjf"} and "sjf_oracle" not in wp.ORDERS
+    assert set(wp.ORDERS) >= {"fcfs", "priority", "ssjf", "ssjf_class"} and "sjf_oracle" not in wp.ORDERS
 
 
-def test_ssjf_prefers_short_predictions_within_the_aging_window():
+def test_ssjf_class_prefers_short_predictions_within_the_aging_window():
     qs = [Q("long", 0.0, 4), Q("mid", 0.1, 2), Q("short", 0.2, 0), Q("unknown", 0.3, -1)]
-    assert names(wp.speculative_sjf(qs)) == ["short", "mid", "unknown", "long"]
+    assert names(wp.speculative_sjf_class(qs)) == ["short", "mid", "unknown", "long"]
     # equal classes keep arrival order
-    assert names(wp.speculative_sjf([Q("x", 2.0, 1), Q("y", 1.0, 1)])) == ["y", "x"]
+    assert names(wp.speculative_sjf_class([Q("x", 2.0, 1), Q("y", 1.0, 1)])) == ["y", "x"]
 
 
 def test_aging_never_starves_a_long_request():
@@ -46,7 +49,7 @@ def test_aging_never_starves_a_long_request():
     for k in range(200):
         t = 0.5 * (k + 1)
         waiting.append(Q(f"s{k}", t, 0))
-        head = wp.speculative_sjf(waiting)[0]
+        head = wp.speculative_sjf_class(waiting)[0]
         waiting.remove(head)
         served.append(head)
         if head is long:
@@ -56,11 +59,11 @@ def test_aging_never_starves_a_long_request():
     assert overtook and all(q.arrival < 4 * wp.AGING_S for q in overtook)
     assert len(overtook) <= 4 * wp.AGING_S / 0.5
     # a faster aging period serves it sooner
-    fast = wp.make_ssjf(1.0)
+    fast = wp.make_ssjf_class(1.0)
     assert names(fast([Q("long", 0.0, 4), Q("late", 4.5, 0)]))[0] == "long"
     assert names(fast([Q("long", 0.0, 4), Q("early", 3.5, 0)]))[0] == "early"
     with pytest.raises(ValueError):
-        wp.make_ssjf(0)
+        wp.make_ssjf_class(0)
 
 
 def test_length_class_is_read_from_engine_requests():
@@ -76,7 +79,7 @@ def test_length_class_is_read_from_engine_requests():
 
     assert wp.length_class_of(EngineReq(Inner(3), 0.0)) == 3
     assert wp.length_class_of(EngineReq(Inner(-1), 0.0)) == wp.UNKNOWN_CLASS
-    assert [wp.length_class_of(r) for r in wp.speculative_sjf([EngineReq(Inner(3), 0.0),
+    assert [wp.length_class_of(r) for r in wp.speculative_sjf_class([EngineReq(Inner(3), 0.0),
                                                                EngineReq(Inner(0), 1.0)])] == [0, 3]
 
 
@@ -85,7 +88,66 @@ def test_oracle_sjf_uses_true_lengths():
     assert names(wp.oracle_sjf(qs)) == ["b", "c", "a"]
 
 
-@pytest.mark.parametrize("name", ["fcfs", "priority", "ssjf"])
+@pytest.mark.parametrize("name", ["fcfs", "priority", "ssjf", "ssjf_class"])
 def test_order_keys_agree_with_order_functions(name):
-    qs = [Q(f"q{k}", (k * 7) % 5 * 1.3, length_class=k % 5, priority=k % 2) for k in range(12)]
+    qs = [Q(f"q{k}", (k * 7) % 5 * 1.3, length_class=k % 5, priority=k % 2, predicted_tokens=(k * 37) % 400,
+            input_len=(k * 101) % 3000) for k in range(12)]
     assert names(sorted(qs, key=wp.ORDER_KEYS[name])) == names(wp.ORDERS[name](qs))
+
+
+def test_ssjf_orders_by_expected_size_including_the_prompt():
+    """Short expected output first; a long prompt counts as a long job (INPUT_WEIGHT per token)."""
+    rule, order = wp.make_ssjf()
+    for k in range(50):  # recent sizes spread 0..490 tokens: ranks spread over the window
+        rule.key(Q(f"seen{k}", -100.0 + k, predicted_tokens=10 * k))
+    qs = [Q("long-out", 0.0, predicted_tokens=400), Q("short", 0.1, predicted_tokens=20),
+          Q("long-prompt", 0.2, predicted_tokens=20, input_len=3000), Q("mid", 0.3, predicted_tokens=100)]
+    assert names(order(qs)) == ["short", "mid", "long-prompt", "long-out"]
+    assert [rule.key(q) for q in qs] == [rule.key(q) for q in qs]  # memoised: a key never changes
+    # no token estimate: the unseen-model median of the class (class -1 -> UNKNOWN_CLASS)
+    assert wp.predicted_tokens_of(Q("x", 0.0, 0)) == wp.UNSEEN_MEDIANS[0]
+    assert wp.predicted_tokens_of(Q("x", 0.0, -1)) == wp.UNSEEN_MEDIANS[wp.UNKNOWN_CLASS]
+
+
+def test_ssjf_starvation_bound_is_the_overtake_window():
+    """A huge request under a stream of tiny ones: only arrivals within W of it go first, and
+    W follows the recent JCT (WINDOW_FACTOR x its moving mean)."""
+    rule = wp.SizeRule(input_weight=0.0, window_factor=2.0, window_s=30.0)
+    assert rule.window == 30.0
+    for k in range(20):
+        rule.key(Q(f"warm{k}", -50.0 + k, predicted_tokens=1 + k))
+    big = Q("big", 0.0, predicted_tokens=10_000)
+    tiny = [Q(f"t{k}", 0.5 * (k + 1), predicted_tokens=1) for k in range(100)]
+    order = names(sorted([big, *tiny], key=rule.key))
+    ahead = {n for n in order[:order.index("big")]}
+    assert ahead and all(q.arrival < 30.0 for q in tiny if q.name in ahead)
+    assert not any(q.name in ahead for q in tiny if q.arrival >= 30.0)
+    rule.observe(5.0)
+    assert rule.window == 10.0
+    for _ in range(500):
+        rule.observe(50.0)
+    assert 99.0 < rule.window <= 100.0
+    with pytest.raises(ValueError):
+        wp.SizeRule(window_s=0)
+    with pytest.raises(ValueError):
+        wp.make_ssjf(input_weight=-1)
+
+
+def test_ssjf_reads_what_each_engine_keeps():
+    @dataclass
+    class Req:  # EngineRequest: the estimate, no prompt token count
+        predicted_tokens: int
+        length_class: int = -1
+        arrival: float = 0.0
+        priority: int = 0
+
+    @dataclass
+    class SimReq:  # the sim engine's entry: prompt tokens beside the request
+        req: Req
+        input_tokens: int
+        arrival: float = 0.0
+        priority: int = 0
+
+    assert wp.predicted_tokens_of(SimReq(Req(77), 10)) == 77 and wp.input_tokens_of(SimReq(Req(77), 10)) == 10
+    assert wp.input_tokens_of(Req(5)) == 0
+    assert wp.ORDER_KEYS["ssjf"](SimReq(Req(10), 8000, arrival=1.0)) > wp.ORDER_KEYS["ssjf"](Req(10, arrival=1.0))

@@ -1,0 +1,176 @@
+"""Simulator honesty and the SJF experiment's parts: the context window (reject / truncate,
+counted), prefill beyond the profiled range (flagged), --search-gpus saying "target not
+reached", the predictor model (the artifact's measured OOD confusion or a named fallback;
+a trace's own predictions), the new traces (Mooncake, ServeGen, µ-Serve's predictions)
+and the SSJF rules in the simulator."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from polyserve.core.perf import PerfModel, WorkerPerf
+from polyserve.simulator import cluster, report, sjf_experiment
+from polyserve.simulator.cli import _search
+from polyserve.simulator.cli import main as cli_main
+from polyserve.simulator.engine import WorkerConfig
+from polyserve.simulator.limits import context_limit, profiled_prompt_tokens
+from polyserve.simulator.predictor import META_ENV, LengthPredictor, resolve_confusion
+from polyserve.simulator.trace import from_requests, load_trace
+
+pytestmark = pytest.mark.unit
+
+PERF = WorkerPerf(base=PerfModel(k1=1.0, c1=10.0, k2=0.0, c2=2.0, c3=5.0))
+
+
+def _run(reqs, **cfg):
+    c = cluster.SimConfig(workers=1, worker=WorkerConfig(max_batch=4, kv_capacity=1_000_000), **cfg)
+    return cluster.simulate(from_requests(reqs), PERF, c)
+
+
+def test_context_limit_rejects_or_truncates_and_counts_each():
+    reqs = [(0.0, 100, 10), (0.1, 5000, 10), (0.2, 4000, 500)]
+    res = _run(reqs, context_limit=4096)
+    rej = [r for r in res.requests if r.rejected]
+    assert len(rej) == 1 and "context limit 4096" in rej[0].rejected and rej[0].input_len == 5000
+    assert res.counters["over_context_rejected"] == 1 and res.counters["rejected"] == 1
+    capped = next(r for r in res.requests if r.idx == 2)
+    assert capped.output_len == 96 and res.counters["output_capped"] == 1 and capped.finish > 0
+    res = _run(reqs, context_limit=4096, over_context="truncate")
+    assert not any(r.rejected for r in res.requests) and res.counters["prompt_truncated"] == 1
+    assert max(r.input_len + r.output_len for r in res.requests) <= 4096
+    assert "over_context_rejected" not in _run(reqs).counters  # 0 = no limit
+    with pytest.raises(ValueError, match="over_context"):
+        _run(reqs, over_context="drop")
+
+
+def test_prefill_beyond_the_profiled_range_is_counted_and_reported(tmp_path: Path):
+    res = _run([(0.0, 100, 5), (0.1, 9000, 5), (0.2, 20000, 5)], profiled_prefill_tokens=8192)
+    assert res.counters["prefill_extrapolated"] == 2
+    src = tmp_path / "rows.csv"
+    src.write_text("model,hardware,tensor_parallel,prompt_size\nm,h,4,128\nm,h,4,8192\nm,h,8,16384\n")
+    raw = {"model": "llama2-70b", "source": {"file": "rows.csv", "filter": {"model": "m", "tensor_parallel": 4}}}
+    assert profiled_prompt_tokens(raw, tmp_path)[0] == 8192
+    assert context_limit(raw) == (4096, "llama2-70b's published context window")
+    assert context_limit({"model": "x", "context_tokens": 32768})[0] == 32768
+    assert context_limit({"model": "x"})[0] == 0
+
+
+def test_search_gpus_says_target_not_reached(tmp_path: Path):
+    trace = from_requests([(k * 0.01, 200, 50) for k in range(200)])
+    cfg = cluster.SimConfig(workers=1, ttft_slo_ms=50.0, atgt_slo_ms=1.0,
+                            worker=WorkerConfig(max_batch=2, kv_capacity=100_000))
+    res, m, n = _search(trace, PERF, cfg, 0.99, 2)
+    assert m["target_reached"] is False and n == 2
+    m.update(label="x", workers=n)
+    assert "NOT REACHED" in report.table([m])
+    easy = from_requests([(k * 1.0, 20, 5) for k in range(20)])
+    ok = _search(easy, PERF, cluster.SimConfig(workers=1, worker=WorkerConfig(max_batch=64, kv_capacity=10**6)),
+                 0.5, 8)[1]
+    assert ok["target_reached"] is True and "NOT REACHED" not in report.table([{**ok, "label": "y"}])
+
+
+def test_predictor_model_is_the_artifacts_ood_confusion_or_a_named_fallback(tmp_path: Path, monkeypatch):
+    meta = tmp_path / "meta.json"
+    ood = [[0.5, 0.3, 0.2, 0.0], [0.2, 0.5, 0.2, 0.1], [0.1, 0.2, 0.5, 0.2], [0.0, 0.2, 0.3, 0.5]]
+    meta.write_text(json.dumps({"format": 1, "ood_confusion": ood}))
+    monkeypatch.setenv(META_ENV, str(meta))
+    m, name = resolve_confusion(None)
+    assert m.shape == (4, 4) and np.allclose(m.sum(axis=1), 1) and "measured OOD confusion" in name
+    out = np.arange(1, 1001)
+    pred = LengthPredictor("confusion", out, confusion=m)
+    assert len(pred.bounds) == 3  # 4 classes: p25/p50/p75
+    meta.write_text(json.dumps({"format": 1}))
+    m, name = resolve_confusion(None)
+    assert m.shape == (5, 5) and name.startswith("FALLBACK") and "no 'ood_confusion'" in name
+    with pytest.raises(ValueError, match="ood_confusion"):
+        resolve_confusion(meta)  # named explicitly: must have the key
+    # posterior tokens: E[true | predicted class], between the class means
+    p = LengthPredictor("confusion", out, estimate="posterior", seed=3)
+    tok, cls = p.precompute(out)
+    assert all(tok[cls == c].min() == tok[cls == c].max() for c in set(cls.tolist()))
+    assert tok[cls == 0][0] > p.class_tokens[0] and tok[cls == 4][0] < p.class_tokens[4]
+
+
+def _muserve_csv(tmp_path: Path, n: int = 200) -> Path:
+    rng = np.random.default_rng(0)
+    rows = [",output_token_length,predicted_length,latency,model"]
+    for k in range(n):
+        out = int(rng.integers(1, 511))
+        rows.append(f"{k},{out},{min(4, int(np.searchsorted([59, 148, 281, 500], out, side='right')))},0.01,v")
+    p = tmp_path / "pred.csv"
+    p.write_text("\n".join(rows) + "\n")
+    return p
+
+
+def test_real_predictor_uses_the_traces_own_predictions(tmp_path: Path):
+    lengths = tmp_path / "az.csv"
+    lengths.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00.0,100,10\n"
+                       "2023-11-16 18:00:01.0,300,20\n")
+    tr = load_trace(f"muserve:{_muserve_csv(tmp_path)}:4", lengths)
+    assert tr.predicted_class is not None and tr.class_bounds == (59, 148, 281, 500)
+    assert set(tr.input_len.tolist()) <= {100, 300} and 2.5 < tr.rate < 6
+    pred = LengthPredictor("real", tr.output_len, bounds=tr.class_bounds, given_classes=tr.predicted_class)
+    tok, cls = pred.precompute(tr.output_len)
+    assert (cls == tr.predicted_class).all()
+    with pytest.raises(ValueError, match="carries predictions"):
+        LengthPredictor("real", tr.output_len)
+    out = tmp_path / "o"
+    assert cli_main(["--trace", f"muserve:{_muserve_csv(tmp_path)}:4", "--synthetic-lengths", str(lengths),
+                     "--predictor", "real", "--order", "ssjf", "--no-plots", "--out", str(out)]) == 0
+    payload = json.loads((out / "results.json").read_text())
+    assert payload["predictor_model"][0].startswith("real: the trace's own predictions")
+    assert "predictor model: real" in (out / "results.txt").read_text()
+    assert cli_main(["--trace", str(lengths), "--predictor", "real", "--no-plots", "--out", str(out)]) == 2
+
+
+def test_mooncake_and_servegen_traces(tmp_path: Path):
+    mc = tmp_path / "mc.jsonl"
+    mc.write_text("".join(json.dumps({"timestamp": 1000 * k, "input_length": 10 + k, "output_length": 5,
+                                      "hash_ids": [k]}) + "\n" for k in range(20)))
+    t = load_trace(mc)
+    assert len(t) == 20 and t.arrival[-1] == 19.0 and t.input_len[3] == 13
+    sg = tmp_path / "sg"
+    sg.mkdir()
+    (sg / "chunk-0-trace.csv").write_text("0,2.0,3.0,Gamma,0.111,4.5\n600,0,0,,0,0\n1200,1.0,1.5,Weibull,0.7,1.0\n")
+    (sg / "chunk-0-dataset.json").write_text(json.dumps({"0": {"input_tokens": "{100: 0.5, 200: 0.5}",
+                                                               "output_tokens": "{7: 1.0}"}}))
+    t = load_trace(f"servegen:{sg}:0:1800")
+    n_first = int((t.arrival < 600).sum())
+    assert 900 < n_first < 1500 and (t.arrival[(t.arrival >= 600) & (t.arrival < 1200)].size == 0)
+    assert set(t.input_len.tolist()) <= {100, 200} and set(t.output_len.tolist()) == {7}
+    with pytest.raises(ValueError, match="no arrivals"):
+        load_trace(f"servegen:{sg}:600:500")
+
+
+def test_ssjf_in_the_simulator_beats_fcfs_on_long_prompts_and_old_rule_is_kept():
+    """One busy worker, a burst of long-prompt jobs with short ones behind: the size rule (prompt
+    counted) serves the short ones first; FCFS does not; oracle (output only) ranks prompts as equal."""
+    warm = [(10.0 * k, 3000 if k % 2 else 50, 5) for k in range(20)]  # the rule learns what is long
+    burst = [(300 + 0.001 * k, 3000, 5) for k in range(6)] + [(300.01 + 0.001 * k, 50, 5) for k in range(6)]
+    tr = from_requests(warm + burst)
+    pred = LengthPredictor("oracle", tr.output_len)
+    mean = {}
+    for order in ("fcfs", "ssjf", "ssjf_class", "sjf_oracle"):
+        cfg = cluster.SimConfig(workers=1, order=order, worker=WorkerConfig(max_batch=1, kv_capacity=10**6))
+        res = cluster.simulate(tr, PERF, cfg, predictor=pred)
+        mean[order] = np.mean([r.finish - r.arrival for r in res.requests if r.arrival >= 300])
+    assert mean["ssjf"] < 0.8 * mean["fcfs"] and mean["ssjf"] < mean["sjf_oracle"]
+
+
+def test_sjf_experiment_table(tmp_path: Path):
+    rng = np.random.default_rng(1)
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    for k in range(300):
+        rows.append(f"2023-11-16 18:{k // 60:02d}:{k % 60:02d}.000000,{rng.integers(50, 3000)},"
+                    f"{rng.integers(2, 300)}")
+    p = tmp_path / "t.csv"
+    p.write_text("\n".join(rows) + "\n")
+    assert sjf_experiment.main(["--trace", str(p), "--loads", "0.9,1.2", "--requests", "300",
+                                "--out", str(tmp_path / "o")]) == 0
+    text = (tmp_path / "o" / "results.txt").read_text()
+    assert text.count("| t |") == 2 and "predictor model:" in text and "saturation" in text
+    data = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert {r["order"] for r in data["rows"]} == {"fcfs", "ssjf_class", "ssjf", "ssjf_refine", "sjf_oracle"}
