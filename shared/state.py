@@ -2,9 +2,12 @@
 length statistics and plans. Keys are documented in proto/README.md."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import TypeVar
+from urllib.parse import unquote
 
 import msgspec
 import redis.asyncio as aioredis
@@ -15,10 +18,103 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+SENTINEL_SCHEME = "redis+sentinel"
+
+
+@dataclass(frozen=True)
+class SentinelUrl:
+    """`redis+sentinel://USER:PASSWORD@HOST:PORT[,HOST:PORT...]/MASTER[/DB]`: the primary is
+    whichever node the Sentinels name MASTER; USER:PASSWORD serves Sentinels and data nodes."""
+
+    sentinels: list[tuple[str, int]]
+    master: str
+    db: int
+    username: str | None
+    password: str | None
+
+
+def parse_sentinel_url(url: str) -> SentinelUrl | None:
+    """The parts of a Sentinel URL; None for any other URL (redis://, rediss://, unix://)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme != SENTINEL_SCHEME:
+        return None
+    netloc, _, path = rest.partition("/")
+    userinfo, _, hosts = netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    sentinels = []
+    for hp in hosts.split(","):
+        host, _, port = hp.rpartition(":")
+        sentinels.append((host or "127.0.0.1", int(port or 26379)))
+    master, _, db = path.partition("/")
+    if not master:
+        raise ValueError(f"{SENTINEL_SCHEME} URL without a master name: {SENTINEL_SCHEME}://HOST:PORT/MASTER[/DB]")
+    return SentinelUrl(sentinels, master, int(db or 0), unquote(user) or None, unquote(password) or None)
+
+
+def _client_kw(su: SentinelUrl) -> dict:
+    return {"username": su.username, "password": su.password, "db": su.db}
+
+
+MASTER_CACHE_S = 0.5  # how long a client reuses the primary's address the Sentinel named
+
+
+def _pool_class():
+    """A Sentinel connection pool that asks the Sentinel once per MASTER_CACHE_S, not once per
+    new connection: a burst of requests on a cold client opened one Sentinel query each
+    (48 at once took 166 ms against 102 ms without Sentinel, past the dispatcher's 250 ms
+    Redis budget under load). A failover takes longer than the cache lives."""
+    from redis.asyncio.sentinel import SentinelConnectionPool
+
+    class CachedMasterPool(SentinelConnectionPool):
+        _addr: tuple[object, float] | None = None
+        _lock: asyncio.Lock | None = None
+
+        async def get_master_address(self):
+            if self._lock is None:
+                self._lock = asyncio.Lock()
+            async with self._lock:  # one query for all the connections opened at once
+                hit = self._addr
+                if hit is not None and time.monotonic() - hit[1] < MASTER_CACHE_S:
+                    return hit[0]
+                addr = await super().get_master_address()
+                self._addr = (addr, time.monotonic())
+                return addr
+
+    return CachedMasterPool
+
+
 def connect(url: str) -> aioredis.Redis:
-    """A Redis client with short timeouts so a Redis outage fails fast, not hangs."""
-    return aioredis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0,
-                                   retry_on_timeout=False)
+    """A Redis client with short timeouts so a Redis outage fails fast, not hangs.
+
+    A `redis+sentinel://` URL gives a client of the current primary: each new connection
+    asks the Sentinels where it is, so after a failover the next command reaches the
+    promoted replica (docs/reliability.md)."""
+    su = parse_sentinel_url(url)
+    if su is None:
+        return aioredis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0,
+                                       retry_on_timeout=False)
+    from redis.asyncio.sentinel import Sentinel
+
+    sentinel = Sentinel(su.sentinels, socket_timeout=1.0, socket_connect_timeout=1.0,
+                        sentinel_kwargs={"username": su.username, "password": su.password,
+                                         "socket_timeout": 1.0, "socket_connect_timeout": 1.0})
+    return sentinel.master_for(su.master, connection_pool_class=_pool_class(), socket_timeout=2.0,
+                               socket_connect_timeout=2.0, retry_on_timeout=False, **_client_kw(su))
+
+
+def connect_sync(url: str, timeout: float = 2.0):
+    """A blocking client (the CLI, health checks) for any URL `connect` takes."""
+    import redis
+
+    su = parse_sentinel_url(url)
+    if su is None:
+        return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    from redis.sentinel import Sentinel
+
+    sentinel = Sentinel(su.sentinels, socket_timeout=timeout, socket_connect_timeout=timeout,
+                        sentinel_kwargs={"username": su.username, "password": su.password,
+                                         "socket_timeout": timeout, "socket_connect_timeout": timeout})
+    return sentinel.master_for(su.master, socket_timeout=timeout, socket_connect_timeout=timeout, **_client_kw(su))
 
 
 class State:

@@ -111,7 +111,9 @@ async def drive(args) -> None:
 
     await nc.subscribe(f"{args.prefix}.>", cb=on_msg)
     await nc.flush()
-    say(f"listening on NATS {args.nats} to {args.prefix}.>")
+    from polyserve.shared.auth import redact  # the URL carries the operator's password
+
+    say(f"listening on NATS {redact(args.nats)} to {args.prefix}.>")
 
     client = openai.AsyncOpenAI(base_url=f"{args.gateway}/v1", api_key=args.api_key or "none", timeout=60,
                                 max_retries=0)

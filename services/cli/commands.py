@@ -27,7 +27,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                                 upstream_metrics_url=args.upstream_metrics_url or "",
                                 config_file=args.config or "", supervise=not args.no_supervisor,
                                 admin_key="" if args.no_admin_key else None, insecure=args.insecure,
-                                nats_tls=_tls(args), gateways=args.gateways)
+                                nats_tls=_tls(args), gateways=args.gateways, nats_cluster=args.nats_cluster,
+                                redis_replica=args.redis_replica)
     if args.gateways < 1:
         _say("polyserve up failed: --gateways must be >= 1")
         return 2
@@ -47,6 +48,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         _say("  admin key    none: the admin API is open")
     _say(f"  events       polyserve events      (or: nats sub '{state.prefix}.>' --server {redact(state.nats_url)}, "
          f"password in {state.run_dir}/secrets/credentials.json)")
+    if state.nats_nodes or state.redis_nodes:
+        from polyserve.cli.topology import describe
+
+        _say(f"  topology     {describe(state)}")
     _say(f"  status       polyserve status      logs in {state.run_dir}/logs")
     if spec.supervise:
         _say(f"  supervisor   restarts a process that dies (pid {state.pids.get('supervisor')}; "
@@ -113,7 +118,9 @@ def cmd_events(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         ca = (state.nats_tls_ca if state else "") or os.environ.get("POLYSERVE_NATS_TLS_CA", "")
-        nc = await nats.connect(url, **({"tls": ssl.create_default_context(cafile=ca)} if ca else {}))
+        from polyserve.shared.bus import connect_options
+
+        nc = await nats.connect(**connect_options(url), **({"tls": ssl.create_default_context(cafile=ca)} if ca else {}))
         count = 0
         done = asyncio.Event()
 
@@ -146,6 +153,8 @@ DELEGATED = {
     "profile": ("polyserve.profiler.cli", "profile an engine and fit its performance models"),
     "simulate": ("polyserve.simulator.cli", "trace-driven cluster simulation"),
     "bench": ("polyserve.bench", "benchmarks: overhead, replay, fidelity, dispatch, embeddings, lora"),
+    "credentials": ("polyserve.cli.credentials", "write credentials for docker compose (credentials compose)"),
+    "keys": ("polyserve.cli.keys", "client API keys: keys create|list|show|delete (admin)"),
 }
 RENAMED = {"bench-dispatch": "dispatch", "bench-embeddings": "embeddings", "bench-lora": "lora"}
 """Old spellings (`polyserve bench-lora`) of what is now `polyserve bench lora`."""
@@ -201,6 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--nats-tls-cert", help="nats-server TLS certificate (PEM); with --nats-tls-key")
     up.add_argument("--nats-tls-key", help="nats-server TLS private key (PEM)")
     up.add_argument("--nats-tls-ca", help="CA (PEM) the services verify nats-server's certificate with")
+    up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                    help="run N >= 3 nats-servers as one cluster (routes, JetStream replicated) on this host; "
+                         "the services fail over between them (docs/reliability.md)")
+    up.add_argument("--redis-replica", action="store_true",
+                    help="also run a Redis replica and a Sentinel that promotes it when the primary dies")
     up.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops everything")
     up.set_defaults(fn=cmd_up)
 

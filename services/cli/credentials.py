@@ -4,6 +4,7 @@ all owner-only in RUN_DIR/secrets. Each service process gets only its own creden
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,8 +48,8 @@ def secure(spec: "ClusterSpec", progress=print) -> tuple[auth.Secrets | None, di
         auth.load_or_create_admin_key(key_file, given)
         files["admin_key_file"] = str(key_file)
     if not auth.is_loopback(spec.host):
-        progress(f"warning: the gateway listens on {spec.host}: its inference endpoints need no key "
-                 "(client API keys are not implemented yet); put it behind a trusted network or proxy")
+        progress(f"note: the gateway listens on {spec.host}: its inference endpoints need a client API key "
+                 "(`polyserve keys create --tenant NAME`; docs/security.md)")
     for name in ("credentials.json", "nats.conf", "redis.conf"):
         (sdir / name).unlink(missing_ok=True)
     if not spec.auth:
@@ -56,8 +57,68 @@ def secure(spec: "ClusterSpec", progress=print) -> tuple[auth.Secrets | None, di
     sec = auth.Secrets.generate()
     sec.save(sdir / "credentials.json")
     auth.write_private(sdir / "nats.conf", auth.nats_config(sec, spec.prefix, spec.nats_tls))
-    auth.write_private(sdir / "redis.conf", auth.redis_config(sec, spec.prefix))
+    auth.write_private(sdir / "redis.conf", auth.redis_config(sec, spec.prefix, replication=spec.redis_replica))
     files.update(nats_config=str(sdir / "nats.conf"), redis_config=str(sdir / "redis.conf"))
     if spec.nats_tls is not None and spec.nats_tls.ca:
         files["nats_tls_ca"] = spec.nats_tls.ca
     return sec, files
+
+
+# ---------------------------------------------------------------- docker compose (issue 14)
+COMPOSE_SERVICES = ("gateway", "predictor", "dispatcher", "planner", "gpu-agent")
+
+
+def write_compose_secrets(out: Path, prefix: str = "polyserve", nats_url: str = "nats://nats:4222",
+                          redis_url: str = "redis://redis:6379/0", rotate: bool = False) -> auth.Secrets:
+    """The credentials of a compose stack (compose.yaml reads them from `out`, default ./secrets):
+
+    * `nats.conf`, `redis.conf`: the users and permissions nats-server and redis-server load
+      (compose `secrets:`), the same per-service users as `polyserve up` makes;
+    * `<service>.env`: each service's own POLYSERVE_NATS_URL / POLYSERVE_REDIS_URL (compose
+      `env_file:`), the gateway's with the admin key, the gpu-agent's with the workers';
+    * `operator.env` (the `cli` user: `polyserve events --server`, the compose test) and `admin.key`.
+
+    `out` is made owner-only (0700); the files the containers read as another user (the two
+    server configurations, mounted as secrets) are 0644 inside it, the rest 0600. Kept when
+    they exist (an idempotent re-run), new ones with `rotate`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    os.chmod(out, 0o700)
+    sec = None if rotate else auth.Secrets.load(out / "credentials.json")
+    if sec is None:
+        sec = auth.Secrets.generate()
+        sec.save(out / "credentials.json")
+    admin = auth.load_or_create_admin_key(out / "admin.key", secrets.token_urlsafe(32) if rotate else None)
+    for name, text in (("nats.conf", auth.nats_config(sec, prefix)), ("redis.conf", auth.redis_config(sec, prefix))):
+        auth.write_private(out / name, text)
+        os.chmod(out / name, 0o644)  # read by nats/redis in their containers; the folder keeps others out
+    for svc in COMPOSE_SERVICES:
+        env = auth.service_env(sec, svc, nats_url, redis_url)
+        if svc == "gateway":
+            env[ADMIN_KEY_ENV] = admin
+        env["POLYSERVE_PREFIX"] = prefix
+        auth.write_private(out / f"{svc}.env", "".join(f"{k}={v}\n" for k, v in env.items()))
+    operator = {"POLYSERVE_NATS_URL": auth.with_userinfo(nats_url, auth.OPERATOR, sec.nats[auth.OPERATOR]),
+                "POLYSERVE_REDIS_URL": auth.with_userinfo(redis_url, auth.OPERATOR, sec.redis[auth.OPERATOR])}
+    auth.write_private(out / "operator.env", "".join(f"{k}={v}\n" for k, v in operator.items()))
+    return sec
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`polyserve credentials compose [--dir secrets] ...`: write a compose stack's credentials."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="polyserve credentials", description=write_compose_secrets.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", choices=["compose"], help="compose: files for compose.yaml (env files, server configs)")
+    p.add_argument("--dir", default="secrets", help="where to write them (default ./secrets; compose.yaml reads "
+                   "$POLYSERVE_SECRETS_DIR, default ./secrets)")
+    p.add_argument("--prefix", default="polyserve")
+    p.add_argument("--nats-url", default="nats://nats:4222", help="NATS as the services reach it")
+    p.add_argument("--redis-url", default="redis://redis:6379/0", help="Redis as the services reach it")
+    p.add_argument("--rotate", action="store_true", help="new passwords and admin key (restart the whole stack after)")
+    args = p.parse_args(argv)
+    write_compose_secrets(Path(args.dir), args.prefix, args.nats_url, args.redis_url, args.rotate)
+    print(f"wrote the compose credentials to {Path(args.dir).resolve()} (owner-only); admin key in "
+          f"{Path(args.dir).resolve() / 'admin.key'}")
+    return 0

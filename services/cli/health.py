@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from polyserve.shared.auth import redact
+from polyserve.shared.state import connect_sync
 
 SERVICES = {"gateway": "gateway", "predictor": "predictor", "dispatcher": "dispatcher", "planner": "planner",
             "gpu_agent": "gpu-agent", "worker": "worker"}
@@ -67,7 +68,7 @@ def check(service: str, environ: dict[str, str] | None = None, timeout: float = 
     keys = Keys(s.prefix)
     key = keys.workers if service == "worker" else keys.services
     try:
-        r = redis.Redis.from_url(s.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        r = connect_sync(s.redis_url, timeout)  # redis:// or redis+sentinel://
         members = [m.decode() for m in r.zrangebyscore(key, time.time(), "+inf")]
     except redis.RedisError as exc:
         return False, f"Redis at {redact(s.redis_url)} unreachable: {exc}"

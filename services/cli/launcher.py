@@ -18,9 +18,10 @@ from pathlib import Path
 import msgspec
 import redis
 
-from polyserve.cli import credentials
+from polyserve.cli import credentials, topology
 from polyserve.proto import Deployment, Keys, ScalerPolicy
 from polyserve.shared import auth, infra
+from polyserve.shared.state import connect_sync
 
 SERVICES = ("predictor", "dispatcher", "gpu_agent", "planner", "gateway")  # start order; workers via gpu-agent
 SERVICE_NAMES = {"gpu_agent": "gpu-agent"}
@@ -59,6 +60,8 @@ class ClusterSpec:
     insecure: bool = False  # allow a gateway beyond loopback without an admin key
     nats_tls: auth.TlsFiles | None = None  # nats-server TLS certificate and key (and the CA clients verify with)
     gateways: int = 1  # gateway processes sharing `port` (SO_REUSEPORT); each its own in-flight limit
+    nats_cluster: int = 1  # nats-servers: 1, or a cluster of >= 3 (cli/topology.py)
+    redis_replica: bool = False  # a Redis replica and a Sentinel that promotes it (cli/topology.py)
 
 
 @dataclass
@@ -77,6 +80,8 @@ class ClusterState:
     redis_config: str = ""
     admin_key_file: str = ""  # "" = the admin API is open
     nats_tls_ca: str = ""
+    nats_nodes: list[dict] = field(default_factory=list)  # a NATS cluster's nodes (infra.NatsNode)
+    redis_nodes: dict = field(default_factory=dict)  # ports of primary, replica and Sentinel
 
     def __repr__(self) -> str:  # no passwords in tracebacks and test reports
         return (f"ClusterState(run_dir={self.run_dir!r}, prefix={self.prefix!r}, nats_url={auth.redact(self.nats_url)!r}, "
@@ -236,6 +241,9 @@ def _check(spec: ClusterSpec) -> tuple[str, str, object]:
     if old and any(infra.pid_alive(p) for p in old.pids.values()):
         raise LaunchError(f"polyserve is already running from {spec.run_dir} (gateway {old.gateway_url}); "
                           "run `polyserve down` first")
+    if spec.nats_cluster != 1 and spec.nats_cluster < 3:
+        raise LaunchError(f"--nats-cluster {spec.nats_cluster}: 1, or 3 or more nodes (JetStream's replicated "
+                          "stream needs a majority of three to survive the loss of one)")
     desired = load_config(spec)
     engine = pick_engine(spec.engine)
     if engine == "vllm" and not spec.model_path:
@@ -263,23 +271,21 @@ def up(spec: ClusterSpec, progress=print) -> ClusterState:
     os.chmod(run_dir, 0o700)  # state, logs and secrets: the owner's only
     sec, files = credentials.secure(spec, progress)
     progress(f"starting nats-server and redis-server (run dir {run_dir})")
-    nats_proc, nats_url, mon = infra.start_nats(run_dir / "nats", port=_port(spec.nats_port),
-                                                config=files.get("nats_config"))
-    pids = {"nats-server": nats_proc.pid}
+    pids: dict[str, int] = {}
     try:
-        redis_port = _port(spec.redis_port)
-        redis_proc, redis_url = infra.start_redis(run_dir / "redis", port=redis_port, config=files.get("redis_config"))
-        pids["redis-server"] = redis_proc.pid
+        nats, red = _start_infra(spec, sec, files, pids)
+        nats_url, redis_url = nats.url, red.url
         port = _port(spec.port)
         if sec is not None:  # the launcher, the supervisor and `polyserve status/events` act as the operator
             nats_url = auth.with_userinfo(nats_url, auth.OPERATOR, sec.nats[auth.OPERATOR])
             redis_url = auth.with_userinfo(redis_url, auth.OPERATOR, sec.redis[auth.OPERATOR])
-        state = ClusterState(run_dir=str(run_dir), prefix=spec.prefix, nats_url=nats_url, nats_monitor_port=mon,
-                             redis_url=redis_url, gateway_url=f"http://{spec.host}:{port}", engine=engine,
-                             model=model, pids=pids, **files)
+        state = ClusterState(run_dir=str(run_dir), prefix=spec.prefix, nats_url=nats_url,
+                             nats_monitor_port=nats.monitor_port, redis_url=redis_url,
+                             gateway_url=f"http://{spec.host}:{port}", engine=engine,
+                             model=model, pids=pids, **files, **nats.extra, **red.extra)
         state.save()
         keys = Keys(spec.prefix)
-        r = redis.Redis.from_url(redis_url)
+        r = connect_sync(redis_url)
         wait_redis(r, 10.0)
         if desired is not None:
             apply_config(redis_url, spec.prefix, desired)
@@ -301,8 +307,27 @@ def up(spec: ClusterSpec, progress=print) -> ClusterState:
         if st:
             down(run_dir, progress=lambda *_: None)
         else:
-            infra.stop_pid(nats_proc.pid)
+            topology.stop(pids)
         raise
+
+
+def _start_infra(spec: ClusterSpec, sec, files: dict[str, str], pids: dict[str, int]):
+    """nats-server(s) and redis-server(s) as `spec` asks; their pids go into `pids` as they start."""
+    if spec.nats_cluster > 1:
+        nats = topology.start_nats_cluster(spec, sec, _port(spec.nats_port))
+    else:
+        proc, url, mon = infra.start_nats(spec.run_dir / "nats", port=_port(spec.nats_port),
+                                          config=files.get("nats_config"))
+        nats = topology.Started({"nats-server": proc.pid}, url, mon)
+    pids.update(nats.pids)
+    redis_port = _port(spec.redis_port)
+    if spec.redis_replica:
+        red = topology.start_redis_replicated(spec, files, redis_port)
+    else:
+        proc, url = infra.start_redis(spec.run_dir / "redis", port=redis_port, config=files.get("redis_config"))
+        red = topology.Started({"redis-server": proc.pid}, url)
+    pids.update(red.pids)
+    return nats, red
 
 
 def read_admin_key(run_dir: Path) -> str:
@@ -377,7 +402,9 @@ def down(run_dir: Path, timeout: float = 30.0, progress=print) -> bool:
         n = sum(state.restarts.values())
         progress(f"stopped the supervisor (pid {sup}; {n} restart{'s' if n != 1 else ''})")
     extra_gateways = sorted(n for n in state.pids if n.startswith("gateway-"))
-    order = extra_gateways + [SERVICE_NAMES.get(s, s) for s in STOP_ORDER] + ["redis-server", "nats-server"]
+    nats_nodes = sorted(n for n in state.pids if n.startswith("nats-") and n != "nats-server")
+    order = (extra_gateways + [SERVICE_NAMES.get(s, s) for s in STOP_ORDER]
+             + [topology.SENTINEL, topology.REPLICA, "redis-server", "nats-server", *nats_nodes])
     for name in order:
         pid = state.pids.get(name)
         if pid and infra.pid_alive(pid):
@@ -385,6 +412,7 @@ def down(run_dir: Path, timeout: float = 30.0, progress=print) -> bool:
             graceful &= ok
             progress(f"stopped {name} (pid {pid})" + ("" if ok else " forcibly after timeout"))
     Path(run_dir, "state.json").unlink(missing_ok=True)
-    for name in ("credentials.json", "nats.conf", "redis.conf"):  # regenerated by the next `up`
+    for name in ("credentials.json", "nats.conf", "redis.conf", "sentinel.conf",  # regenerated by the next `up`
+                 *(f"{n}.conf" for n in nats_nodes)):
         Path(run_dir, "secrets", name).unlink(missing_ok=True)
     return graceful

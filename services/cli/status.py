@@ -12,6 +12,7 @@ from polyserve.cli.launcher import ClusterState
 from polyserve.proto import Keys
 from polyserve.shared import infra
 from polyserve.shared.auth import redact
+from polyserve.shared.state import connect_sync
 
 
 def _live_json(r: redis.Redis, index: str, key_of) -> list[dict]:
@@ -23,7 +24,7 @@ def _live_json(r: redis.Redis, index: str, key_of) -> list[dict]:
 def cluster_status(state: ClusterState) -> dict:
     """A JSON-able snapshot: processes, services, workers, GPUs (agents + latest telemetry)."""
     keys = Keys(state.prefix)
-    r = redis.Redis.from_url(state.redis_url, socket_timeout=2)
+    r = connect_sync(state.redis_url)  # redis:// or redis+sentinel:// (shared/state.py)
     services = _live_json(r, keys.services, lambda m: keys.service(*m.split(":", 1)))
     workers = _live_json(r, keys.workers, keys.worker)
     agents = _live_json(r, keys.agents, keys.agent)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from polyserve.cli import topology
 from polyserve.cli.launcher import ClusterState, module_of, spawn_service
 from polyserve.shared import infra
 
@@ -65,6 +66,9 @@ class Supervisor:
     def start(self, name: str) -> int:
         """Start `name` again as `up` did; its pid."""
         st = self.state
+        proc = topology.restart(name, st)  # a NATS cluster node, a Redis replica or Sentinel
+        if proc is not None:
+            return proc.pid
         if name == "nats-server":
             port = urlparse(st.nats_url).port
             proc, _, _ = infra.start_nats(self.run_dir / "nats", port=port, monitor_port=st.nats_monitor_port,

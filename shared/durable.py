@@ -1,0 +1,309 @@
+"""Request events that must not be lost: `completed` and `failed` (issue 13).
+
+Core NATS delivers a message only to the subscribers connected at that moment: across a
+nats-server restart (or one cluster node's death) a terminal event written into a dying
+socket, or published while its subscriber was still reconnecting, was gone; the dispatcher
+then counted the request against its worker forever. So these two subjects go through a
+JetStream stream (`stream_name(prefix)`, file storage, replicated on a NATS cluster):
+
+* publisher (`Outbox`): every terminal event carries a `Nats-Msg-Id` (a digest of subject
+  and payload) and a reply inbox; the stream's PubAck takes it out of the outbox. An event
+  not acknowledged within `RESEND_AFTER_S` is published again (the reconnect buffer keeps it
+  while NATS is down); the stream's duplicate window drops the copies.
+* consumers (`DurableSubscription`): a JetStream push consumer per queue group (one
+  delivery per group) or per service instance (every instance sees every event), with
+  explicit acks: what a consumer missed while disconnected is redelivered after
+  `ACK_WAIT_S`; redelivered copies it already handled are skipped by message id.
+
+Chosen over a plain re-publish outbox because a flush only proves that the server got the
+message, not that a subscriber who was reconnecting at that moment did; the stream keeps
+it until each consumer acknowledges (docs/reliability.md). Where JetStream is off, both
+sides fall back to core NATS (best effort, as before) and say so in the log.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timezone
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg as NatsMsg
+from nats.js import api
+from nats.js.errors import Error as JsError
+
+logger = logging.getLogger(__name__)
+
+DURABLE_KINDS = ("completed", "failed")
+MSG_ID = "Nats-Msg-Id"
+DUP_WINDOW_S = 120.0  # a copy re-sent within this window is stored once
+MAX_AGE_S = 3600.0  # the stream keeps an event this long (consumers that were away catch up)
+MAX_MSGS = 1_000_000  # the oldest go first; no max_bytes: JetStream would reserve it up front per stream
+RESEND_AFTER_S = 2.0  # no PubAck by then: publish the same event (same id) again
+ACK_WAIT_S = 3.0  # a delivered event not acknowledged by then is delivered again
+INACTIVE_S = 600.0  # a consumer nobody listens to is removed by the server after this
+OUTBOX_MAX = 200_000
+API_TIMEOUT_S = 2.0
+
+
+def stream_name(prefix: str) -> str:
+    return f"{prefix}_request_events"
+
+
+def stream_subjects(prefix: str) -> list[str]:
+    return [f"{prefix}.v1.events.request.{kind}" for kind in DURABLE_KINDS]
+
+
+def prefix_of(subject: str) -> str | None:
+    """The cluster prefix when `subject` is a durable event subject, else None."""
+    head, sep, kind = subject.rpartition(".v1.events.request.")
+    return head if sep and head and kind in DURABLE_KINDS else None
+
+
+def msg_id(subject: str, data: bytes) -> str:
+    return hashlib.blake2b(subject.encode() + b"\0" + data, digest_size=12).hexdigest()
+
+
+def replicas_for(servers: int) -> int:
+    """Stream replicas for a cluster of `servers` nodes: 3 on three or more (survives one
+    node's loss), else 1."""
+    return 3 if servers >= 3 else 1
+
+
+async def ensure_stream(nc: NATS, prefix: str, replicas: int = 1) -> bool:
+    """Create (or update) the event stream of `prefix`; False when JetStream is unavailable."""
+    cfg = api.StreamConfig(name=stream_name(prefix), subjects=stream_subjects(prefix),
+                           storage=api.StorageType.FILE, num_replicas=replicas,
+                           duplicate_window=DUP_WINDOW_S, max_age=MAX_AGE_S, max_msgs=MAX_MSGS,
+                           discard=api.DiscardPolicy.OLD)
+    jsm = nc.jsm(timeout=API_TIMEOUT_S)
+    try:
+        info = await jsm.stream_info(cfg.name)
+        if (info.config.num_replicas or 1) < replicas:  # grow only: services that see fewer servers never shrink it
+            try:
+                await jsm.update_stream(cfg)
+            except Exception as exc:  # noqa: BLE001 - the stream works with the replicas it has
+                logger.warning("could not raise %s to %d replicas: %s", cfg.name, replicas, exc)
+        return True
+    except JsError as exc:
+        if getattr(exc, "code", None) != 404:
+            logger.warning("JetStream stream %s unavailable: %s", cfg.name, exc)
+            return False
+    except Exception as exc:  # noqa: BLE001 - no responders (JetStream off), timeout
+        logger.warning("JetStream unavailable (%s: %s): request events are best effort", type(exc).__name__, exc)
+        return False
+    try:
+        await jsm.add_stream(cfg)
+        return True
+    except Exception as exc:  # noqa: BLE001 - e.g. a concurrent create, or no meta leader yet
+        try:
+            await jsm.stream_info(cfg.name)
+            return True
+        except Exception:  # noqa: BLE001
+            logger.warning("could not create JetStream stream %s: %s", cfg.name, exc)
+            return False
+
+
+class Outbox:
+    """Terminal events until the stream acknowledges them (module docstring)."""
+
+    def __init__(self, nc: NATS, replicas: int):
+        self.nc = nc
+        self.replicas = replicas
+        self._pending: OrderedDict[str, list[Any]] = OrderedDict()  # token -> [subject, data, headers, sent_at]
+        self._ack_prefix = ""
+        self._ack_sub: Any = None
+        self._js: dict[str, bool] = {}  # prefix -> stream ready
+        self._js_checked: dict[str, float] = {}
+        self._task: asyncio.Task | None = None
+        self._tokens = itertools.count(1)
+        self.resent = 0
+        self.dropped = 0
+        self.acked = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def publish(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
+        prefix = prefix_of(subject) or ""
+        if not await self._stream_ready(prefix):
+            await self.nc.publish(subject, data, headers=headers)  # best effort, as core NATS
+            return
+        if self._ack_sub is None:
+            self._ack_prefix = self.nc.new_inbox()
+            self._ack_sub = await self.nc.subscribe(f"{self._ack_prefix}.*", cb=self._on_ack)
+            self._task = asyncio.ensure_future(self._resend_loop())
+        if len(self._pending) >= OUTBOX_MAX:
+            self._pending.popitem(last=False)
+            self.dropped += 1
+            logger.error("event outbox full (%d): dropped the oldest unacknowledged event", OUTBOX_MAX)
+        token = f"{next(self._tokens):x}"
+        headers = {**headers, MSG_ID: msg_id(subject, data)}
+        self._pending[token] = [subject, data, headers, time.monotonic()]
+        await self._send(token)
+
+    async def _send(self, token: str) -> None:
+        subject, data, headers, _ = self._pending[token]
+        try:
+            await self.nc.publish(subject, data, reply=f"{self._ack_prefix}.{token}", headers=headers)
+        except Exception as exc:  # noqa: BLE001 - reconnect buffer full, closed: the resend loop retries
+            logger.warning("could not publish %s (will retry): %s", subject, exc)
+
+    async def _stream_ready(self, prefix: str) -> bool:
+        now = time.monotonic()
+        if not self._js.get(prefix) and now - self._js_checked.get(prefix, -1e9) > 10.0:
+            self._js_checked[prefix] = now
+            self._js[prefix] = await ensure_stream(self.nc, prefix, self.replicas)
+        return self._js.get(prefix, False)
+
+    async def _on_ack(self, m: NatsMsg) -> None:
+        token = m.subject.rsplit(".", 1)[-1]
+        status = (m.headers or {}).get("Status", "")
+        if status == "503":  # no stream listens: the stream is gone (or not replicated yet)
+            entry = self._pending.get(token)
+            if entry:
+                self._js[prefix_of(entry[0]) or ""] = False
+            return
+        if b'"error"' in m.data or b'"stream"' not in m.data:  # a PubAck is {"stream":..,"seq":..}
+            logger.warning("JetStream refused an event: %s", m.data[:200])
+            return
+        if self._pending.pop(token, None) is not None:
+            self.acked += 1
+
+    async def _resend_loop(self) -> None:
+        while True:
+            await asyncio.sleep(RESEND_AFTER_S / 2)
+            if not self.nc.is_connected or not self._pending:
+                continue
+            now = time.monotonic()
+            due = [t for t, e in self._pending.items() if now - e[3] >= RESEND_AFTER_S]
+            for token in due:
+                entry = self._pending.get(token)
+                if entry is None:
+                    continue
+                prefix = prefix_of(entry[0]) or ""
+                if not await self._stream_ready(prefix):
+                    continue
+                entry[3] = now
+                self.resent += 1
+                await self._send(token)
+
+    async def close(self, timeout: float) -> None:
+        """Wait up to `timeout` for the acknowledgements still pending, then stop."""
+        deadline = time.monotonic() + timeout
+        while self._pending and self.nc.is_connected and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._pending:
+            logger.warning("%d request events not acknowledged by JetStream at close", len(self._pending))
+        if self._task is not None:
+            self._task.cancel()
+
+
+Handler = Callable[[NatsMsg], Awaitable[None]]
+
+
+class DurableSubscription:
+    """A JetStream push consumer on one durable event subject (module docstring)."""
+
+    def __init__(self, nc: NATS, subject: str, service: str, queue: str, handler: Handler,
+                 inbox_prefix: str, replicas: int):
+        self.nc, self.subject, self.handler = nc, subject, handler
+        self.prefix = prefix_of(subject) or ""
+        self.stream = stream_name(self.prefix)
+        kind = subject.rsplit(".", 1)[-1]
+        who = queue or f"{service}-{uuid.uuid4().hex[:8]}"
+        self.consumer = "".join(c if c.isalnum() or c in "-_" else "_" for c in f"{who}-{kind}")
+        self.queue = queue
+        self.deliver = f"{inbox_prefix}.ev.{self.consumer}"
+        self.replicas = replicas
+        self.started = datetime.now(timezone.utc)
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._sub: Any = None
+        self.duplicates = 0
+
+    async def start(self) -> bool:
+        """Create the consumer and subscribe; False when JetStream is unavailable."""
+        if not await ensure_stream(self.nc, self.prefix, self.replicas):
+            return False
+        cfg = api.ConsumerConfig(
+            durable_name=self.consumer, deliver_subject=self.deliver, deliver_group=self.queue or None,
+            filter_subject=self.subject, ack_policy=api.AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S,
+            deliver_policy=api.DeliverPolicy.BY_START_TIME,
+            opt_start_time=self.started.isoformat().replace("+00:00", "Z"),
+            max_ack_pending=20_000, inactive_threshold=INACTIVE_S, num_replicas=0)
+        jsm = self.nc.jsm(timeout=API_TIMEOUT_S)
+        try:
+            await jsm.add_consumer(self.stream, cfg)
+        except Exception as exc:  # noqa: BLE001 - a queue group's consumer made by another instance
+            try:
+                await jsm.consumer_info(self.stream, self.consumer)
+            except Exception:  # noqa: BLE001
+                logger.warning("could not create JetStream consumer %s: %s", self.consumer, exc)
+                return False
+        self._sub = await self.nc.subscribe(self.deliver, queue=self.queue, cb=self._on_msg)
+        return True
+
+    def seen(self, mid: str) -> bool:
+        """Whether `mid` was handled already (a redelivery after a lost ack, or a re-publish)."""
+        if not mid:
+            return False
+        if mid in self._seen:
+            return True
+        self._seen[mid] = None
+        if len(self._seen) > 50_000:
+            self._seen.popitem(last=False)
+        return False
+
+    def dedupe(self, handler: Handler) -> Handler:
+        """`handler` for core NATS deliveries of the same subject (while JetStream is not
+        reachable yet), sharing the set of handled message ids with the consumer."""
+        async def on_core(m: NatsMsg) -> None:
+            if not self.seen((m.headers or {}).get(MSG_ID, "")):
+                await handler(m)
+        return on_core
+
+    async def start_later(self, on_started: Callable[[], Awaitable[None]]) -> None:
+        """Retry `start` (from now on: what core NATS delivered until then was handled) until
+        JetStream answers, e.g. once a cluster has elected its leaders; then `on_started`."""
+        delay = 0.5
+        while True:
+            await asyncio.sleep(delay)
+            self.started = datetime.now(timezone.utc)
+            if await self.start():
+                await on_started()
+                return
+            delay = min(delay * 2, 15.0)
+
+    async def _on_msg(self, m: NatsMsg) -> None:
+        if not m.reply:  # a status message (idle heartbeat / flow control): nothing to handle
+            return
+        if self.seen((m.headers or {}).get(MSG_ID, "")):
+            self.duplicates += 1
+        else:
+            try:
+                await self.handler(m)
+            except Exception:  # noqa: BLE001 - the handler logs; ack anyway so it is not redelivered forever
+                logger.exception("durable event handler for %s failed", self.subject)
+        try:
+            await self.nc.publish(m.reply, b"+ACK")
+        except Exception as exc:  # noqa: BLE001 - redelivered after ACK_WAIT_S, skipped as a duplicate
+            logger.debug("could not ack %s: %s", self.subject, exc)
+
+    async def close(self, delete: bool) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:  # noqa: BLE001
+                pass
+        if delete and not self.queue:  # an instance's own consumer; a queue group's outlives it
+            try:
+                await self.nc.jsm(timeout=API_TIMEOUT_S).delete_consumer(self.stream, self.consumer)
+            except Exception:  # noqa: BLE001 - expires after INACTIVE_S anyway
+                pass

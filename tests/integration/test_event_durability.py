@@ -1,0 +1,147 @@
+"""Terminal request events (`completed`, `failed`) survive a nats-server restart (issue 13).
+
+A publisher Bus (as the gateway) sends a steady flow of events while nats-server is
+stopped (SIGTERM, or SIGKILL) and started again on the same port and JetStream store; a
+queue-group listener (as the predictor) and a plain listener (as the dispatcher) must each
+handle every event exactly once, though they reconnect 1.5 s after the publisher. Before shared/durable.py, core NATS dropped the events
+published while a subscriber was still reconnecting, and those written into the dying socket.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from polyserve.proto import Completed, Failed, Subjects
+from polyserve.shared import infra
+from polyserve.shared.bus import Bus
+from polyserve.shared.telemetry import make_tracer
+
+pytestmark = pytest.mark.integration
+
+N = 600
+
+
+def _event(i: int):
+    if i % 10 == 9:
+        return "failed", Failed(request_id=f"r{i}", reason="test", status=503)
+    return "completed", Completed(request_id=f"r{i}", worker_id="w", input_tokens=1, output_tokens=2,
+                                  e2e_ms=1.0, ttft_ms=1.0)
+
+
+async def _until(pred, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        await asyncio.sleep(0.05)
+    return pred()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["restart", "kill"])
+async def test_terminal_events_survive_a_nats_restart(sig):
+    run_dir = Path(tempfile.mkdtemp(prefix="ps-evd-", dir="/tmp"))
+    port = infra.free_port()
+    proc, url, _ = infra.start_nats(run_dir / "nats", port=port)
+    subjects = Subjects(f"evd{os.getpid()}{sig}")
+    tracer, _ = make_tracer("t")
+    pub = await Bus.connect(url, tracer, "gateway")
+    learn, watch = await Bus.connect(url, tracer, "predictor"), await Bus.connect(url, tracer, "dispatcher")
+    for slow in (learn, watch):  # consumers that reconnect later than the publisher (busy, or nats-py's
+        slow.nc.options["reconnect_time_wait"] = 1.5  # default 2 s): core NATS drops what they miss
+    got_queue: list[str] = []
+    got_all: list[str] = []
+
+    async def on_queue(ev) -> None:
+        got_queue.append(ev.request_id)
+
+    async def on_all(ev) -> None:
+        got_all.append(ev.request_id)
+
+    try:
+        for kind, typ in (("completed", Completed), ("failed", Failed)):
+            await learn.listen(subjects.event(kind), typ, on_queue, queue="predictor-learn")
+            await watch.listen(subjects.event(kind), typ, on_all)
+        assert len(watch._durable) == 2, "the terminal events must come from JetStream consumers"
+
+        async def produce() -> None:
+            for i in range(N):
+                kind, ev = _event(i)
+                pub.publish_soon(subjects.event(kind), ev)
+                await asyncio.sleep(0.004)  # ~2.5 s of steady traffic
+
+        producer = asyncio.create_task(produce())
+        await asyncio.sleep(0.8)
+        infra.stop_pid(proc.pid, sig=sig)  # mid-flow
+        proc.wait(5)
+        await asyncio.sleep(0.7)
+        proc, _, _ = infra.start_nats(run_dir / "nats", port=port)
+        await producer
+        want = {f"r{i}" for i in range(N)}
+        await _until(lambda: set(got_queue) >= want and set(got_all) >= want, 25.0)
+        missing_q, missing_a = want - set(got_queue), want - set(got_all)
+        assert not missing_q and not missing_a, (f"lost {len(missing_q)} (queue) / {len(missing_a)} (all) of {N}; "
+                                                 f"outbox resent {pub.outbox.resent}, pending {pub.outbox.pending}")
+        assert len(got_queue) == N and len(got_all) == N, "each event handled once (duplicates skipped)"
+        assert await _until(lambda: pub.outbox.pending == 0, 5.0)
+    finally:
+        for b in (pub, learn, watch):
+            await b.close()
+        infra.stop_pid(proc.pid)
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+
+async def test_listener_uses_core_nats_until_jetstream_answers_then_switches():
+    """A listener started while JetStream does not answer (here: a nats-server without it,
+    restarted with it, as a cluster electing its leaders would look) handles events over core
+    NATS meanwhile, then moves to its JetStream consumer; each event is handled once."""
+    import subprocess
+
+    run_dir = Path(tempfile.mkdtemp(prefix="ps-evs-", dir="/tmp"))
+    port = infra.free_port()
+    plain = subprocess.Popen([infra.find_nats_server(), "-a", "127.0.0.1", "-p", str(port)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = None
+    subjects = Subjects(f"evs{os.getpid()}")
+    tracer, _ = make_tracer("t")
+    try:
+        await _until(lambda: infra.port_in_use(port), 5)
+        url = f"nats://127.0.0.1:{port}"
+        pub, watch = await Bus.connect(url, tracer, "gateway"), await Bus.connect(url, tracer, "dispatcher")
+        got: list[str] = []
+
+        async def on(ev) -> None:
+            got.append(ev.request_id)
+
+        await watch.listen(subjects.event("completed"), Completed, on)
+        assert not watch._durable and watch._retries, "no JetStream: core NATS, and a retry under way"
+        await pub.publish(subjects.event("completed"), _event(0)[1])
+        assert await _until(lambda: got == ["r0"], 5), got
+        plain.terminate()
+        plain.wait(5)
+        proc, _, _ = infra.start_nats(run_dir / "nats", port=port)  # now with JetStream
+        assert await _until(lambda: len(watch._durable) == 1, 20), "moved to its JetStream consumer"
+        for i in range(1, 21):
+            await pub.publish(subjects.event("completed"), _event(i * 10)[1])
+        want = ["r0"] + [f"r{i * 10}" for i in range(1, 21)]
+        assert await _until(lambda: sorted(got) == sorted(want), 10), got
+        await asyncio.sleep(0.5)
+        assert sorted(got) == sorted(want), "each event handled once"
+        for b in (pub, watch):
+            await b.close()
+    finally:
+        if plain.poll() is None:
+            plain.kill()
+        if proc is not None:
+            infra.stop_pid(proc.pid)
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)
