@@ -5,6 +5,8 @@
     polyserve predictor train --objective all --out runs/      # one artifact per objective
     polyserve predictor eval [--artifact DIR ...] [--json results.json]
     polyserve predictor bench [--artifact DIR]
+    polyserve predictor train-lexical --out services/predictor/artifacts/lexical-gbm [--ood]
+    polyserve predictor eval --ood [--json ood.json]      # in- and out-of-distribution folds
 
 The datasets default to ``../shared/datasets/text`` beside the checkout
 (``--data-dir``); training needs the ``hf`` extra (torch, transformers, peft).
@@ -80,8 +82,79 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _corpus(args: argparse.Namespace):
+    from polyserve.predictor.proxy import corpus, encoder
+
+    data_dir = Path(args.data_dir)
+    if not data_dir.is_dir():
+        raise SystemExit(f"polyserve predictor: no datasets at {data_dir} (give --data-dir)")
+    enc_dir = encoder.resolve_encoder_dir(args.encoder_dir)
+    return corpus.build(data_dir, encoder.load_tokenizer(str(enc_dir)), encoder.encoder_name(args.encoder_dir),
+                        cache_dir=args.cache_dir or None, seed=args.split_seed)
+
+
+def _ood(args: argparse.Namespace, ds) -> dict:
+    from polyserve.predictor.proxy import artifact, ood
+
+    minilm = None if args.no_minilm else (args.minilm_artifact or str(artifact.default_dir("minilm")))
+    return ood.run(ds, encoder_dir=args.encoder_dir, minilm=minilm, max_train_rows=args.max_train_rows,
+                   max_test_prompts=args.max_test_prompts, model_folds=args.model_folds, seed=args.seed,
+                   minilm_precision=None if args.precision == "auto" else args.precision)
+
+
+def _store_ood(path: str, out: dict) -> None:
+    """Write the measured OOD figures and confusion into a lexical artifact's meta.json."""
+    from polyserve.predictor.proxy import artifact, ood
+
+    meta = artifact.read_meta(path)
+    meta.ood_confusion = ood.confusion_of(out)
+    figures = ood.to_json(out)
+    meta.extra["ood"] = {"summary": figures["summary"], "settings": figures["settings"],
+                         "folds": {f: {m: {k: v for k, v in s.items() if k != "confusion"} for m, s in r.items()}
+                                   for f, r in figures["folds"].items()},
+                         "confusion_counts": out["summary"]["OOD all (macro)"]["lexical"].confusion.tolist(),
+                         "classes": ["short", "medium", "long", "very long", "extreme (>= p99)"]}
+    artifact.write_meta(path, meta)
+
+
+def cmd_eval_ood(args: argparse.Namespace) -> int:
+    from polyserve.predictor.proxy import ood
+
+    ds = _corpus(args)
+    out = _ood(args, ds)
+    print(f"corpus {len(ds.rows)} rows, data {ds.data_hash[:12]}; lengths in {ds.tokenizer} WordPiece tokens; "
+          f"ran in {out['seconds']:.0f}s")
+    print(ood.render(out["folds"], out["summary"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(ood.to_json(out), indent=1) + "\n", encoding="utf-8")
+    if args.write_meta:
+        _store_ood(args.write_meta, out)
+        print(f"OOD figures and ood_confusion written to {args.write_meta}/meta.json")
+    return 0
+
+
+def cmd_train_lexical(args: argparse.Namespace) -> int:
+    from polyserve.predictor.proxy import artifact, corpus, lexical
+
+    ds = _corpus(args)
+    t = time.monotonic()
+    meta = lexical.train(ds, args.out, encoder_dir=args.encoder_dir, dims=args.dims, rounds=args.rounds,
+                         seed=args.seed, exclude_sources=corpus.TEST_ONLY)
+    print(f"lexical-gbm: {meta.extra['train_rows']} training rows, {meta.extra['best_iteration']} trees, "
+          f"trained in {time.monotonic() - t:.0f}s; artifact {args.out} "
+          f"({artifact.size_bytes(args.out) / 1024:.0f} KiB)")
+    if args.ood:
+        args.no_minilm = True
+        _store_ood(args.out, _ood(args, ds))
+        print(f"OOD figures and ood_confusion written to {args.out}/meta.json")
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from polyserve.predictor.proxy import artifact, evaluate, train
+
+    if args.ood:
+        return cmd_eval_ood(args)
 
     ds = _dataset(args)
     train_rows, rows = ds.split("train"), ds.split(args.split)
@@ -153,6 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--encoder-dir", help="a local BERT checkpoint (default: packaged all-MiniLM-L6-v2)")
         sp.add_argument("--split-seed", type=int, default=0)
 
+    def ood_flags(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "polyserve" / "predictor"),
+                        help="where the counted corpus is cached ('' = no cache)")
+        sp.add_argument("--max-train-rows", type=int, default=0, help="OOD folds: subsample training rows (0 = all)")
+        sp.add_argument("--max-test-prompts", type=int, default=400, help="OOD folds: most test prompts per fold")
+        sp.add_argument("--model-folds", type=int, default=5, help="groups of answering models held out in turn")
+
     b = sub.add_parser("build-dataset", help="count lengths, split by prompt, write JSON lines")
     data_flags(b)
     b.add_argument("--out", required=True)
@@ -191,7 +271,25 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--int8", action="store_true", help="same as --precision int8")
     e.add_argument("--seed", type=int, default=0, help="seed of the random baseline")
     e.add_argument("--json", help="also write the figures to this file")
+    ood_flags(e)
+    e.add_argument("--ood", action="store_true",
+                   help="in-distribution, leave-one-source-out and leave-models-out folds on the wide corpus, "
+                        "methods history / lexical (retrained per fold) / minilm (the shipped artifact)")
+    e.add_argument("--no-minilm", action="store_true", help="--ood without the MiniLM tier (no torch needed)")
+    e.add_argument("--minilm-artifact", help="the MiniLM artifact of --ood (default: the shipped one)")
+    e.add_argument("--write-meta", help="--ood: store the figures and ood_confusion in this lexical artifact")
     e.set_defaults(fn=cmd_eval)
+
+    tl = sub.add_parser("train-lexical", help="the fast tier: prompt features + gradient-boosted trees")
+    data_flags(tl)
+    ood_flags(tl)
+    tl.add_argument("--out", required=True)
+    tl.add_argument("--dims", type=int, default=24, help="principal components of the static embeddings")
+    tl.add_argument("--rounds", type=int, default=600, help="most boosting rounds (early stopping on val)")
+    tl.add_argument("--seed", type=int, default=0)
+    tl.add_argument("--precision", default="auto", help=argparse.SUPPRESS)
+    tl.add_argument("--ood", action="store_true", help="also run the OOD folds and store them in meta.json")
+    tl.set_defaults(fn=cmd_train_lexical)
 
     bn = sub.add_parser("bench", help="latency at batch 1 and throughput of the proxy model on this machine")
     bn.add_argument("--artifact", default=None)

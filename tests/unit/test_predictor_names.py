@@ -63,7 +63,7 @@ def test_unseen_scheme_is_a_per_model_geometric_mean():
 
 def test_core_unseen_bounds_match_the_shipped_artifact():
     """The gateway's and the no-artifact bounds are the shipped artifact's unseen-model classes."""
-    meta = artifact.read_meta(artifact.default_dir())
+    meta = artifact.read_meta(artifact.default_dir("minilm"))
     u = meta.unseen_classes
     assert tuple(int(-(-b // 1)) for b in u.bounds) == length_classes.UNSEEN_BOUNDS
     assert tuple(round(m) for m in u.medians) == length_classes.UNSEEN_MEDIANS
@@ -73,7 +73,7 @@ def test_core_unseen_bounds_match_the_shipped_artifact():
 
 
 def test_meta_resolves_names_and_decodes_unknown_models_with_unseen_classes(tmp_path):
-    meta = artifact.read_meta(artifact.default_dir())
+    meta = artifact.read_meta(artifact.default_dir("minilm"))
     assert meta.model_index("gpt-3.5-turbo") == meta.models.index("gpt-3.5-turbo-0613") + 1
     assert meta.classes_for("GPT-3.5-TURBO") is meta.classes["gpt-3.5-turbo-0613"]
     assert meta.model_index("claude-2.1") == 0 and meta.classes_for("claude-2.1") is meta.unseen_classes
@@ -90,7 +90,7 @@ def test_meta_resolves_names_and_decodes_unknown_models_with_unseen_classes(tmp_
 
 def test_history_and_prior_answer_in_the_artifacts_class_scheme():
     settings = load(PredictorSettings, "predictor", environ={})
-    meta = artifact.read_meta(artifact.default_dir())
+    meta = artifact.read_meta(artifact.default_dir("minilm"))
     h = PredictHandlers(settings, stats=None, runner=None, meta=meta)
     assert h.class_bounds("Qwen1.5-7B-Chat") == meta.classes["Qwen1.5-7B-Chat"].bounds
     assert h.class_bounds("qwen1.5-7b-chat") == meta.classes["Qwen1.5-7B-Chat"].bounds
@@ -107,7 +107,7 @@ async def test_prior_class_follows_the_models_percentiles():
             assert model == "qwen157bchat"  # history read under the normalised name
             return policy.ModelStats()
 
-    meta = artifact.read_meta(artifact.default_dir())
+    meta = artifact.read_meta(artifact.default_dir("minilm"))
     h = PredictHandlers(load(PredictorSettings, "predictor", environ={}), stats=Stats(), meta=meta)
     p = await h.predict(PredictRequest(request_id="q", model="qwen1.5-7B-chat", input_tokens=10))
     qwen = meta.classes["Qwen1.5-7B-Chat"]  # p25 = 175.5: the prior of 129 tokens is its class 0

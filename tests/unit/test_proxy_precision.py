@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.unit, pytest.mark.torch]  # torch: builds torch models
 
 
 def test_auto_precision_follows_the_artifact_and_the_cpu(monkeypatch):
-    meta = artifact.read_meta(artifact.default_dir())
+    meta = artifact.read_meta(artifact.default_dir("minilm"))
     monkeypatch.setattr(M, "bf16_fast", lambda: True)
     assert infer.resolve_precision(meta, None) == "bf16" and infer.resolve_precision(meta, "auto") == "bf16"
     monkeypatch.setattr(M, "bf16_fast", lambda: False)
@@ -80,8 +80,8 @@ def test_bf16_encoder_answers_like_fp32():
     """The shipped artifact in bf16: same cache-key space, keys within rounding, values within 0.1 class."""
     enc_dir = encoder.resolve_encoder_dir()
     assert enc_dir.is_dir()
-    bf = ProxyPredictor.load(artifact.default_dir(), precision="bf16")
-    fp = ProxyPredictor.load(artifact.default_dir(), precision="fp32")
+    bf = ProxyPredictor.load(artifact.default_dir("minilm"), precision="bf16")
+    fp = ProxyPredictor.load(artifact.default_dir("minilm"), precision="fp32")
     assert bf.precision == "bf16" and next(bf.encoder.parameters()).dtype == torch.bfloat16
     assert bf.key_space == fp.key_space
     prompts = ["Write a haiku about autumn leaves.", "Explain quantum entanglement to a ten year old in detail.",

@@ -58,6 +58,8 @@ class Meta:
     precision: str = "fp32"  # encoder precision the head was fitted on in phase 2, and served with by default
     extra: dict[str, Any] = field(default_factory=dict)  # budget, timings, validation scores
     unseen_classes: labels.ModelClasses | None = None  # None: derived from `classes` (older artifacts)
+    kind: str = "minilm"  # "minilm" (encoder + LoRA + head) or "lexical-gbm" (`lexical`: features + trees)
+    ood_confusion: list[list[float]] | None = None  # measured out-of-distribution confusion (rows: true class)
 
     def __post_init__(self) -> None:
         self._resolver = ModelResolver(self.models)
@@ -89,7 +91,7 @@ class Meta:
                 "log_std": self.log_std, "data_hash": self.data_hash, "head_hidden": self.head_hidden,
                 "model_dim": self.model_dim, "lora_targets": self.lora_targets, "precision": self.precision,
                 "unseen_classes": self.unseen_classes.to_json() if self.unseen_classes else None,
-                "extra": self.extra}
+                "kind": self.kind, "ood_confusion": self.ood_confusion, "extra": self.extra}
 
     @classmethod
     def from_json(cls, d: dict) -> "Meta":
@@ -106,7 +108,8 @@ class Meta:
                    lora_targets=list(d.get("lora_targets", ["query", "value"])),
                    precision=str(d.get("precision", "fp32")), extra=dict(d.get("extra", {})),
                    unseen_classes=labels.ModelClasses.from_json(d["unseen_classes"])
-                   if d.get("unseen_classes") else None)
+                   if d.get("unseen_classes") else None, kind=str(d.get("kind", "minilm")),
+                   ood_confusion=d.get("ood_confusion"))
 
 
 def save(path: str | Path, meta: Meta, head_state: dict, lora_state: dict | None) -> Path:
@@ -121,8 +124,13 @@ def save(path: str | Path, meta: Meta, head_state: dict, lora_state: dict | None
         save_file({k: v.half().contiguous() for k, v in lora_state.items()}, str(path / LORA))
     elif (path / LORA).exists():
         (path / LORA).unlink()
-    (path / META).write_text(json.dumps(meta.to_json(), indent=1) + "\n", encoding="utf-8")
+    write_meta(path, meta)
     return path
+
+
+def write_meta(path: str | Path, meta: Meta) -> None:
+    """(Re)write an artifact's meta.json."""
+    (Path(path) / META).write_text(json.dumps(meta.to_json(), indent=1) + "\n", encoding="utf-8")
 
 
 def read_meta(path: str | Path) -> Meta:
@@ -155,6 +163,11 @@ def size_bytes(path: str | Path) -> int:
     return sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
 
 
-def default_dir() -> Path:
-    """The artifact shipped with polyserve (trained by `polyserve predictor train`, see its meta.json)."""
-    return Path(str(resources.files("polyserve.predictor") / "artifacts" / "proxy-minilm"))
+SHIPPED = {"lexical": "lexical-gbm", "minilm": "proxy-minilm"}
+"""Artifacts shipped with polyserve: the fast default (`lexical`) and the MiniLM tier."""
+
+
+def default_dir(tier: str = "lexical") -> Path:
+    """An artifact shipped with polyserve: the served default (``lexical``: features + trees,
+    `polyserve predictor train-lexical`) or ``minilm`` (`polyserve predictor train`); see their meta.json."""
+    return Path(str(resources.files("polyserve.predictor") / "artifacts" / SHIPPED[tier]))

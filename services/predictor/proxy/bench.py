@@ -112,30 +112,15 @@ def run(artifact_dir: str | None, encoder_dir: str | None = None, *, threads: in
     """All figures as one dict (see the module docstring); with several `precisions` (a list is
     given side by side: batch-1 latencies interleaved, throughput runs one after the other) the
     result holds one dict per precision under ``runs``."""
-    from polyserve.predictor.proxy.runtime import passive_openmp
-
-    passive_openmp()  # as the service does
-    import torch
-    from transformers.utils import logging as hf_logging
-
     from polyserve.predictor.proxy import artifact
-    from polyserve.predictor.proxy.infer import ProxyPredictor
 
-    hf_logging.disable_progress_bar()
-    if threads:
-        torch.set_num_threads(threads)
     path = artifact_dir or str(artifact.default_dir())
-    if int8:
-        precisions = ("int8",)
-    preds = {}
-    for pr in precisions:
-        pred = ProxyPredictor.load(path, encoder_dir, bucket_step=bucket_step, precision=pr)
-        preds[pred.precision if pred.precision not in preds else f"{pred.precision}#{len(preds)}"] = pred
+    preds = _load(path, encoder_dir, threads, bucket_step, ("int8",) if int8 else precisions)
     first = next(iter(preds.values()))
     model = first.meta.models[0] if first.meta.models else "unknown"
     import os
 
-    runs = {k: {"artifact": path, "torch_threads": torch.get_num_threads(), "max_length": p.meta.max_length,
+    runs = {k: {"artifact": path, "kind": p.meta.kind, "torch_threads": _threads(p), "max_length": p.meta.max_length,
                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
                 "precision": p.precision, "int8": p.precision == "int8", "max_batch": max_batch,
                 "batch_wait_ms": batch_wait_ms, "bucket_step": bucket_step, "cache_keys": p.cache_keys,
@@ -158,16 +143,73 @@ def run(artifact_dir: str | None, encoder_dir: str | None = None, *, threads: in
         runs[k]["micro_batching_bucketed"] = asyncio.run(_runner_figures(
             pred, path, encoder_dir, prompts, model, concurrency, seconds, max_batch, batch_wait_ms, bucket_step,
             False))
-        if pad_to_max:
+        if pad_to_max and getattr(pred, "bucketed", True):
             runs[k]["micro_batching_pad_to_max"] = asyncio.run(_runner_figures(
                 pred, path, encoder_dir, prompts, model, concurrency, seconds, max_batch, batch_wait_ms,
                 bucket_step, True))
-    lookup = cache_lookup(first.dim)
+    lookup = cache_lookup(first.dim) if first.dim else []  # the lexical tier has no cache keys
     for r in runs.values():
         r["cache_lookup"] = lookup
+        r["machine"] = machine()
     if len(runs) == 1:
         return next(iter(runs.values()))
     return {"runs": runs}
+
+
+def _load(path: str, encoder_dir, threads: int, bucket_step: int, precisions: tuple[str, ...]) -> dict:
+    """The predictors to measure: the lexical artifact as it is, or a MiniLM artifact per precision."""
+    from polyserve.predictor.proxy import artifact
+
+    if artifact.read_meta(path).kind == "lexical-gbm":
+        from polyserve.predictor.proxy.lexical import LexicalPredictor
+
+        return {"lexical": LexicalPredictor.load(path, encoder_dir)}
+    from polyserve.predictor.proxy.runtime import passive_openmp
+
+    passive_openmp()  # as the service does
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from polyserve.predictor.proxy.infer import ProxyPredictor
+
+    hf_logging.disable_progress_bar()
+    if threads:
+        torch.set_num_threads(threads)
+    preds: dict = {}
+    for pr in precisions:
+        pred = ProxyPredictor.load(path, encoder_dir, bucket_step=bucket_step, precision=pr)
+        preds[pred.precision if pred.precision not in preds else f"{pred.precision}#{len(preds)}"] = pred
+    return preds
+
+
+def _threads(pred) -> int:
+    """torch's intra-op threads for the MiniLM tier; the lexical tier predicts on one thread."""
+    if getattr(pred, "precision", "") == "lexical":
+        return 1
+    import torch
+
+    return torch.get_num_threads()
+
+
+def machine() -> dict:
+    """CPU model, the SIMD flags that matter here, cores and load average (Linux /proc)."""
+    import os
+    import platform
+
+    model, flags = platform.processor(), set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    simd = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+            if f in flags]
+    return {"cpu": model, "simd": simd, "cores": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()]}
 
 
 async def _runner_figures(pred, path, encoder_dir, prompts, model, concurrency, seconds, max_batch, batch_wait_ms,
@@ -207,7 +249,8 @@ def render(res: dict) -> str:
     lines = [(f"artifact {res['artifact']}: torch threads {res['torch_threads']} "
               f"(OpenMP wait {res.get('omp_wait_policy', 'default')}), max_length {res['max_length']}, "
               f"encoder {res.get('precision', 'int8' if res.get('int8') else 'fp32')}, "
-              f"cache keys {res['cache_keys']}; micro-batches of <= {res['max_batch']}, "
+              f"cache keys {res['cache_keys']}; {res.get('machine', {}).get('cpu', '')} "
+              f"{'+'.join(res.get('machine', {}).get('simd', []))}; micro-batches of <= {res['max_batch']}, "
               f"wait {res['batch_wait_ms']} ms, buckets of {res['bucket_step']} tokens; "
               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"),
              "batch 1 latency:"]
@@ -224,7 +267,8 @@ def render(res: dict) -> str:
         gains = [f"{b['concurrency']} concurrent {b['predictions_per_s'] / max(1e-9, m['predictions_per_s']):.2f}x"
                  for b, m in zip(res["micro_batching_bucketed"], res["micro_batching_pad_to_max"])]
         lines.append("padding gain (bucketed / pad to max, predictions/s): " + ", ".join(gains))
-    lines.append("semantic cache exact search (1 query):")
-    for r in res["cache_lookup"]:
-        lines.append(f"  {r['entries']:7d} entries  p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms")
+    if res["cache_lookup"]:
+        lines.append("semantic cache exact search (1 query):")
+        for r in res["cache_lookup"]:
+            lines.append(f"  {r['entries']:7d} entries  p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms")
     return "\n".join(lines)

@@ -88,6 +88,16 @@ def artifact_predictions(path: str | Path, rows: list[data.Row], encoder_dir: st
                          precision: str | None = None) -> tuple[Predictions, "object"]:
     """Run an artifact over `rows` (each prompt encoded once), its encoder in `precision`
     (None: as it is served by default, `infer.resolve_precision`)."""
+    from polyserve.predictor.proxy import artifact
+
+    if artifact.read_meta(path).kind == "lexical-gbm":
+        from polyserve.predictor.proxy.lexical import LexicalPredictor
+
+        lex = LexicalPredictor.load(path, encoder_dir)
+        answers, _ = lex.predict([r.prompt for r in rows], [r.model for r in rows])
+        lex.meta.extra["served_precision"] = "fp32"
+        return Predictions(lex.meta.objective, np.array([a.length_class for a in answers]),
+                           np.array([a.value for a in answers]), np.array([a.tokens for a in answers])), lex.meta
     from polyserve.predictor.proxy.infer import ProxyPredictor
 
     pred = ProxyPredictor.load(path, encoder_dir, cache_keys="none", int8=int8, precision=precision)

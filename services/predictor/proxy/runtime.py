@@ -108,7 +108,14 @@ class ModelRunner:
     def _load(self):
         from polyserve.predictor.proxy import artifact
 
-        artifact.read_meta(self.artifact_dir)  # fail fast, before importing torch, when it is absent
+        meta = artifact.read_meta(self.artifact_dir)  # fail fast, before importing torch, when it is absent
+        t = time.monotonic()
+        if meta.kind == "lexical-gbm":  # the fast tier: no torch, no encoder pass
+            from polyserve.predictor.proxy.lexical import LexicalPredictor
+
+            pred = LexicalPredictor.load(self.artifact_dir, self.encoder_dir)
+            pred.predict(["warm up"], [pred.meta.models[0] if pred.meta.models else ""])
+            return pred, time.monotonic() - t
         passive_openmp()
         import torch
         from transformers.utils import logging as hf_logging
@@ -118,7 +125,6 @@ class ModelRunner:
         hf_logging.disable_progress_bar()
         if self.threads:
             torch.set_num_threads(self.threads)
-        t = time.monotonic()
         pred = ProxyPredictor.load(self.artifact_dir, self.encoder_dir, bucket_step=self.bucket_step,
                                    cache_keys=self.cache_keys, int8=self.int8, precision=self.precision)
         pred.predict(["warm up"], [pred.meta.models[0] if pred.meta.models else ""])  # first-call costs
@@ -202,12 +208,14 @@ class ModelRunner:
                     j.future.set_result(r)
 
     def _run(self, items: list[tuple[str, str]]) -> list[ModelResult]:
-        """In the model thread: one padded batch per length bucket."""
+        """In the model thread: one padded batch per length bucket (one batch for the lexical tier)."""
         pred = self.predictor
         ids = pred.token_ids([p for p, _ in items])
         groups: dict[int, list[int]] = {}
+        bucketed = getattr(pred, "bucketed", True)
         for i, x in enumerate(ids):
-            groups.setdefault(bucket_length(len(x), self.bucket_step, pred.meta.max_length), []).append(i)
+            key = bucket_length(len(x), self.bucket_step, pred.meta.max_length) if bucketed else 0
+            groups.setdefault(key, []).append(i)
         out: list[ModelResult | None] = [None] * len(items)
         for idx in groups.values():
             t = time.perf_counter()
