@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from polyserve.proto import (
 )
 from polyserve.shared.bus import BusError
 
-from . import policy
+from . import policy, tenancy
 from .context import GatewayState
 from .errors import GatewayError, status_of
 from .policy import InvalidRequest
@@ -119,7 +120,47 @@ async def admit(gs: GatewayState, model: str, adapter: str | None = None) -> Adm
             known = sorted(a.name for a in gs.adapters.values() if a.deployment == deployment.id)
             raise InvalidRequest(f"unknown adapter '{adapter}' for '{deployment.id}'; registered: "
                                  f"{known or 'none'} (POST /v1/adapters)", "adapter", 404, "adapter_not_found")
+    await fair_turn(gs, deployment)
     return Admission(gs, deployment, spec)
+
+
+def fair_slots(gs: GatewayState, dep_id: str) -> int:
+    """How many requests of `dep_id` this gateway lets run before the fair queue holds the next:
+    the setting `fair_slots`, else the batch slots (`max_batch`) of the live workers, plus
+    `fair_headroom` of them while only one tenant is active (the control plane takes a while to
+    hand a waiting request to a worker, and the batch runs short meanwhile; under contention the
+    headroom would queue other tenants' requests FCFS in the worker, so there is none). When no
+    heartbeat is fresh (a worker restarting, a slow event loop) the last known count holds: 0
+    would release every waiting request at once into the workers' FCFS queues. 0 = never known."""
+    if gs.settings.fair_slots:
+        return gs.settings.fair_slots
+    q = gs.fairness.queue(dep_id)
+    batch = sum(max(0, hb.max_batch) for hb in gs.fresh_heartbeats(dep_id))
+    if batch > 0:
+        q.slots = batch
+    if q.slots and not q.contended():  # one tenant: headroom, a request ready the moment a sequence ends
+        return q.slots + math.ceil(q.slots * gs.settings.fair_headroom)
+    return q.slots
+
+
+async def fair_turn(gs: GatewayState, deployment: Deployment) -> None:
+    """Wait for the request's turn in the deployment's VTC queue (fairness.py) when it has a client
+    key and the deployment's slots are taken; the access middleware gives the slot back at the end."""
+    t = tenancy.current()
+    if t is None or t.record is None or t.grant is not None or not gs.settings.fair_share:
+        return
+    slots = fair_slots(gs, deployment.id)
+    if slots <= 0:
+        return
+    q = gs.fairness.queue(deployment.id)
+    if q.queued >= gs.settings.max_inflight:
+        gs.metrics.rejected.labels("fair_queue_full").inc()
+        raise GatewayError(429, f"{q.queued} requests wait for '{deployment.id}' on this gateway (the limit is "
+                                f"max_inflight {gs.settings.max_inflight}); retry shortly", retry_after=1)
+    t.deployment = deployment.id
+    t.grant = await q.acquire(t.record.tenant, t.record.priority, t.est_in, t.est_out, slots)
+    if t.grant.waited_s:
+        gs.metrics.fair_wait.labels(deployment.id).observe(t.grant.waited_s)
 
 
 def check_input(gs: GatewayState, deployment: Deployment, input_tokens: int) -> None:

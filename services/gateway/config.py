@@ -68,6 +68,7 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     # `fair_slots` of this gateway's requests run (0 = the batch slots of the live workers).
     fair_share: bool = True
     fair_slots: int = 0
+    fair_headroom: float = 0.5  # with fair_slots 0 and one tenant active: slots = batch slots × (1 + this)
 
     def validate(self) -> None:
         super().validate()
@@ -95,6 +96,8 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
         if not 0 <= self.key_cache_s <= 60:
             raise SettingsError(f"key_cache_s must be within 0..60 s (how long a revoked key may still work), "
                                 f"got {self.key_cache_s}")
+        if not 0 <= self.fair_headroom <= 4:
+            raise SettingsError(f"fair_headroom must be within 0..4 (× the workers' batch slots), got {self.fair_headroom}")
         if self.fair_slots < 0:
             raise SettingsError(f"fair_slots must be >= 0 (0 = the workers' batch slots), got {self.fair_slots}")
 

@@ -21,9 +21,13 @@ from polyserve.proto import AdapterSpec, Deployment, Heartbeat, Subjects, Worker
 from polyserve.shared.bus import Bus
 from polyserve.shared.state import State
 
+from . import tenancy
 from .config import GatewaySettings
 from .errors import GatewayError
+from .fairness import Fairness
+from .keys import KeyStore
 from .metrics import Metrics
+from .ratelimit import Limiter
 
 logger = logging.getLogger(__name__)
 WORKERS_CACHE_S = 1.0  # how long the live workers of a deployment are taken from memory
@@ -58,6 +62,24 @@ class GatewayState:
         self._workers: dict[str, tuple[float, list[Heartbeat]]] = {}  # deployment -> (monotonic, live)
         self._workers_lock = asyncio.Lock()
         self._cleanup: set[asyncio.Task] = set()
+        self.fairness = Fairness()  # VTC queues per deployment (fairness.py)
+        self._keystore: KeyStore | None = None
+        self._limiter: Limiter | None = None
+
+    # ---------------------------------------------------------------- client keys (issue 14)
+    @property
+    def keystore(self) -> KeyStore:
+        """Client API keys in Redis (keys.py), made on first use (Redis is connected by then)."""
+        if self._keystore is None:
+            self._keystore = KeyStore(self.state.r, self.settings.prefix, self.settings.key_cache_s)
+        return self._keystore
+
+    @property
+    def limiter(self) -> Limiter:
+        """The per-key RPM/TPM token buckets in Redis (ratelimit.py)."""
+        if self._limiter is None:
+            self._limiter = Limiter(self.state.r, self.settings.prefix)
+        return self._limiter
 
     # ---------------------------------------------------------------- helpers
     def spawn(self, coro) -> None:
@@ -74,7 +96,15 @@ class GatewayState:
     async def event(self, kind: str, event) -> None:
         """Publish a lifecycle event, best effort: a request goes on when it cannot be sent.
         Coalesced (Bus.publish_soon): the ~5 events of a request, and those of concurrent
-        requests, share socket writes instead of one each; in order, at most 2 ms later."""
+        requests, share socket writes instead of one each; in order, at most 2 ms later.
+
+        Also the usage hook of client keys: a `completed` event carries the tokens the worker
+        counted, added to the ticket of the request being served (tenancy.py), which settles
+        its key's TPM reservation and usage counters when the request ends (access.py)."""
+        if kind == "completed":
+            ticket = tenancy.current()
+            if ticket is not None:
+                ticket.used(getattr(event, "input_tokens", 0), getattr(event, "output_tokens", 0))
         try:
             self.bus.publish_soon(self.subjects.event(kind), event)
         except Exception:  # noqa: BLE001 - events are best effort; the request goes on

@@ -52,6 +52,20 @@ class Metrics:
         self.scale_decisions = Counter("polyserve_scale_decisions_total", "Planner scale decisions heard on "
                                        "NATS, by direction (up, down, hold)", ["deployment", "direction"],
                                        registry=self.registry)
+        # Client keys (issue 14): tenants are made by the operator (POST /v1/keys), so the label stays bounded.
+        self.tenant_tokens = Counter("polyserve_tenant_tokens_total", "Tokens used by requests with a client "
+                                     "API key, by tenant and kind (prompt, completion)", ["tenant", "kind"],
+                                     registry=self.registry)
+        self.tenant_requests = Counter("polyserve_tenant_requests_total", "Completed requests with a client "
+                                       "API key, by tenant", ["tenant"], registry=self.registry)
+        self.fair_wait = Histogram("polyserve_fair_queue_seconds", "Time requests waited in the gateway's "
+                                   "fair (VTC) queue before they started", ["deployment"], buckets=_BUCKETS,
+                                   registry=self.registry)
+
+    def tenant_used(self, tenant: str, prompt_tokens: int, completion_tokens: int) -> None:
+        self.tenant_requests.labels(tenant).inc()
+        self.tenant_tokens.labels(tenant, "prompt").inc(prompt_tokens)
+        self.tenant_tokens.labels(tenant, "completion").inc(completion_tokens)
 
     def finished(self, deployment: str, status: int, seconds: float | None = None) -> None:
         self.requests.labels(deployment, str(status)).inc()

@@ -6,17 +6,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from polyserve.core.bounds import ATGT_SLO_RANGE_MS, THRESHOLD_MS, TTFT_SLO_RANGE_MS, WINDOW_S
 from polyserve.core.names import DEFAULT_SCALER, canonical_scaler
 from polyserve.proto import ATGT_SLO_MS, TTFT_SLO_MS
 
 from . import limits
 
-# Admin input bounds (issue 14). Replica counts are also capped by the gateway setting
-# max_replicas_limit (admin.py); these are the fixed sanity ranges of the other numbers.
-WINDOW_S = (1.0, 86_400.0)  # a scaler's sample window: 1 s .. 1 day
-THRESHOLD_MS = (0.1, 600_000.0)  # a scaler's latency threshold: 0.1 ms .. 10 min
-TTFT_SLO_RANGE_MS = (0.1, 600_000.0)  # time to first token: 0.1 ms .. 10 min
-ATGT_SLO_RANGE_MS = (0.01, 60_000.0)  # per generated token: 0.01 ms .. 1 min
+# Admin input bounds (issue 14): core/bounds.py, shared with `polyserve up --config`. Replica
+# counts are also capped by the gateway setting max_replicas_limit (admin.py).
 # A model name: a Hugging Face id, a local path or a served name; printable, no spaces or quotes.
 MODEL_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+\-]{0,199}$"
 DEPLOYMENT_ID = r"^[A-Za-z0-9_\-]{1,64}$"
@@ -131,3 +128,28 @@ class AdapterBody(BaseModel):
     path: str = Field(min_length=1, max_length=4096)  # under one of the gateway's adapter_roots
     deployment: str = Field(pattern=DEPLOYMENT_ID)
     load: bool = False  # load on every worker of the deployment now (else on first use)
+
+
+TENANT = r"^[A-Za-z0-9_.@\-]{1,64}$"
+
+
+class KeyBody(BaseModel):
+    """A client API key to create (POST /v1/keys, admin): its tenant, the models it may use
+    ([] = all), its limits per minute (0 = none) and priority class under contention."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: str = Field(pattern=TENANT)
+    name: str = Field("", max_length=200)
+    models: list[str] = Field([], max_length=256)  # deployment ids, model names or adapter names; "*" = all
+    rpm: int = Field(0, ge=0, le=10**9)  # requests per minute
+    tpm: int = Field(0, ge=0, le=10**12)  # prompt + completion tokens per minute
+    priority: Literal["high", "normal", "low"] = "normal"
+
+    @field_validator("models")
+    @classmethod
+    def _model_names(cls, value: list[str]) -> list[str]:
+        for m in value:
+            if not isinstance(m, str) or not (m == "*" or 0 < len(m) <= 200) or any(c.isspace() for c in m):
+                raise ValueError(f"model {m!r} is not a model name (1-200 characters, no spaces) or '*'")
+        return value

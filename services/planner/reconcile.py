@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from polyserve.core import names
+from polyserve.core import bounds, names
 from polyserve.proto import ATGT_SLO_MS, TTFT_SLO_MS, AdapterSpec, Deployment, ScalerPolicy
 
 logger = logging.getLogger(__name__)
@@ -86,13 +86,16 @@ class _Checker:
         return value
 
     def number(self, d: dict, path: str, name: str, default: float, *, integer: bool = False,
-               minimum: float = 0, strict: bool = True) -> Any:
+               minimum: float = 0, strict: bool = True, within: tuple[float, float] | None = None) -> Any:
         value = d.get(name, default)
         kind = int if integer else (int, float)
         ok = isinstance(value, kind) and not isinstance(value, bool)
+        what = "an integer" if integer else "a number"
         if not ok or (value <= minimum if strict else value < minimum):
-            what = "an integer" if integer else "a number"
             self.err(f"{path}.{name}", f"must be {what} {'>' if strict else '>='} {minimum:g} (got {value!r})")
+            return default
+        if within is not None and not within[0] <= value <= within[1]:  # core/bounds.py (issue 14)
+            self.err(f"{path}.{name}", f"must be {what} within {within[0]:g}..{within[1]:g} (got {value!r})")
             return default
         return value
 
@@ -115,13 +118,13 @@ def _scaler(c: _Checker, value: Any, path: str) -> ScalerPolicy:
     except names.UnknownName as exc:
         c.err(f"{path}.type", str(exc))
         kind = names.DEFAULT_SCALER
-    lo = c.number(d, path, "min_replicas", 1, integer=True, minimum=0, strict=False)
-    hi = c.number(d, path, "max_replicas", 4, integer=True, minimum=1, strict=False)
+    lo = c.number(d, path, "min_replicas", 1, integer=True, minimum=0, strict=False, within=(0, bounds.REPLICAS_MAX))
+    hi = c.number(d, path, "max_replicas", 4, integer=True, minimum=1, strict=False, within=(1, bounds.REPLICAS_MAX))
     if lo > hi:
         c.err(f"{path}.min_replicas", f"must not exceed max_replicas ({lo} > {hi})")
     return ScalerPolicy(type=kind, min_replicas=lo, max_replicas=hi,
-                        window_s=float(c.number(d, path, "window_s", 30.0)),
-                        threshold_ms=float(c.number(d, path, "threshold_ms", 50.0)))
+                        window_s=float(c.number(d, path, "window_s", 30.0, within=bounds.WINDOW_S)),
+                        threshold_ms=float(c.number(d, path, "threshold_ms", 50.0, within=bounds.THRESHOLD_MS)))
 
 
 def _deployment(c: _Checker, value: Any, path: str) -> Deployment | None:
@@ -136,8 +139,8 @@ def _deployment(c: _Checker, value: Any, path: str) -> Deployment | None:
         c.err(f"{path}.policy", f"unknown dispatch policy {policy!r}; choose one of "
                                 f"{', '.join(sorted(names.DISPATCH_POLICIES))}")
     scaler = _scaler(c, d.get("scaler", {}), f"{path}.scaler")
-    ttft = c.number(d, path, "ttft_slo_ms", TTFT_SLO_MS)
-    atgt = c.number(d, path, "atgt_slo_ms", ATGT_SLO_MS)
+    ttft = c.number(d, path, "ttft_slo_ms", TTFT_SLO_MS, within=bounds.TTFT_SLO_RANGE_MS)
+    atgt = c.number(d, path, "atgt_slo_ms", ATGT_SLO_MS, within=bounds.ATGT_SLO_RANGE_MS)
     if not (model and dep_id) or not d:
         return None
     return Deployment(id=dep_id, model=model, engine=str(engine), policy=str(policy), scaler=scaler,

@@ -1,0 +1,217 @@
+"""`polyserve bench fairness`: per-tenant throughput and latency with and without fair sharing
+(VTC, services/gateway/fairness.py), side by side.
+
+A `polyserve up` cluster in processes (gateway, dispatcher, predictor, planner, gpu-agent, one
+sim worker whose batch is the bottleneck), client keys on, two tenants. Runs:
+
+- `light alone`: the light tenant's sequential streamed requests on an idle deployment (its
+  uncontended TTFT);
+- `heavy+light`: a heavy tenant keeps `--heavy-concurrency` requests in flight (several times
+  the worker's batch slots) while the light tenant sends the same sequential requests;
+- `backlogged`: both tenants keep requests queued, the heavy one `--heavy-concurrency`, the other
+  a quarter of it: VTC serves them the same tokens, FCFS in proportion to what they queue.
+
+The contended runs are made on a cluster with `fair_share` off (requests go straight to the
+worker's FCFS queue) and on one with it on (the VTC queue in the gateway). Prints, per run and
+tenant: requests and output tokens/s completed within the run, the tenant's share of the tokens,
+TTFT (streamed requests) and end-to-end p50/p99, and the light tenant's p99 TTFT against its
+uncontended value. Every figure names the machine and its load.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ADMIN = "bench-admin-key"
+MODEL = "sim-fair"
+
+
+@dataclass
+class TenantLoad:
+    """A tenant's closed-loop load: `concurrency` clients each sending streamed requests back to back."""
+
+    name: str
+    key: str
+    concurrency: int
+    max_tokens: int
+    prompt: str = "tell me something fair about sharing"
+    stream: bool = False  # streamed: TTFT measured; else one JSON body (cheaper for the load generator)
+
+
+@dataclass
+class TenantStats:
+    ttft: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    tokens: int = 0
+    errors: int = 0
+
+    def row(self, seconds: float, share: float) -> dict:
+        def pct(xs: list[float], q: float) -> float:
+            return float(np.percentile(xs, q)) * 1e3 if xs else float("nan")
+        return {"requests": len(self.e2e), "tok_s": self.tokens / seconds, "share": share,
+                "ttft_p50_ms": pct(self.ttft, 50), "ttft_p99_ms": pct(self.ttft, 99),
+                "e2e_p50_ms": pct(self.e2e, 50), "e2e_p99_ms": pct(self.e2e, 99), "errors": self.errors}
+
+
+async def _one(http: httpx.AsyncClient, load: TenantLoad, model: str) -> tuple[int, float, float | None] | None:
+    """One request: (output tokens, seconds, seconds to the first token when streamed), None on an error."""
+    body = {"model": model, "prompt": load.prompt, "max_tokens": load.max_tokens, "min_tokens": load.max_tokens,
+            "stream": load.stream, **({"stream_options": {"include_usage": True}} if load.stream else {})}
+    t0 = time.perf_counter()
+    if not load.stream:
+        resp = await http.post("/v1/completions", json=body)
+        if resp.status_code != 200:
+            return None
+        return resp.json()["usage"]["completion_tokens"], time.perf_counter() - t0, None
+    first, tokens = None, 0
+    async with http.stream("POST", "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            await resp.aread()
+            return None
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and any(c.get("text") for c in chunk.get("choices") or []):
+                first = time.perf_counter() - t0
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return tokens, time.perf_counter() - t0, first
+
+
+async def measure(url: str, loads: list[TenantLoad], seconds: float, model: str = MODEL) -> dict[str, dict]:
+    """Run the loads together for `seconds`; per tenant, over the requests that ended within that
+    window (those still running at its end finish uncounted, so the tail of the queue does not
+    count as service): requests, output tokens/s, share of the tokens, TTFT (streamed loads) and
+    end-to-end percentiles (ms)."""
+    stats = {load.name: TenantStats() for load in loads}
+    t0 = time.perf_counter()
+    deadline = t0 + seconds
+
+    async def client(load: TenantLoad) -> None:
+        st = stats[load.name]
+        async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=1),
+                                     headers={"Authorization": f"Bearer {load.key}"}) as http:
+            while time.perf_counter() < deadline:
+                got = await _one(http, load, model)
+                if got is None:
+                    st.errors += 1
+                    await asyncio.sleep(0.05)
+                elif time.perf_counter() <= deadline:
+                    st.tokens += got[0]
+                    st.e2e.append(got[1])
+                    if got[2] is not None:
+                        st.ttft.append(got[2])
+
+    await asyncio.gather(*(client(load) for load in loads for _ in range(load.concurrency)))
+    total = sum(s.tokens for s in stats.values()) or 1
+    return {name: s.row(seconds, s.tokens / total) for name, s in stats.items()}
+
+
+async def make_key(url: str, tenant: str) -> str:
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}) as http:
+        r = await http.post("/v1/keys", json={"tenant": tenant})
+        r.raise_for_status()
+        return r.json()["key"]
+
+
+# ---------------------------------------------------------------------------------------- the cluster
+@contextlib.contextmanager
+def cluster(args: argparse.Namespace, fair: bool):
+    """`polyserve up` in processes (gateway, dispatcher, predictor, planner, gpu-agent, one sim worker)
+    with client keys on and `fair_share` on or off; yields the gateway's URL."""
+    from polyserve.cli import launcher
+    from polyserve.shared import infra
+
+    spec = launcher.ClusterSpec(
+        run_dir=Path(tempfile.mkdtemp(prefix="ps-fair-")), engine="sim", model=MODEL, port=infra.free_port(),
+        nats_port=0, redis_port=0, min_replicas=1, max_replicas=1, admin_key=ADMIN,
+        extra_env={"POLYSERVE_LOG_LEVEL": "WARNING", "POLYSERVE_PREDICTOR_PROXY_ARTIFACT": "",
+                   "POLYSERVE_GATEWAY_CLIENT_KEYS": "on", "POLYSERVE_GATEWAY_FAIR_SHARE": str(fair).lower(),
+                   "POLYSERVE_GATEWAY_MAX_INFLIGHT": "4096", "POLYSERVE_WORKER_MAX_BATCH": str(args.max_batch),
+                   "POLYSERVE_WORKER_TIME_SCALE": str(args.time_scale), "POLYSERVE_WORKER_MAX_WAITING": "4096"})
+    try:
+        state = launcher.up(spec, progress=lambda m: None)
+        yield state.gateway_url
+    finally:
+        launcher.down(spec.run_dir, progress=lambda m: None)
+
+
+# ---------------------------------------------------------------------------------------- report
+def _print(title: str, rows: dict[str, dict[str, dict]]) -> None:
+    print(f"\n{title}")
+    print(f"{'run':<28}{'tenant':<8}{'req':>6}{'tok/s':>9}{'share':>7}{'TTFT p50':>10}{'TTFT p99':>10}"
+          f"{'e2e p50':>10}{'e2e p99':>10}{'errors':>8}")
+    for run, tenants in rows.items():
+        for name, r in tenants.items():
+            print(f"{run:<28}{name:<8}{r['requests']:>6}{r['tok_s']:>9.1f}{r['share']:>7.2f}{r['ttft_p50_ms']:>10.1f}"
+                  f"{r['ttft_p99_ms']:>10.1f}{r['e2e_p50_ms']:>10.1f}{r['e2e_p99_ms']:>10.1f}{r['errors']:>8}")
+
+
+def _machine() -> str:
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5).stdout
+        model = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")), "?")
+    except (OSError, subprocess.SubprocessError):
+        model = "?"
+    return f"{os.cpu_count()} vCPU {model}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+
+
+async def scenarios(url: str, args: argparse.Namespace, alone: bool, tag: str) -> dict[str, dict]:
+    """The runs of one cluster: (light alone), heavy + light, both backlogged."""
+    kl, kh = await make_key(url, "light"), await make_key(url, "heavy")
+    light = TenantLoad("light", kl, concurrency=1, max_tokens=args.light_tokens, stream=True)
+    heavy = TenantLoad("heavy", kh, concurrency=args.heavy_concurrency, max_tokens=args.heavy_tokens)
+    out = {}
+    if alone:
+        out["light alone"] = await measure(url, [light], args.seconds)
+    out[f"heavy+light, {tag}"] = await measure(url, [heavy, light], args.seconds)
+    out[f"backlogged, {tag}"] = await measure(url, [heavy, TenantLoad(
+        "light", kl, concurrency=max(1, args.heavy_concurrency // 4), max_tokens=args.heavy_tokens)], args.seconds)
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    out: dict[str, dict] = {}
+    for fair in (False, True):
+        with cluster(args, fair) as url:
+            out.update(asyncio.run(scenarios(url, args, alone=not fair, tag="VTC" if fair else "no VTC (FCFS)")))
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    print(f"polyserve bench fairness: sim worker (max_batch {args.max_batch}, time_scale {args.time_scale}), "
+          f"{args.seconds:g} s per run, heavy {args.heavy_concurrency} in flight × {args.heavy_tokens} tokens, "
+          f"light 1 × {args.light_tokens} tokens\nmachine: {_machine()}")
+    out = run(args)
+    _print("latency: a light tenant under a heavy tenant's flood (ms)",
+           {k: v for k, v in out.items() if not k.startswith("backlogged")})
+    _print("share: both tenants backlogged (heavy queues 4× more requests)",
+           {k: v for k, v in out.items() if k.startswith("backlogged")})
+    alone = out["light alone"]["light"]["ttft_p99_ms"]
+    for tag in ("no VTC (FCFS)", "VTC"):
+        p99 = out[f"heavy+light, {tag}"]["light"]["ttft_p99_ms"]
+        print(f"light p99 TTFT, {tag}: {p99:.1f} ms = {p99 / alone:.2f}× its uncontended {alone:.1f} ms")
+    print(f"load after: {statistics.fmean(os.getloadavg()):.2f} (mean of 1/5/15-min load averages)")
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seconds", type=float, default=8.0, help="length of each run")
+    p.add_argument("--max-batch", type=int, default=16, help="the sim worker's batch slots")
+    p.add_argument("--time-scale", type=float, default=0.2, help="× the sim profile's compute time")
+    p.add_argument("--heavy-concurrency", type=int, default=64, help="requests the heavy tenant keeps in flight")
+    p.add_argument("--heavy-tokens", type=int, default=32)
+    p.add_argument("--light-tokens", type=int, default=8)
