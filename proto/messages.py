@@ -129,6 +129,9 @@ class GenerateRequest(Msg, kw_only=True):
     # `Credit` are in flight; 0 = no window (the worker sends as fast as the engine makes them).
     window: int = 0
     resume: "Resume | None" = None  # request migration: continue a stream another worker started
+    # False: the client gets one body at the end, so the worker may merge a choice's chunks
+    # (WorkerSettings.merge_ms); True (and from an older gateway): a chunk per engine delta.
+    stream: bool = True
 
 
 class Resume(Msg, kw_only=True):

@@ -176,8 +176,10 @@ class Bus:
         window: one socket write for them all. For what no one waits on (events): a write to
         nats-server was the gateway's largest single cost per request (py-spy; the client writes
         what is pending once per loop iteration, so publishes in different iterations each cost
-        one). Encoded and trace headers taken now; `flush_soon()` sends what is pending at once."""
-        self._soon.append((subject, encode(msg), trace_headers()))
+        one). Encoded now, without trace headers: events name their request and no consumer reads
+        a trace context from them, while injecting one cost ~1% of the gateway's CPU (5 events per
+        request; cProfile, docs/benchmarks/overhead.md). `flush_soon()` sends what is pending at once."""
+        self._soon.append((subject, encode(msg), {}))
         if self._soon_timer is None:
             self._soon_timer = asyncio.get_running_loop().call_later(COALESCE_S, self._send_soon)
 
@@ -194,7 +196,7 @@ class Bus:
                 if durable.prefix_of(subject) is not None:  # completed/failed: kept until stored
                     await self.outbox.publish(subject, data, headers)
                 else:
-                    await self.nc.publish(subject, data, headers=headers)
+                    await self.nc.publish(subject, data, headers=headers or None)
             except Exception as exc:  # noqa: BLE001 - events are best effort
                 logger.warning("could not publish on %s: %s", subject, exc)
 

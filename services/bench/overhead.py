@@ -161,9 +161,10 @@ def _spec(args: argparse.Namespace, gateways: int) -> launcher.ClusterSpec:
                    "POLYSERVE_PREDICTOR_PROXY_ARTIFACT": "shipped" if args.with_model else ""})
 
 
-def _run(args: argparse.Namespace, gateways: int, bare_url: str | None) -> dict:
+def _run(args: argparse.Namespace, gateways: int, bare_url: str | None, bare_pid: int = 0) -> dict:
     """Every case against polyserve with `gateways` gateway processes (and against the bare
-    endpoint, case by case, when `bare_url` is given), with the CPU each role used."""
+    endpoint, case by case, when `bare_url` is given), with the CPU each role used, and the
+    CPU the bare endpoint and the load generator used for it (`bare_pid`)."""
     spec = _spec(args, gateways)
     out: dict = {"results": {}, "cpu_ms_per_request": {}}
     try:
@@ -175,7 +176,10 @@ def _run(args: argparse.Namespace, gateways: int, bare_url: str | None) -> dict:
                 cell: dict = {}
                 if bare_url is not None:
                     print(f"  {case}: bare ...", flush=True)
-                    cell["bare"] = asyncio.run(drive(bare_url, "bare", stream, args.requests, conc, args.tokens))
+                    bare_procs = {"bare": bare_pid, "load generator": os.getpid()}
+                    before = {n: _cpu_s(p) for n, p in bare_procs.items()}
+                    cell["bare"] = b = asyncio.run(drive(bare_url, "bare", stream, args.requests, conc, args.tokens))
+                    out.setdefault("bare_cpu_ms_per_request", {})[case] = _cpu_by_role(bare_procs, before, b["n"])
                 print(f"  {case}: polyserve, {gateways} gateway process(es) ...", flush=True)
                 before, t = {n: _cpu_s(p) for n, p in procs.items()}, time.perf_counter()
                 cell["polyserve"] = p = asyncio.run(drive(state.gateway_url, "bench-sim", stream, args.requests,
@@ -202,6 +206,29 @@ def _print_overhead(args: argparse.Namespace, first: dict) -> None:
         print(f"{case:<12}{b['rps']:>10.1f}{p['rps']:>10.1f}{p['rps'] / b['rps']:>10.3f}{b['p50_ms']:>10.2f}"
               f"{p['p50_ms']:>10.2f}{p['p50_ms'] - b['p50_ms']:>11.2f}{b['p99_ms']:>10.2f}{p['p99_ms']:>10.2f}")
     print(f"\nper-stage medians over 100 sequential requests (ms, from request events): {first['stages']}")
+    _print_cpu(first)
+
+
+ROLES = ("gateway", "worker", "nats-server", "predictor", "dispatcher")
+
+
+def _print_cpu(first: dict) -> None:
+    """CPU ms per request, both sides (load generator included), and their ratio: the requests/s
+    ratio a machine would give where CPU is the only limit and the benchmark has it alone. Unlike
+    requests/s it barely moves with what else runs on a shared machine (docs/benchmarks/overhead.md)."""
+    bare_cpu = first.get("bare_cpu_ms_per_request", {})
+    print("\nCPU ms per request (user + system, all processes; 'client' = the load generator)")
+    print(f"{'case':<12}{'bare all':>10}{'ps all':>10}{'cpu ratio':>10}{'client':>8}"
+          + "".join(f"{r[:10]:>11}" for r in ROLES) + f"{'rest':>8}")
+    for case, cpu in first["cpu_ms_per_request"].items():
+        if case not in bare_cpu:
+            continue
+        b = sum(bare_cpu[case].values())
+        ps = {k: v for k, v in cpu.items() if k != "cores busy"}
+        total = sum(ps.values())
+        rest = total - ps.get("load generator", 0) - sum(ps.get(r, 0) for r in ROLES)
+        print(f"{case:<12}{b:>10.2f}{total:>10.2f}{b / total:>10.3f}{ps.get('load generator', 0):>8.2f}"
+              + "".join(f"{ps.get(r, 0):>11.2f}" for r in ROLES) + f"{rest:>8.2f}")
 
 
 def _print_scale_out(runs: dict[int, dict]) -> None:
@@ -229,7 +256,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         _wait_http(f"http://127.0.0.1:{bare_port}/healthz")
         for i, n in enumerate(args.gateways):
-            runs[n] = _run(args, n, f"http://127.0.0.1:{bare_port}" if i == 0 else None)
+            runs[n] = _run(args, n, f"http://127.0.0.1:{bare_port}" if i == 0 else None, bare.pid)
     finally:
         bare.terminate()
         bare.wait(10)
@@ -239,7 +266,9 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         first = runs[args.gateways[0]]
         Path(args.json).write_text(json.dumps({"results": first["results"], "stages": first["stages"],
-                                               "by_gateways": runs}, indent=2))
+                                               "cpu_ms_per_request": first["cpu_ms_per_request"],
+                                               "bare_cpu_ms_per_request": first.get("bare_cpu_ms_per_request", {}),
+                                               "load": os.getloadavg(), "by_gateways": runs}, indent=2))
         print(f"wrote {args.json}")
     return 0
 

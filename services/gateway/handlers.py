@@ -35,7 +35,7 @@ from polyserve.shared.bus import BusError, decode, error_of
 
 from . import admission
 from .context import GatewayState
-from .delivery import Delivery, WorkerDied, inbox_size
+from .delivery import Delivery, WorkerDied
 from .errors import GatewayError, status_of
 from .policy import InvalidRequest, estimate_tokens
 
@@ -86,7 +86,7 @@ class RequestRun(Delivery):
     migrations: int = 0  # times the request moved to another worker after its worker died
     _caps: GenerateAccepted | None = None  # what the current worker said it does (replay, resume, window)
     _dead: list[str] = field(default_factory=list)  # workers this request died on
-    _out_text: dict[int, str] = field(default_factory=dict)  # per choice: the text handed to the client
+    _out_text: dict[int, list[str]] = field(default_factory=dict)  # per choice: the text handed out, in pieces
     _out_tokens: dict[int, int] = field(default_factory=dict)  # per choice: its tokens
     _finished: set[int] = field(default_factory=set)  # choices whose last chunk came
     _returned: int = -1  # seq of the chunk last handed out (acknowledged by the next call)
@@ -135,15 +135,17 @@ class RequestRun(Delivery):
                                                max_tokens=self.params.max_tokens, stream=self.stream,
                                                n=self.params.n))
         admission.check_input(gs, self.deployment, self.input_tokens)
-        self._inbox, self._queue = await self._exit.enter_async_context(
-            gs.bus.inbox(max_pending=inbox_size(s.stream_window)))
+        await self._fresh_inbox()
         first = await self._predict_and_place()
         excluded: list[str] = []
         for attempt in range(s.dispatch_retries + 1):
-            self.placement = first if attempt == 0 else await self._dispatch(excluded)
+            if attempt:
+                self.placement = await self._dispatch(excluded)
+                await self._fresh_inbox()
+            else:
+                self.placement = first
             try:
-                self._caps = await gs.bus.request(self.placement.generate_subject, self._generate(self._inbox),
-                                                  GenerateAccepted, timeout=s.accept_timeout_s, span_name="generate")
+                self._caps = await self._hand_to(self.placement, self._generate(self._inbox))
                 self._sent_at = time.monotonic()
                 return
             except BusError as exc:
@@ -192,7 +194,7 @@ class RequestRun(Delivery):
                                adapter_path=a.path if a else "", priority=self.priority,
                                predicted_tokens=p.tokens_estimate if p else 0,
                                length_class=p.length_class if p else -1,
-                               window=self.gs.settings.stream_window, resume=resume)
+                               window=self.gs.settings.stream_window, resume=resume, stream=self.stream)
 
     async def _next(self, first: bool) -> TokenChunk:
         """The next chunk in `seq` order. Chunks that overtook a missing one are held and
@@ -275,7 +277,7 @@ class RequestRun(Delivery):
         if chunk.done:
             return
         i = chunk.index
-        self._out_text[i] = self._out_text.get(i, "") + chunk.text
+        self._out_text.setdefault(i, []).append(chunk.text)  # joined only if the stream migrates
         self._out_tokens[i] = self._out_tokens.get(i, 0) + chunk.tokens
         if chunk.finish_reason:
             self._finished.add(i)

@@ -11,7 +11,7 @@ from polyserve.shared.settings import CommonSettings, SettingsError
 
 ENGINES = ("sim", "hf", "vllm", "encoder", "openai-http")
 LORA_COLD_START = ("cpu_assisted", "on_demand")
-SCHEDULING = ("fcfs", "priority", "ssjf")
+SCHEDULING = ("fcfs", "priority", "ssjf", "ssjf_class")
 
 
 def new_worker_id() -> str:
@@ -41,6 +41,9 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
     # A stream held because its client reads nothing (no credit from the gateway) ends with an
     # explicit error after this long.
     slow_reader_limit_s: float = 30.0
+    # A non-streamed request's chunks (GenerateRequest.stream False) are merged per choice and sent
+    # at most every merge_ms (a choice's first and last chunk at once); 0 = a chunk per engine delta.
+    merge_ms: float = 50.0
     model_path: str = ""  # hf engine: local checkpoint directory
     device: str = "cpu"  # hf engine
     dtype: str = "float32"  # hf engine (vllm: float32 means "auto")
@@ -101,6 +104,8 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
             raise SettingsError("max_waiting, max_batch and max_input_len must be >= 1")
         if self.replay_chunks < 1 or self.replay_linger_s <= 0 or self.slow_reader_limit_s <= 0:
             raise SettingsError("replay_chunks must be >= 1, replay_linger_s and slow_reader_limit_s > 0")
+        if self.merge_ms < 0:
+            raise SettingsError("merge_ms must be >= 0 (0 = a chunk per engine delta)")
         if self.kv_capacity_tokens < 0:
             raise SettingsError("kv_capacity_tokens must be >= 0 (0 = from the profile)")
         if self.time_scale < 0:

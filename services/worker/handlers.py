@@ -14,7 +14,8 @@ Streaming protocol, which the gateway relies on:
    the worker's replay subject). With `req.window` > 0 at most that many chunks are
    unacknowledged: a client that reads slowly holds its stream here (bounded), and
    one that reads nothing for `slow_reader_limit_s` gets an explicit error.
-5. `req.resume` (request migration): the stream continues what another worker
+5. A non-streamed request (`req.stream` False) gets fewer, merged chunks (merge.py).
+6. `req.resume` (request migration): the stream continues what another worker
    started; the engine generates on from prompt + that output.
 """
 from __future__ import annotations
@@ -43,8 +44,9 @@ from polyserve.proto import (
     Withdraw,
     WithdrawReply,
 )
-from polyserve.shared.bus import Bus, BusError
+from polyserve.shared.bus import Bus, BusError, encode
 from polyserve.worker.engine import Delta, Engine, EngineError, EngineOverloaded, EngineRequest, Finished, Withdrawn
+from polyserve.worker.merge import Merger
 from polyserve.worker.outbox import Outbox
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,12 @@ async def _next(stream: AsyncIterator):
     return await stream.__anext__()
 
 
+def _chunk(req: GenerateRequest, seq: int, d: Delta, simulated: bool) -> TokenChunk:
+    return TokenChunk(request_id=req.request_id, seq=seq, index=d.index, text=d.text, tokens=d.tokens,
+                      finish_reason=d.finish_reason, simulated=simulated, logprobs=d.logprobs,
+                      prompt_logprobs=d.prompt_logprobs)
+
+
 class SlowReader(EngineError):
     """No credit came for a held stream: its client has read nothing for the limit."""
 
@@ -117,7 +125,9 @@ class WorkerHandlers:
     """Generate and cancel for one engine; streams run in tasks kept in a set."""
 
     def __init__(self, engine: Engine, bus: Bus, tracer: trace.Tracer, worker_id: str, *,
-                 replay_chunks: int = 1024, replay_linger_s: float = 5.0, slow_reader_limit_s: float = 30.0):
+                 replay_chunks: int = 1024, replay_linger_s: float = 5.0, slow_reader_limit_s: float = 30.0,
+                 merge_ms: float = 0.0):
+        self.merge_s = merge_ms / 1e3  # a non-streamed request's chunks are merged this long (merge.py)
         self.replay_chunks = replay_chunks  # replay buffer of a stream without a credit window
         self.replay_linger_s = replay_linger_s  # how long an ended stream's chunks stay unacknowledged
         self.slow_reader_limit_s = slow_reader_limit_s  # a held stream with no credit this long: error
@@ -242,7 +252,11 @@ class WorkerHandlers:
             raise SlowReader(f"the client read nothing for {self.slow_reader_limit_s:.0f}s "
                              f"(slow_reader_limit_s); the stream was stopped, not cut short silently", 504)
         box.add(chunk)
-        await self.bus.publish(req.stream_to, chunk)
+        # A plain PUB, no trace headers: nobody reads a chunk's trace context (the request's
+        # spans hang off the generate request), and per chunk the headers cost the worker an
+        # OpenTelemetry inject and the gateway a header parse; together ~15% of the worker's and
+        # ~6% of the gateway's CPU per 16-token request (cProfile; docs/benchmarks/overhead.md).
+        await self.bus.nc.publish(req.stream_to, encode(chunk))
 
     async def cancel(self, req: CancelRequest) -> GenerateAccepted:
         """Stop a request now; its stream ends with finish_reason "cancelled".
@@ -278,18 +292,20 @@ class WorkerHandlers:
             span.set_attribute("polyserve.simulated", simulated)
             try:
                 async with contextlib.aclosing(stream):
+                    merger = Merger(0.0 if req.stream else self.merge_s)
                     ev = await first
                     while not isinstance(ev, Finished):
                         if isinstance(ev, Delta):
-                            await self._send(req, box, TokenChunk(
-                                request_id=req.request_id, seq=seq, index=ev.index, text=ev.text,
-                                tokens=ev.tokens, finish_reason=ev.finish_reason, simulated=simulated,
-                                logprobs=ev.logprobs, prompt_logprobs=ev.prompt_logprobs))
-                            seq += 1
                             tokens += ev.tokens
                             if ev.finish_reason:
                                 reasons[ev.index] = ev.finish_reason
+                            for d in merger.add(ev):
+                                await self._send(req, box, _chunk(req, seq, d, simulated))
+                                seq += 1
                         ev = await stream.__anext__()
+                    for d in merger.flush():
+                        await self._send(req, box, _chunk(req, seq, d, simulated))
+                        seq += 1
                     stats = self._whole(req, ev.stats)
             except Withdrawn:
                 target = self._redirects.pop(req.request_id, None)

@@ -65,7 +65,7 @@ class WorkerService(ServiceBase):
         await self.engine.start()
         self.handlers = WorkerHandlers(self.engine, self.bus, self.tracer, self.worker_id,
                                        replay_chunks=s.replay_chunks, replay_linger_s=s.replay_linger_s,
-                                       slow_reader_limit_s=s.slow_reader_limit_s)
+                                       slow_reader_limit_s=s.slow_reader_limit_s, merge_ms=s.merge_ms)
         await self.bus.serve(self.subjects.generate(self.worker_id), GenerateRequest, self.handlers.generate)
         await self._serve_delivery()
         await self.bus.serve(self.subjects.cancel(self.worker_id), CancelRequest, self.handlers.cancel)

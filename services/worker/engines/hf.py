@@ -401,6 +401,7 @@ class HfEngine(Engine):
         self._release(act)
         start = act.start if act.start is not None else time.monotonic()
         stats = make_stats(len(act.ids), len(act.step_times), act.req.arrival, start, act.step_times)
+        queue_order.DEFAULT_RULE.observe(time.monotonic() - act.req.arrival)  # ssjf's window W follows the JCT
         act.queue.put_nowait(Finished(stats=msgspec.structs.replace(stats, output_tokens=act.out_tokens)))
 
     def _fail(self, act: _Active, exc: EngineError) -> None:

@@ -131,6 +131,8 @@ class _Req:
     token_times: list[float] = field(default_factory=list)
     prefilled: bool = False
     done: bool = False
+    stops: list[str] = field(default_factory=list)  # params.stop without empty strings (set once, not per token)
+    hold: int = 0  # chars that may start a stop string: held back until they cannot
 
     @property
     def arrival(self) -> float:
@@ -277,7 +279,9 @@ class SimEngine(Engine):
                               f"holds {self.kv_capacity}: lower max_tokens or n", 400)
         if len(self._waiting) >= self.max_waiting:
             raise EngineOverloaded(f"waiting queue is full ({self.max_waiting} requests); retry later")
-        r = _Req(req=req, input_tokens=l_in, choices=self._choices(req), kv_demand=demand)
+        stops = [s for s in p.stop if s]
+        r = _Req(req=req, input_tokens=l_in, choices=self._choices(req), kv_demand=demand, stops=stops,
+                 hold=max((len(s) for s in stops), default=1) - 1)
         self._requests[req.request_id] = r
         self._waiting.append(r)
         self._wake.set()
@@ -356,6 +360,8 @@ class SimEngine(Engine):
                 await self._wake.wait()
 
     def _admit_waiting(self) -> list[_Req]:
+        if not self._waiting:  # the common case mid-batch: skip ordering and the seq count
+            return []
         ordered = self.order(self._waiting)
         running_seqs = sum(r.seqs for r in self._running)
         k = policy.admit_count(ordered, running_seqs, self._kv_used, self.max_batch, self.kv_capacity)
@@ -375,8 +381,7 @@ class SimEngine(Engine):
     def _step(self, r: _Req) -> None:
         """One token for each open choice of `r`."""
         r.token_times.append(time.monotonic())
-        stops = [s for s in r.req.params.stop if s]
-        hold = max((len(s) for s in stops), default=1) - 1  # chars that may start a stop string
+        stops, hold = r.stops, r.hold
         for ch in r.choices:
             if ch.finish_reason is not None:
                 continue
@@ -391,7 +396,8 @@ class SimEngine(Engine):
             ch.pending += 1
             if r.req.params.logprobs is not None:
                 ch.logprobs.append(sim_logprobs.generated(ch.seed, ch.generated, piece, r.req.params.logprobs, VOCAB))
-            pos = policy.find_stop(ch.text, stops, search_from) if ch.generated >= r.req.params.min_tokens else -1
+            pos = policy.find_stop(ch.text, stops, search_from) \
+                if stops and ch.generated >= r.req.params.min_tokens else -1
             if pos >= 0:
                 ch.text = ch.text[:pos]  # the stop string and what follows are not emitted
                 self._finish_choice(r, ch, "stop")
@@ -425,6 +431,7 @@ class SimEngine(Engine):
         r.done = True
         out = sum(c.generated for c in r.choices)
         stats = make_stats(r.input_tokens, out, r.req.arrival, r.start or time.monotonic(), r.token_times)
+        policy.DEFAULT_RULE.observe(time.monotonic() - r.req.arrival)  # ssjf's window W follows the JCT
         if len(r.choices) > 1 and len(r.token_times) > 1:  # n sequences advance together: per-step ATGT
             stats = msgspec.structs.replace(stats, atgt_ms=stats.decode_ms / (len(r.token_times) - 1))
         r.events.put_nowait(Finished(stats))

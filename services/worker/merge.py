@@ -1,0 +1,58 @@
+"""Fewer chunks for a non-streamed request (`GenerateRequest.stream` False).
+
+Its client gets one body at the end, so the chunks before the last serve only recovery (a
+migrated request resumes from the output the gateway has) and the gateway's view of progress.
+One NATS message per engine delta cost every hop per token: the worker's publish, nats-server,
+and the gateway's parse, relay and bookkeeping (about 17 messages for a 16-token request;
+docs/benchmarks/overhead.md). So the deltas of each choice are merged and sent at most every
+`interval_s`, as vLLM's `--stream-interval` does for its own output. A choice's first delta goes
+at once (the gateway's `first_token` event and TTFT stay exact), and so does its last
+(`finish_reason`). No timer: what is held goes with the next delta, and all of it before the
+request's final chunk, so a delta waits at most one inter-token gap beyond the interval.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from polyserve.worker.engine import Delta
+
+
+def merged(a: Delta, b: Delta) -> Delta:
+    """`a` followed by `b` (same choice) as one delta."""
+    logprobs = (a.logprobs or []) + (b.logprobs or []) if a.logprobs is not None or b.logprobs is not None \
+        else None
+    return replace(a, text=a.text + b.text, tokens=a.tokens + b.tokens, finish_reason=b.finish_reason,
+                   logprobs=logprobs, prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None
+                   else b.prompt_logprobs)
+
+
+class Merger:
+    """Deltas in, the deltas to send now out (in order per choice)."""
+
+    def __init__(self, interval_s: float):
+        self.interval_s = interval_s
+        self._held: dict[int, Delta] = {}  # per choice: what has not been sent yet
+        self._started: set[int] = set()  # choices whose first delta went out
+        self._sent_at = time.monotonic()
+
+    def add(self, d: Delta) -> list[Delta]:
+        if self.interval_s <= 0:
+            return [d]
+        if d.index not in self._started:
+            self._started.add(d.index)
+            if d.finish_reason is None:
+                self._sent_at = time.monotonic()
+                return [d]
+        held = self._held.get(d.index)
+        self._held[d.index] = d if held is None else merged(held, d)
+        if d.finish_reason is not None or time.monotonic() - self._sent_at >= self.interval_s:
+            return self.flush()
+        return []
+
+    def flush(self) -> list[Delta]:
+        """Everything held (before the request's final chunk)."""
+        out = list(self._held.values())
+        self._held.clear()
+        self._sent_at = time.monotonic()
+        return out
