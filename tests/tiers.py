@@ -5,22 +5,25 @@ Every test carries exactly one tier marker, taken from its folder:
     tests/unit -> unit            pure tests, no servers, no processes
     tests/integration -> integration   real nats-server and redis-server (session fixtures)
     tests/system -> system        the services as processes
+    tests/chaos -> chaos          faults injected by signal into the services as processes,
+                                  under load (the chaos suite: services/bench/chaos*.py)
 
 so `pytest -m unit` selects exactly tests/unit. A test marked with another tier than its
 folder's, or with two tiers, fails; so does a unit test that requests a server fixture
 (SERVER_FIXTURES, directly or through another fixture: `item.fixturenames` is the whole
 closure). The failure happens before any fixture is set up, so no server starts for it.
-Tests outside the three folders need one explicit tier marker.
+Tests outside the four folders need one explicit tier marker.
 """
 from __future__ import annotations
 
 import pytest
 
-TIERS = ("unit", "integration", "system")
+TIERS = ("unit", "integration", "system", "chaos")
 TIER_DOC = {
     "unit": "pure tests, no I/O",
     "integration": "real nats-server and redis-server started by session fixtures",
     "system": "the services as processes, driven over HTTP",
+    "chaos": "faults by signal into the services as processes under streaming load (polyserve bench chaos)",
 }
 
 # Fixtures that start servers or processes (tests/conftest.py, tests/integration/conftest.py,
@@ -39,7 +42,7 @@ _PROBLEM = pytest.StashKey[str]()
 
 
 def folder_tier(item: pytest.Item) -> str | None:
-    """The tier named by the test file's folder (the first of unit/integration/system below the rootdir)."""
+    """The tier named by the test file's folder (the first of unit/integration/system/chaos below the rootdir)."""
     try:
         parts = item.path.relative_to(item.config.rootpath).parts
     except ValueError:
@@ -56,10 +59,11 @@ def tier_problem(item: pytest.Item) -> str | None:
         return f"{where} carries the tier markers {', '.join(marked)}; a test has exactly one tier"
     if folder is not None and marked and marked[0] != folder:
         return (f"{where} is in the {folder} folder but marked {marked[0]}; the tier marker must match the folder "
-                f"(tests/unit -> unit, tests/integration -> integration, tests/system -> system): "
+                f"(tests/unit -> unit, tests/integration -> integration, tests/system -> system, "
+                f"tests/chaos -> chaos): "
                 f"move the test or drop the marker")
     if folder is None and not marked:
-        return (f"{where} has no tier: put it under tests/unit, tests/integration or tests/system, "
+        return (f"{where} has no tier: put it under tests/unit, tests/integration, tests/system or tests/chaos, "
                 f"or mark it with one of {', '.join(TIERS)}")
     tier = folder or marked[0]
     servers = sorted(SERVER_FIXTURES.intersection(item.fixturenames))

@@ -19,6 +19,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "grammar": ("polyserve.bench.grammar", "per-token cost of structured outputs (llguidance masks) in the hf engine"),
     "gpu": ("polyserve.bench.gpu", "GPU checks (read-only): NVML energy counter vs integrated power; decode roofline"),
     "arlo": ("polyserve.bench.arlo", "solve time of Arlo's runtime allocation MILP (synthetic instances)"),
+    "fairness": ("polyserve.bench.fairness", "per-tenant throughput and latency with and without VTC fair sharing"),
+    "chaos": ("polyserve.bench.chaos", "faults by signal under streaming load: lost, short, hung, recovery time"),
 }
 """name -> (module, one-line help)."""
 

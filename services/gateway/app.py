@@ -1,16 +1,18 @@
 """The gateway's FastAPI app: health, readiness, metrics, version and the model list here
 (`/health` and `/ping`, GET and POST, answer as `/readyz`, as vLLM's server has them); the
 OpenAI-compatible endpoints in completions.py, embeddings.py and responses.py, `/tokenize` and
-`/detokenize` in tokens.py, the management API in admin.py. Every route receives the
-GatewayState the app was built with."""
+`/detokenize` in tokens.py, the management API in admin.py and keys_api.py. Every route receives
+the GatewayState the app was built with. Who may call what (client API keys, rate limits, access
+to /metrics and /docs) is access.py: a middleware in front of everything, and a dependency of
+the OpenAI routes."""
 from __future__ import annotations
 
 from importlib import metadata
 
-from fastapi import FastAPI
+from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from . import admin, completions, embeddings, limits, responses, tokens
+from . import access, admin, completions, embeddings, keys_api, limits, responses, shed, tenancy, tokens
 from .context import Gateway, GatewayState
 from .errors import add_error_handlers
 
@@ -51,25 +53,35 @@ async def models(gs: Gateway) -> dict:
     data += [{"id": a.name, "object": "model", "created": int(a.created), "owned_by": "polyserve",
               "root": a.name, "parent": a.deployment, "lora_rank": a.rank}  # a name: paths stay server-side
              for a in gs.adapters.values() if a.deployment in deps]
+    t = tenancy.current()
+    if t is not None and t.record is not None:  # a client key sees the models it may use
+        data = [m for m in data if t.record.allows(m["id"], (m["root"],))]
     return {"object": "list", "data": data}
 
 
 def build_app(gs: GatewayState) -> FastAPI:
     """The app serving `gs`: error envelopes, then every route."""
-    app = FastAPI(title="polyserve gateway", version=polyserve_version())
+    docs = gs.settings.docs_access != "off"
+    app = FastAPI(title="polyserve gateway", version=polyserve_version(), docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.gateway = gs
     add_error_handlers(app)
     limits.install(app, gs.settings)  # body size/time limits before any parsing (HTTP edges)
+    app.add_middleware(access.Access, gs=gs)  # keys are checked before a body is read
+    app.add_middleware(shed.Shed, gs=gs)  # outermost: a full gateway refuses at once (issue 13, overload)
     app.add_api_route("/healthz", healthz, methods=["GET"])
     app.add_api_route("/readyz", readyz, methods=["GET"])
     app.add_api_route("/health", readyz, methods=["GET"], include_in_schema=False)  # vLLM's names for readiness
     app.add_api_route("/ping", readyz, methods=["GET", "POST"], include_in_schema=False)
     app.add_api_route("/version", version, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
-    app.add_api_route("/v1/models", models, methods=["GET"])
-    completions.add_completion_routes(app)
-    embeddings.add_embedding_routes(app)
-    responses.add_response_routes(app)
-    tokens.add_token_routes(app)
+    openai = APIRouter(dependencies=[Depends(access.client_limits)])  # allowed models, RPM/TPM per key
+    openai.add_api_route("/v1/models", models, methods=["GET"])
+    completions.add_completion_routes(openai)
+    embeddings.add_embedding_routes(openai)
+    responses.add_response_routes(openai)
+    tokens.add_token_routes(openai)
+    app.include_router(openai)
     admin.add_admin_routes(app)
+    keys_api.add_key_routes(app)
     return app
