@@ -153,7 +153,7 @@ DELEGATED = {
     "profile": ("polyserve.profiler.cli", "profile an engine and fit its performance models"),
     "simulate": ("polyserve.simulator.cli", "trace-driven cluster simulation"),
     "bench": ("polyserve.bench", "benchmarks: overhead, replay, fidelity, dispatch, embeddings, lora"),
-    "credentials": ("polyserve.cli.credentials", "write credentials for docker compose (credentials compose)"),
+    "credentials": ("polyserve.cli.credentials", "write credentials for docker compose or Kubernetes (credentials compose|k8s)"),
     "keys": ("polyserve.cli.keys", "client API keys: keys create|list|show|delete (admin)"),
 }
 RENAMED = {"bench-dispatch": "dispatch", "bench-embeddings": "embeddings", "bench-lora": "lora"}

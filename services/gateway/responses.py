@@ -9,9 +9,13 @@ Fields polyserve does not honour are refused with a 400 naming them (compat_tabl
 
 With `store` (the default) the Response object and its conversation (without `instructions`,
 which OpenAI does not carry to the next turn) are kept in Redis under `Keys.response(id)` for
-the gateway's `response_ttl_s`. Streamed, the body is the Responses SSE events
-(`response.created` ... `response.completed` or `response.incomplete`), each with its
-`sequence_number`."""
+the gateway's `response_ttl_s`, with its owner: the tenant of the client key that made it ("" for
+a request without a key). Only the same tenant may read, continue or delete it, and the admin
+key any; anyone else gets the same 404 as for an id that does not exist, so an id says nothing
+about whether it is in use (issue 14, docs/security.md "Stored responses").
+
+Streamed, the body is the Responses SSE events (`response.created` ... `response.completed`
+or `response.incomplete`), each with its `sequence_number`."""
 from __future__ import annotations
 
 import asyncio
@@ -32,11 +36,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from polyserve.proto import SamplingParams
 
-from . import compat, policy
+from . import compat, policy, tenancy
 from .admission import Admission, admit
 from .context import Gateway, GatewayState
 from .errors import GatewayError
 from .handlers import Outcome, RequestRun
+from .keys import ADMIN
 from .schemas import ChatMessage
 
 logger = logging.getLogger(__name__)
@@ -130,22 +135,41 @@ def not_found(response_id: str, param: str | None = None) -> policy.InvalidReque
                                  "previous_response_not_found" if param else None)
 
 
+def requester() -> str | None:
+    """The tenant the request runs as: "" without a key, None for the admin key (reads every tenant's)."""
+    t = tenancy.current()
+    if t is None or t.record is None:
+        return ""
+    return None if t.record is ADMIN else t.record.tenant
+
+
+def _owner(record: dict[str, Any]) -> str:
+    return record.get("owner", {}).get("tenant", "")
+
+
 async def load(gs: GatewayState, response_id: str, param: str | None = None) -> dict[str, Any]:
-    """The stored record {response, conversation} of `response_id`; 404 when there is none."""
+    """The stored record {response, conversation, owner} of `response_id`; 404 when there is none
+    or it belongs to another tenant (the same answer: existence is not revealed)."""
     try:
         raw = await gs.state.r.get(gs.state.keys.response(response_id))
     except Exception as exc:
         raise GatewayError(503, f"cluster state (Redis) unavailable: {exc}", retry_after=1) from exc
     if not raw:
         raise not_found(response_id, param)
-    return msgspec.json.decode(raw)
+    record = msgspec.json.decode(raw)
+    who = requester()
+    if who is not None and _owner(record) != who:
+        gs.metrics.rejected.labels("response_not_owned").inc()
+        raise not_found(response_id, param)
+    return record
 
 
 async def save(gs: GatewayState, turn: Turn, response: dict[str, Any], text: str) -> None:
-    """Keep the response and its conversation (this answer included) for `response_ttl_s`."""
+    """Keep the response, its conversation (this answer included) and its owner for `response_ttl_s`."""
     if not turn.store:
         return
-    record = {"response": response, "conversation": [*turn.conversation, {"role": "assistant", "content": text}]}
+    record = {"response": response, "conversation": [*turn.conversation, {"role": "assistant", "content": text}],
+              "owner": turn.owner}
     try:
         await gs.state.r.set(gs.state.keys.response(turn.rid), msgspec.json.encode(record),
                              px=max(1, int(gs.settings.response_ttl_s * 1000)))
@@ -165,6 +189,7 @@ class Turn:
     rid: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex)
     item_id: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)
     created_at: int = field(default_factory=lambda: int(time.time()))
+    owner: dict[str, str] = field(default_factory=lambda: owner_now())
 
     @property
     def store(self) -> bool:
@@ -199,6 +224,19 @@ class Turn:
         if simulated:
             out["simulated"] = True
         return out
+
+
+ADMIN_OWNER = "*admin"  # no client tenant can be named this (schemas.TENANT has no '*')
+
+
+def owner_now() -> dict[str, str]:
+    """Who owns a response made now: the key's tenant and id ("" for no key; the admin key a name no
+    client key's tenant can take, so a tenant called "admin" does not read the admin's responses)."""
+    t = tenancy.current()
+    rec = None if t is None else t.record
+    if rec is None:
+        return {"tenant": "", "key": ""}
+    return {"tenant": ADMIN_OWNER if rec is ADMIN else rec.tenant, "key": rec.id}
 
 
 def part(text: str) -> dict[str, Any]:
@@ -264,6 +302,7 @@ async def retrieve(response_id: str, gs: Gateway) -> dict[str, Any]:
 
 
 async def delete(response_id: str, gs: Gateway) -> dict[str, Any]:
+    await load(gs, response_id)  # 404 unless it exists and is the caller's
     try:
         removed = await gs.state.r.delete(gs.state.keys.response(response_id))
     except Exception as exc:

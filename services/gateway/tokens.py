@@ -9,7 +9,8 @@ code that tokenizes embedding inputs):
   encoder-style tokenizer gets its [CLS] only, never a trailing [SEP]);
 * anything else (the sim engine, whose stand-in tokenizer counts ceil(1.3 x words) and has
   no token ids; a model the workers load from a path the gateway does not see): 501 with
-  a message saying why.
+  a message saying why, only once the body is valid (a body without `tokens`, or with
+  neither `prompt` nor `messages`, is a 400 naming the field on every engine).
 
 Shapes as vLLM's: tokenize {model, prompt} or {model, messages} -> {count, max_model_len,
 tokens[, token_strs]}; detokenize {model, tokens} -> {prompt}. `model` may be left out when
@@ -51,7 +52,9 @@ class DetokenizeBody(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    tokens: list[int] = Field(default_factory=list)
+    # required: a body without it is a 400 naming `tokens` (validated before the deployment's
+    # tokenizer is looked up, so the sim engine's 501 is only for a request it could otherwise serve)
+    tokens: list[int] = Field(description="the token ids to turn back into text")
 
 
 @dataclass
