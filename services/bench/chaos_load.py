@@ -67,7 +67,7 @@ async def _read(resp: httpx.Response, res: StreamResult, tokens: int, stall_s: f
             done = True
             break
         if "error" in ev:
-            res.kind, res.detail = "error", str(ev["error"].get("message", ev["error"]))[:200]
+            res.kind, res.detail = "error", str(ev["error"].get("message", ev["error"]))[:400]
             return
         res.rid = res.rid or ev.get("id", "")
         for choice in ev.get("choices", []):

@@ -83,13 +83,8 @@ def write_compose_secrets(out: Path, prefix: str = "polyserve", nats_url: str = 
     `out` is made owner-only (0700); the files the containers read as another user (the two
     server configurations, mounted as secrets) are 0644 inside it, the rest 0600. Kept when
     they exist (an idempotent re-run), new ones with `rotate`."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    os.chmod(out, 0o700)
-    sec = None if rotate else auth.Secrets.load(out / "credentials.json")
-    if sec is None:
-        sec = auth.Secrets.generate()
-        sec.save(out / "credentials.json")
+    out, sec = _secrets_dir(out, rotate)
+    sec.save(out / "credentials.json")
     admin = auth.load_or_create_admin_key(out / "admin.key", secrets.token_urlsafe(32) if rotate else None)
     for name, text in (("nats.conf", auth.nats_config(sec, prefix)), ("redis.conf", auth.redis_config(sec, prefix))):
         auth.write_private(out / name, text)
@@ -142,15 +137,19 @@ def k8s_secrets(sec: auth.Secrets, admin_key: str, prefix: str = "polyserve", na
           "type": "Opaque", "stringData": data} for name, data in docs], Dumper=Dumper, sort_keys=False)
 
 
-def write_k8s_secrets(out: Path, prefix: str = "polyserve", namespace: str = "polyserve",
-                      rotate: bool = False) -> Path:
-    """`out`/k8s-secrets.yaml (0600) from the credentials in `out` (made, or new with `rotate`)."""
+
+def _secrets_dir(out: Path | str, rotate: bool) -> tuple[Path, auth.Secrets]:
+    """`out` made owner-only (0700), and the credentials kept there (new ones with `rotate`)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     os.chmod(out, 0o700)
     sec = None if rotate else auth.Secrets.load(out / "credentials.json")
-    if sec is None:
-        sec = auth.Secrets.generate()
+    return out, sec if sec is not None else auth.Secrets.generate()
+
+def write_k8s_secrets(out: Path, prefix: str = "polyserve", namespace: str = "polyserve",
+                      rotate: bool = False) -> Path:
+    """`out`/k8s-secrets.yaml (0600) from the credentials in `out` (made, or new with `rotate`)."""
+    out, sec = _secrets_dir(out, rotate)
     if K8S_REDIS not in sec.redis:
         sec.redis[K8S_REDIS] = secrets.token_hex(24)
     sec.save(out / "credentials.json")

@@ -158,9 +158,19 @@ async def fair_turn(gs: GatewayState, deployment: Deployment) -> None:
         raise GatewayError(429, f"{q.queued} requests wait for '{deployment.id}' on this gateway (the limit is "
                                 f"max_inflight {gs.settings.max_inflight}); retry shortly", retry_after=1)
     t.deployment = deployment.id
+    q.reserve_fraction = gs.settings.fair_reserve
     t.grant = await q.acquire(t.record.tenant, t.record.priority, t.est_in, t.est_out, slots)
     if t.grant.waited_s:
         gs.metrics.fair_wait.labels(deployment.id).observe(t.grant.waited_s)
+
+
+def fair_priority(priority: int) -> int:
+    """The `priority` a worker gets for the request being served: one ahead of the client's when
+    the fair queue started it for a tenant with nothing running while another tenant ran, so a
+    worker with a priority-aware `scheduling` starts it before the other tenant's queued requests
+    (e.g. `fair_headroom` ones); FCFS workers ignore it (docs/security.md, fair sharing)."""
+    t = tenancy.current()
+    return priority - 1 if t is not None and t.grant is not None and t.grant.ahead else priority
 
 
 def check_input(gs: GatewayState, deployment: Deployment, input_tokens: int) -> None:

@@ -7,6 +7,8 @@ to /metrics and /docs) is access.py: a middleware in front of everything, and a 
 the OpenAI routes."""
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from importlib import metadata
 
 from fastapi import APIRouter, Depends, FastAPI
@@ -15,6 +17,35 @@ from fastapi.responses import JSONResponse, Response
 from . import access, admin, completions, embeddings, keys_api, limits, responses, shed, tenancy, tokens
 from .context import Gateway, GatewayState
 from .errors import add_error_handlers
+
+
+@dataclass
+class Retiring:
+    """A gateway with peers on its port retires its connections when it drains (service.py)."""
+    since: float = 0.0  # monotonic start of the retirement (0: not draining)
+    last_request: float = 0.0  # monotonic arrival of the last request since then
+
+
+class Retire:
+    """ASGI middleware: while the gateway drains, every response says `Connection: close`, so a
+    keep-alive connection retires after the request in it instead of being closed under a client
+    that is sending on it (service.GatewayService.on_drain)."""
+
+    def __init__(self, app, gs: GatewayState, retiring: Retiring):
+        self.app, self.gs, self.retiring = app, gs, retiring
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not (self.retiring.since or self.gs.draining):
+            return await self.app(scope, receive, send)
+        self.retiring.last_request = time.monotonic()
+
+        async def closing(message):
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        return await self.app(scope, receive, closing)
 
 
 async def healthz() -> dict:
@@ -68,7 +99,9 @@ def build_app(gs: GatewayState) -> FastAPI:
     add_error_handlers(app)
     limits.install(app, gs.settings)  # body size/time limits before any parsing (HTTP edges)
     app.add_middleware(access.Access, gs=gs)  # keys are checked before a body is read
-    app.add_middleware(shed.Shed, gs=gs)  # outermost: a full gateway refuses at once (issue 13, overload)
+    app.add_middleware(shed.Shed, gs=gs)  # a full gateway refuses at once (issue 13, overload)
+    app.state.retire = Retiring()
+    app.add_middleware(Retire, gs=gs, retiring=app.state.retire)  # outermost: drain without cut connections
     app.add_api_route("/healthz", healthz, methods=["GET"])
     app.add_api_route("/readyz", readyz, methods=["GET"])
     app.add_api_route("/health", readyz, methods=["GET"], include_in_schema=False)  # vLLM's names for readiness

@@ -69,6 +69,7 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     fair_share: bool = True
     fair_slots: int = 0
     fair_headroom: float = 0.5  # with fair_slots 0 and one tenant active: slots = batch slots × (1 + this)
+    fair_reserve: float = 0.125  # with 2+ tenants active: this share of the slots only for tenants under their share
 
     def validate(self) -> None:
         super().validate()
@@ -98,6 +99,8 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
                                 f"got {self.key_cache_s}")
         if not 0 <= self.fair_headroom <= 4:
             raise SettingsError(f"fair_headroom must be within 0..4 (× the workers' batch slots), got {self.fair_headroom}")
+        if not 0 <= self.fair_reserve < 1:
+            raise SettingsError(f"fair_reserve must be within 0..1 (share of the slots), got {self.fair_reserve}")
         if self.fair_slots < 0:
             raise SettingsError(f"fair_slots must be >= 0 (0 = the workers' batch slots), got {self.fair_slots}")
 

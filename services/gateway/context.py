@@ -57,6 +57,8 @@ class GatewayState:
         self._probe: tuple[float, bool] = (0.0, True)  # (monotonic, NATS answered a ping)
         self._probe_lock = asyncio.Lock()
         self._reconnects = (0, 0.0)  # (NATS reconnect count seen, monotonic when it changed)
+        self._last_heartbeat = 0.0  # monotonic arrival of the last heartbeat of any worker
+        self._silence_end = 0.0  # monotonic end of the last time no worker was heard (a NATS stall)
         self._deps_seen: tuple[float, int, int] = (0.0, 0, 0)  # (monotonic, live dispatchers, workers) in Redis
         self._down: dict[str, tuple[float, str]] = {}  # worker -> (monotonic, reason)
         self._workers: dict[str, tuple[float, list[Heartbeat]]] = {}  # deployment -> (monotonic, live)
@@ -146,7 +148,11 @@ class GatewayState:
 
     # ---------------------------------------------------------------- worker liveness
     async def on_heartbeat(self, hb: Heartbeat) -> None:
-        self._heartbeats[hb.worker_id] = (time.monotonic(), hb)
+        now = time.monotonic()
+        if now - self._last_heartbeat > hb.ttl_s / 2:  # nobody was heard: NATS (or this gateway) stalled
+            self._silence_end = now
+        self._last_heartbeat = now
+        self._heartbeats[hb.worker_id] = (now, hb)
         self._down.pop(hb.worker_id, None)
         self.sent.pop(hb.worker_id, None)
 
@@ -190,7 +196,13 @@ class GatewayState:
         if not gone or worker_id in self._down:
             return gone
         hb = self._heartbeats.get(worker_id)
-        return gone if await self.bus_healthy(grace=(hb[1].ttl_s if hb else 3.0) + 1.0) else ""
+        ttl = hb[1].ttl_s if hb else 3.0
+        now = time.monotonic()
+        # Every worker silent (a NATS pause stalls them all), or the silence ended less than a TTL
+        # ago (heartbeats queued behind the backlog arrive one by one): not this worker's fault.
+        if hb and (now - self._last_heartbeat > ttl / 2 or now - max(hb[0], self._silence_end) <= ttl):
+            return ""
+        return gone if await self.bus_healthy(grace=ttl + 1.0) else ""
 
     async def on_down(self, ev: WorkerDown) -> None:
         self._down[ev.worker_id] = (time.monotonic(), ev.reason)

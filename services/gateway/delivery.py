@@ -20,6 +20,7 @@ as a mixin of `handlers.RequestRun`:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from contextlib import nullcontext
@@ -31,6 +32,7 @@ from prometheus_client import Counter
 
 from polyserve.proto import (
     WORKER_SHUTDOWN,
+    CancelRequest,
     Credit,
     Dispatched,
     GenerateAccepted,
@@ -92,28 +94,73 @@ class Delivery:
         order). Cheaper than `bus.request`: no reply inbox, future and timer of its own, and no
         client span unless one is recorded (cProfile: ~3% of the gateway's CPU per request).
         Raises BusError as `bus.request` does: 503 when nobody listens (the server's
-        no-responders status), 504 when no answer comes within `accept_timeout_s`."""
-        s, nc = self.gs.settings, self.gs.bus.nc
+        no-responders status), 504 when no answer comes within `accept_timeout_s`; after a 504
+        the worker is told to cancel (it may get the request late, after a NATS stall: its
+        slot must not go to a stream nobody reads)."""
+        nc = self.gs.bus.nc
         recording = trace.get_current_span().is_recording()
         spanned = self.gs.tracer.start_as_current_span(span, kind=SpanKind.CLIENT) if recording else None
         with spanned or nullcontext():
             await nc.publish(placement.generate_subject, encode(req), reply=self._inbox, headers=trace_headers())
             try:
+                return await self._acceptance(placement)
+            except BusError as exc:
+                if exc.code == 504:
+                    with contextlib.suppress(Exception):
+                        await nc.publish(placement.cancel_subject, encode(CancelRequest(
+                            request_id=self.request_id, reason="no acceptance within accept_timeout_s")))
+                raise
+
+    async def _acceptance(self, placement: Placement) -> GenerateAccepted:
+        """The worker's answer to the generate request, from the stream's inbox. A chunk of
+        this request that comes before it (seen after a NATS stall) is not an error: it is kept
+        for `_next` (the worker took the request), and when the acceptance itself never comes,
+        the chunks stand for it (issue 13: a late or reordered message must not fail a request
+        that can still be served)."""
+        s = self.gs.settings
+        deadline = time.monotonic() + s.accept_timeout_s
+        early: list[TokenChunk] = []
+        while True:
+            try:
                 msg = self._queue.get_nowait() if not self._queue.empty() else \
-                    await asyncio.wait_for(self._queue.get(), timeout=s.accept_timeout_s)
+                    await asyncio.wait_for(self._queue.get(), timeout=max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
+                if early:
+                    return self._accepted(early, GenerateAccepted(
+                        request_id=self.request_id, worker_id=placement.worker_id, replay=True,
+                        window=s.stream_window))  # what every worker that streams does; resumable unknown: no
                 raise BusError(504, f"no answer on {placement.generate_subject} within "
                                     f"{s.accept_timeout_s:.1f}s") from None
-        if (msg.headers or {}).get("Status") == NO_RESPONDERS:
-            raise BusError(503, f"no service is listening on {placement.generate_subject}")
-        err = error_of(msg)
-        if err is not None:
-            raise err
-        try:
-            return decode(msg.data, GenerateAccepted)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            raise BusError(502, f"worker {placement.worker_id} sent something else than its acceptance "
-                                f"first") from None
+            if (msg.headers or {}).get("Status") == NO_RESPONDERS:
+                raise BusError(503, f"no service is listening on {placement.generate_subject}")
+            err = error_of(msg)
+            if err is not None:
+                raise err
+            try:
+                return self._accepted(early, decode(msg.data, GenerateAccepted))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                pass
+            try:
+                chunk = decode(msg.data, TokenChunk)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                raise BusError(502, f"worker {placement.worker_id} sent neither its acceptance nor a chunk: "
+                                    f"{msg.data[:120]!r}") from None
+            if chunk.request_id != self.request_id:
+                logger.warning("inbox of %s got a chunk of %s; dropped", self.request_id, chunk.request_id)
+                continue
+            early.append(chunk)
+
+    def _accepted(self, early: list[TokenChunk], caps: GenerateAccepted) -> GenerateAccepted:
+        """`caps`, with the chunks that came before it held for `_next` (in `seq` order there)."""
+        if early:
+            logger.info("request %s: %d chunk(s) came before the acceptance of worker %s", self.request_id,
+                        len(early), caps.worker_id)
+            for c in early:
+                if c.seq >= self._expect and c.seq not in self._held:
+                    if not self._held:
+                        self._gap_since = time.monotonic()
+                    self._held[c.seq] = c
+        return caps
 
     # ------------------------------------------------------------------ chunks received
     def _take(self, chunk: TokenChunk) -> TokenChunk | None:

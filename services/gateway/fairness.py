@@ -17,7 +17,15 @@ highest priority class goes, and within a class the one of the tenant with the s
 corrected with the actual usage when it ends. A tenant that becomes backlogged is lifted to the
 smallest counter of the backlogged tenants (or of those running, when none waits), so idle time
 banks no credit (VTC Algorithm 2). With several gateways, each orders its own clients' requests;
-the counters are per gateway."""
+the counters are per gateway.
+
+The reserve: nothing is preempted, so a tenant that arrives while another holds every batch slot
+waits for one of those sequences to end, and sequences started together end together (a whole
+heavy request's decode time). So while two or more tenants are active, the last
+`reserve_fraction` of the slots (at least one) go only to a tenant holding fewer than its equal
+share (slots / active tenants): a heavy tenant runs at most slots - reserve, and a light tenant's
+request starts in the worker's next iteration. The cost: those slots idle while no light tenant
+uses them (`polyserve bench fairness` prints the heavy tenant's throughput with and without)."""
 from __future__ import annotations
 
 import asyncio
@@ -29,6 +37,7 @@ from dataclasses import dataclass, field
 W_IN, W_OUT = 1.0, 2.0  # VTC's weights for input and output tokens (paper §4)
 CONTENTION_WINDOW_S = 2.0  # tenants seen this recently count as contending (admission.fair_slots)
 CLASS_RANK = {"high": 0, "normal": 1, "low": 2}
+RESERVE_FRACTION = 0.125  # of the slots kept for tenants under their share (gateway setting fair_reserve)
 
 
 @dataclass
@@ -40,6 +49,7 @@ class Grant:
     charged: float  # counter units charged at start (estimate)
     waited_s: float = 0.0
     released: bool = False
+    ahead: bool = False  # its tenant had nothing running while another did: first in a priority-aware worker
 
 
 @dataclass(order=True)
@@ -61,12 +71,30 @@ class FairQueue:
         self._seq = itertools.count()
         self.slots = 0  # the last known capacity (admission.fair_slots)
         self.last_seen: dict[str, float] = {}  # tenant -> monotonic time of its last request
+        self.reserve_fraction = RESERVE_FRACTION
+        self.born = time.monotonic()  # the first request seen (admission.fair_slots' headroom waits a window)
 
-    def contended(self, window_s: float = CONTENTION_WINDOW_S) -> bool:
-        """Whether two or more tenants sent requests within `window_s` (or run or wait now)."""
+    def active(self, window_s: float = CONTENTION_WINDOW_S) -> int:
+        """How many tenants sent requests within `window_s` (or run or wait now)."""
         now = time.monotonic()
         seen = {t for t, at in self.last_seen.items() if now - at <= window_s}
-        return len(seen | set(self.running) | set(self.waiting)) >= 2
+        return len(seen | set(self.running) | set(self.waiting))
+
+    def contended(self, window_s: float = CONTENTION_WINDOW_S) -> bool:
+        """Whether two or more tenants sent requests within `window_s` (or run or wait now), or
+        this queue is younger than that: a deployment just started may see its tenants arrive
+        over a window, and headroom given to the first would queue in the worker ahead of the rest."""
+        return self.active(window_s) >= 2 or time.monotonic() - self.born < window_s
+
+    def _limit(self, slots: int, active: int) -> tuple[int, float]:
+        """(slots any tenant may fill, the share below which a tenant may fill the reserve too)."""
+        if active < 2 or slots < 2 or self.reserve_fraction <= 0:
+            return slots, 0.0
+        reserve = min(slots - 1, max(1, int(slots * self.reserve_fraction)))
+        return slots - reserve, slots / active
+
+    def _may_start(self, tenant: str, slots: int, limit: int, share: float) -> bool:
+        return self.busy < limit or (self.busy < slots and self.running.get(tenant, 0) < share)
 
     @property
     def busy(self) -> int:
@@ -84,9 +112,11 @@ class FairQueue:
         if active:
             self.counters[tenant] = max(self.counters.get(tenant, 0.0), min(active))
 
-    def _start(self, tenant: str, cost: float) -> None:
+    def _start(self, tenant: str, cost: float) -> Grant:
+        ahead = not self.running.get(tenant) and self.busy > 0
         self.counters[tenant] = self.counters.get(tenant, 0.0) + cost
         self.running[tenant] = self.running.get(tenant, 0) + 1
+        return Grant(self, tenant, cost, ahead=ahead)
 
     async def acquire(self, tenant: str, klass: str, est_in: int, est_out: int, slots: int) -> Grant:
         """Wait (cancellable) until the request may start; a Grant to `release` when it ends."""
@@ -101,9 +131,9 @@ class FairQueue:
         # A tenant with nothing running or waiting would be next anyway (lifted to the smallest
         # counter, fewest running): it starts now, even over the slots (by at most one request
         # per such tenant, `slots` in all), instead of waiting for a slot to be handed back.
-        if (self.busy < slots and not self.queued) or (idle and self.busy < 2 * slots):
-            self._start(tenant, cost)
-            return Grant(self, tenant, cost)
+        limit, share = self._limit(slots, self.active())
+        if (not self.queued and self._may_start(tenant, slots, limit, share)) or (idle and self.busy < 2 * slots):
+            return self._start(tenant, cost)
         loop = asyncio.get_running_loop()
         w = _Waiter(next(self._seq), tenant, CLASS_RANK.get(klass, 1), cost, loop.create_future())
         self.waiting.setdefault(tenant, deque()).append(w)
@@ -145,11 +175,14 @@ class FairQueue:
 
     def pump(self, slots: int) -> None:
         """Start waiting requests, by class then smallest counter, while fewer than `slots` run
-        (`slots` <= 0: the capacity is unknown now, e.g. no fresh heartbeat: start them all)."""
+        (`slots` <= 0: the capacity is unknown now, e.g. no fresh heartbeat: start them all), the
+        reserve only for tenants under their share."""
+        limit, share = self._limit(slots, self.active()) if self.waiting else (slots, 0.0)
         while slots <= 0 or self.busy < slots:
             # ties (a tenant just lifted to the smallest counter): the one with fewer running goes
             heads = [(q[0].rank, self.counters.get(t, 0.0), self.running.get(t, 0), q[0].seq, t)
-                     for t, q in self.waiting.items() if q]
+                     for t, q in self.waiting.items() if q
+                     and (slots <= 0 or self._may_start(t, slots, limit, share))]
             if not heads:
                 return
             tenant = min(heads)[-1]
@@ -159,8 +192,7 @@ class FairQueue:
                 del self.waiting[tenant]
             if w.future.done():  # cancelled meanwhile
                 continue
-            self._start(tenant, w.cost)
-            w.future.set_result(Grant(self, tenant, w.cost))
+            w.future.set_result(self._start(tenant, w.cost))
 
 
 class Fairness:

@@ -191,7 +191,7 @@ class RequestRun(Delivery):
         return GenerateRequest(request_id=self.request_id, deployment=self.deployment.id,
                                model=self.deployment.model, prompt=self.prompt, input_tokens=self.input_tokens,
                                params=self.params, stream_to=inbox, adapter=a.name if a else None,
-                               adapter_path=a.path if a else "", priority=self.priority,
+                               adapter_path=a.path if a else "", priority=admission.fair_priority(self.priority),
                                predicted_tokens=p.tokens_estimate if p else 0,
                                length_class=p.length_class if p else -1,
                                window=self.gs.settings.stream_window, resume=resume, stream=self.stream)

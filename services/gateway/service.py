@@ -22,6 +22,8 @@ from .context import GatewayState
 
 logger = logging.getLogger(__name__)
 
+RETIRE_IDLE_S = 1.0  # a draining gateway with peers closes its idle connections after this quiet
+
 
 def _http_impl() -> str:
     try:
@@ -108,9 +110,22 @@ class GatewayService(ServiceBase):
         logger.info("gateway listening on %s", self.url)
 
     async def on_drain(self, timeout: float) -> None:
-        """Refuse new requests, let in-flight ones finish, then stop uvicorn."""
-        self.gs.draining = True
+        """Stop taking work, let in-flight requests finish, then stop uvicorn.
+
+        With peers on the port (`reuse_port`: `polyserve up --gateways N`) the clients move to
+        them without a transport error: the listening socket closes first (the kernel sends new
+        connections to the peers); a request that still arrives on an open keep-alive
+        connection is served, with `Connection: close` (app.Retire), so each connection retires
+        after its next response and the client's pool opens a new one, to a peer; idle ones are
+        closed only once no request has come for RETIRE_IDLE_S. Closing pooled connections at
+        once was the race that cost httpx clients transport errors (docs/reliability.md).
+        Alone on the port, the gateway refuses new requests at once (503 + Retry-After +
+        `Connection: close`) and keeps listening, so clients get that answer, not a refused
+        connection, until it exits and its supervisor restarts it."""
         deadline = time.monotonic() + timeout
+        if self.settings.reuse_port and self._server is not None:
+            await self._retire_connections(deadline)
+        self.gs.draining = True
         while self.gs.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await self.gs.wait_cleanup(deadline - time.monotonic())
@@ -118,3 +133,18 @@ class GatewayService(ServiceBase):
             self._server.should_exit = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server_task, timeout=max(1.0, deadline - time.monotonic()))
+
+    async def _retire_connections(self, deadline: float) -> None:
+        """Close the listener, keep serving the open connections (each closes after its next
+        response) until none is left, or none is busy and none was used for RETIRE_IDLE_S."""
+        retire = self.app.state.retire
+        retire.since = retire.last_request = time.monotonic()
+        for server in self._server.servers:
+            server.close()  # new connections go to the other gateways on the port
+        logger.info("gateway draining: listener closed, retiring %d open connection(s)",
+                    len(self._server.server_state.connections))
+        stop = deadline - min(2.0, (deadline - time.monotonic()) / 2)  # leave time for the rest of the drain
+        while self._server.server_state.connections and time.monotonic() < stop:
+            if not self.gs.inflight and time.monotonic() - retire.last_request >= RETIRE_IDLE_S:
+                break
+            await asyncio.sleep(0.05)

@@ -318,16 +318,20 @@ class SimWorker:
                 worst, worst_key = r, k
         if worst is None or not worst_key > head_key:
             return
-        r = worst
+        self.refine_preemptions += 1
+        worst.key = worst_key
+        self._requeue(worst)
+
+    def _requeue(self, r) -> None:
+        """Preempt running `r` (recompute): back to the waiting queue under its key, to prefill
+        its prompt and what it generated so far again."""
         r.generated = self.generated_of(r)
         self._leave(r)
         self._fin = [(d, s, x) for d, s, x in self._fin if x is not r]
         heapq.heapify(self._fin)
         r.preemptions += 1
         self.preemptions += 1
-        self.refine_preemptions += 1
         r.prefill_len = r.input_len + r.generated
-        r.key = worst_key
         self._seq += 1
         heapq.heappush(self.waiting, (r.key, self._seq, r))
 
@@ -343,16 +347,7 @@ class SimWorker:
             if self.b == 1:  # alone and still out of room: let it overflow rather than livelock
                 self.kv_overflows += 1
                 return hit
-            r = next(reversed(self.running.values()))
-            r.generated = self.generated_of(r)
-            self._leave(r)
-            self._fin = [(d, s, x) for d, s, x in self._fin if x is not r]
-            heapq.heapify(self._fin)
-            r.preemptions += 1
-            self.preemptions += 1
-            r.prefill_len = r.input_len + r.generated
-            self._seq += 1
-            heapq.heappush(self.waiting, (r.key, self._seq, r))
+            self._requeue(next(reversed(self.running.values())))
             hit = True
         return hit
 

@@ -88,3 +88,54 @@ async def test_a_started_grant_given_back_twice_counts_once():
         await q.acquire("a", "normal", 1, 1, slots=2)
         await q.acquire("a", "normal", 1, 1, slots=2)
         await asyncio.wait_for(q.acquire("a", "normal", 1, 1, slots=2), 0.05)
+
+
+async def test_the_reserve_keeps_a_slot_for_a_tenant_under_its_share():
+    """With two tenants active, the last 1/8 of the slots (at least one) go only to a tenant holding
+    fewer than its equal share: the heavy tenant runs at most 7 of 8, so the light tenant's next
+    request starts in a free batch slot instead of waiting for a heavy sequence to end."""
+    q, slots = FairQueue(), 8
+    q.release(await q.acquire("light", "normal", 0, 8, slots=slots), slots=slots)  # light was active just now
+    heavy = [await q.acquire("heavy", "normal", 0, 32, slots=slots) for _ in range(7)]
+    waiting = asyncio.ensure_future(q.acquire("heavy", "normal", 0, 32, slots=slots))
+    await asyncio.sleep(0)
+    assert q.busy == 7 and q.queued == 1  # the 8th slot is reserved
+    light = await q.acquire("light", "normal", 0, 8, slots=slots)  # starts in the reserved slot
+    assert q.busy == 8
+    q.release(light, slots=slots)
+    await asyncio.sleep(0)
+    assert q.busy == 7 and not waiting.done()  # the heavy tenant does not take the reserve back
+    q.release(heavy.pop(), slots=slots)
+    await asyncio.sleep(0)
+    assert waiting.done() and q.busy == 7
+    # both backlogged: a tenant under its share (8 / 2) fills the reserve, so no slot idles
+    light = [await q.acquire("light", "normal", 0, 8, slots=slots)]
+    light.append(asyncio.ensure_future(q.acquire("light", "normal", 0, 8, slots=slots)))
+    await asyncio.sleep(0)
+    assert q.busy == 8 and not light[1].done()  # at the slots: the second waits for a free one
+    q.release(heavy.pop(), slots=slots)
+    await asyncio.sleep(0)
+    assert light[1].done() and q.running["light"] == 2 and q.busy == 8
+
+
+async def test_no_reserve_for_a_single_tenant_or_when_turned_off():
+    q, slots = FairQueue(), 8
+    alone = [await q.acquire("heavy", "normal", 0, 32, slots=slots) for _ in range(8)]
+    assert q.busy == 8  # one tenant active: the whole batch
+    q.release(alone[0], slots=slots)
+    q.reserve_fraction = 0.0
+    q.last_seen["light"] = q.last_seen["heavy"]  # two tenants active, but the reserve is off
+    await asyncio.wait_for(q.acquire("heavy", "normal", 0, 32, slots=slots), 0.05)
+    assert q.busy == 8
+
+
+async def test_a_tenant_with_nothing_running_is_marked_ahead_for_the_worker():
+    """`Grant.ahead` (admission.fair_priority: one priority ahead in a priority-aware worker): a
+    request of a tenant with nothing running while another tenant runs; not a busy tenant's."""
+    q = FairQueue()
+    first = await q.acquire("heavy", "normal", 0, 32, slots=4)
+    assert not first.ahead  # nothing else runs: no one to overtake
+    second = await q.acquire("heavy", "normal", 0, 32, slots=4)
+    light = await q.acquire("light", "normal", 0, 8, slots=4)
+    assert not second.ahead and light.ahead
+    assert not (await q.acquire("light", "normal", 0, 8, slots=4)).ahead  # light runs one already
