@@ -17,6 +17,7 @@ from polyserve.shared.state import State
 logger = logging.getLogger(__name__)
 Clock = Callable[[], float]
 
+MAX_SILENCE_S = 30.0  # a silence of every worker longer than this is not taken for a NATS stall
 TOMBSTONE_S = 60.0  # how long a WorkerDown keeps older, late heartbeats from reviving a worker
 
 
@@ -36,6 +37,7 @@ class WorkerRegistry:
         self._workers: dict[str, _Live] = {}
         self._down: dict[str, tuple[float, float]] = {}  # worker_id -> (down event ts, forget at)
         self._expiries: list[tuple[float, str]] = []  # heap; stale entries dropped lazily
+        self._heard = 0.0  # monotonic arrival of the last live heartbeat of any worker
 
     def heartbeat(self, hb: Heartbeat, *, seeded: bool = False) -> bool:
         """Record a heartbeat; False when it predates a WorkerDown of that worker.
@@ -48,6 +50,8 @@ class WorkerRegistry:
             if hb.ts <= down[0]:
                 return False
             del self._down[hb.worker_id]
+        if not seeded:
+            self._after_silence(hb.ttl_s)
         ttl = hb.ttl_s if not seeded else max(0.0, hb.ts + hb.ttl_s - self.wall())
         live = self._workers[hb.worker_id] = _Live(hb, self.clock() + ttl)
         heapq.heappush(self._expiries, (live.expires, hb.worker_id))
@@ -55,6 +59,25 @@ class WorkerRegistry:
             self._expiries = [(w.expires, wid) for wid, w in self._workers.items()]
             heapq.heapify(self._expiries)
         return True
+
+    def _after_silence(self, ttl: float) -> None:
+        """Every worker fell silent at once (`silent`): NATS stalled (issue 13, nats-pause), the
+        workers did not all die. Those it silenced get a TTL from now for their heartbeats,
+        queued behind the stall's backlog, to come back, instead of being dropped as dead."""
+        now = self.clock()
+        if self.silent(now):
+            for wid, w in self._workers.items():
+                if w.expires < now + w.hb.ttl_s:
+                    w.expires = now + w.hb.ttl_s
+                    heapq.heappush(self._expiries, (w.expires, wid))
+        self._heard = now
+
+    def silent(self, now: float | None = None) -> bool:
+        """Two or more workers heard before, and none for half a TTL (at most MAX_SILENCE_S ago):
+        a NATS stall. A lone worker falling silent is that worker's own fault."""
+        now = self.clock() if now is None else now
+        ttl = min((w.hb.ttl_s for w in self._workers.values()), default=0.0)
+        return len(self._workers) >= 2 and self._heard > 0 and ttl / 2 < now - self._heard <= MAX_SILENCE_S
 
     def any_expired(self) -> bool:
         """Whether some worker's TTL has run out and the sweep has not removed it yet."""
@@ -85,7 +108,8 @@ class WorkerRegistry:
     def live(self, deployment: str) -> list[Heartbeat]:
         """Last heartbeats of the deployment's workers whose TTL has not run out."""
         now = self.clock()
-        return [w.hb for w in self._workers.values() if w.hb.deployment == deployment and w.expires > now]
+        stalled = self.silent(now)  # NATS stalled: the last known fleet is the best guess (a dead one: 503 at once)
+        return [w.hb for w in self._workers.values() if w.hb.deployment == deployment and (stalled or w.expires > now)]
 
     def known(self, deployment: str) -> int:
         """Workers of the deployment still in memory, expired or not."""
@@ -94,7 +118,8 @@ class WorkerRegistry:
     def sweep(self) -> list[str]:
         """Forget expired workers and old tombstones; return the expired worker ids."""
         now = self.clock()
-        gone = [wid for wid, w in self._workers.items() if w.expires <= now]
+        # during a silence of every worker (a NATS stall) keep them: _after_silence renews them
+        gone = [] if self.silent() else [wid for wid, w in self._workers.items() if w.expires <= now]
         for wid in gone:
             del self._workers[wid]
         for wid in [wid for wid, (_, until) in self._down.items() if until <= now]:
