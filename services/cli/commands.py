@@ -28,9 +28,13 @@ def cmd_up(args: argparse.Namespace) -> int:
                                 config_file=args.config or "", supervise=not args.no_supervisor,
                                 admin_key="" if args.no_admin_key else None, insecure=args.insecure,
                                 nats_tls=_tls(args), gateways=args.gateways, nats_cluster=args.nats_cluster,
+                                dispatchers=args.dispatchers,
                                 redis_replica=args.redis_replica)
     if args.gateways < 1:
         _say("polyserve up failed: --gateways must be >= 1")
+        return 2
+    if args.dispatchers < 1:
+        _say("polyserve up failed: --dispatchers must be >= 1")
         return 2
     t0 = time.monotonic()
     try:
@@ -196,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--gateways", type=int, default=1, metavar="N",
                     help="gateway processes serving --port together (SO_REUSEPORT; the in-flight limit is "
                          "per process)")
+    up.add_argument("--dispatchers", type=int, default=1, metavar="N",
+                    help="dispatcher replicas in one queue group (each counts the others' placements from "
+                         "`dispatched` events; the supervisor restarts each)")
     up.add_argument("--prefix", default="polyserve")
     up.add_argument("--policy", default="least_outstanding")
     up.add_argument("--min-replicas", type=int, default=1)

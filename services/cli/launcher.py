@@ -60,6 +60,7 @@ class ClusterSpec:
     insecure: bool = False  # allow a gateway beyond loopback without an admin key
     nats_tls: auth.TlsFiles | None = None  # nats-server TLS certificate and key (and the CA clients verify with)
     gateways: int = 1  # gateway processes sharing `port` (SO_REUSEPORT); each its own in-flight limit
+    dispatchers: int = 1  # dispatcher replicas in one queue group, sharing placements through `dispatched`
     nats_cluster: int = 1  # nats-servers: 1, or a cluster of >= 3 (cli/topology.py)
     redis_replica: bool = False  # a Redis replica and a Sentinel that promotes it (cli/topology.py)
 
@@ -156,10 +157,28 @@ def gateway_names(n: int) -> list[str]:
     return ["gateway"] + [f"gateway-{i}" for i in range(2, n + 1)]
 
 
+def dispatcher_names(n: int) -> list[str]:
+    """The process names of `n` dispatcher replicas: "dispatcher", then "dispatcher-2", ..."""
+    return ["dispatcher"] + [f"dispatcher-{i}" for i in range(2, n + 1)]
+
+
+REPLICATED = ("gateway", "dispatcher")  # services `up` may start several of; each logs to <name>.log
+
+
+def replica_names(svc: str, spec: ClusterSpec) -> list[str]:
+    """The process names `up` starts for `svc` (as in SERVICES)."""
+    if svc == "gateway":
+        return gateway_names(spec.gateways)
+    if svc == "dispatcher":
+        return dispatcher_names(spec.dispatchers)
+    return [SERVICE_NAMES.get(svc, svc)]
+
+
 def module_of(name: str) -> str:
     """The module (`svc` as in SERVICES) a process name of state.json runs: "gateway-2" -> "gateway"."""
-    if name.startswith("gateway-"):
-        return "gateway"
+    for svc in REPLICATED:
+        if name.startswith(f"{svc}-"):
+            return svc
     return {v: k for k, v in SERVICE_NAMES.items()}.get(name, name)
 
 
@@ -293,8 +312,8 @@ def up(spec: ClusterSpec, progress=print) -> ClusterState:
             _ensure_deployment(r, keys, spec, engine, model)
         env = _service_env(state, spec, port)
         for svc in SERVICES:
-            for name in gateway_names(spec.gateways) if svc == "gateway" else [SERVICE_NAMES.get(svc, svc)]:
-                pids[name] = spawn_service(svc, env, run_dir, name if svc == "gateway" else "").pid
+            for name in replica_names(svc, spec):
+                pids[name] = spawn_service(svc, env, run_dir, name if svc in REPLICATED else "").pid
                 state.save()
         progress(f"started {', '.join(SERVICE_NAMES.get(s, s) for s in SERVICES)}; waiting for them and a "
                  f"{engine} worker to report ready")
@@ -373,7 +392,7 @@ def wait_ready(r: redis.Redis, keys: Keys, state: ClusterState, timeout: float, 
     while time.monotonic() < deadline:
         for name, pid in state.pids.items():
             if not infra.pid_alive(pid):
-                log = Path(state.run_dir, "logs", f"{name if name.startswith('gateway') else module_of(name)}.log")
+                log = Path(state.run_dir, "logs", f"{name if name.startswith(REPLICATED) else module_of(name)}.log")
                 raise LaunchError(f"{name} exited during start-up; see {log}")
         services, workers, live_gateways = _live(r, keys)
         for name in sorted((services & want) - seen):
@@ -401,9 +420,9 @@ def down(run_dir: Path, timeout: float = 30.0, progress=print) -> bool:
         state = ClusterState.load(run_dir) or state  # the pids it restarted
         n = sum(state.restarts.values())
         progress(f"stopped the supervisor (pid {sup}; {n} restart{'s' if n != 1 else ''})")
-    extra_gateways = sorted(n for n in state.pids if n.startswith("gateway-"))
+    extra_replicas = sorted(n for n in state.pids if n.startswith(("gateway-", "dispatcher-")))
     nats_nodes = sorted(n for n in state.pids if n.startswith("nats-") and n != "nats-server")
-    order = (extra_gateways + [SERVICE_NAMES.get(s, s) for s in STOP_ORDER]
+    order = (extra_replicas + [SERVICE_NAMES.get(s, s) for s in STOP_ORDER]
              + [topology.SENTINEL, topology.REPLICA, "redis-server", "nats-server", *nats_nodes])
     for name in order:
         pid = state.pids.get(name)

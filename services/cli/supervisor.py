@@ -22,7 +22,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from polyserve.cli import topology
-from polyserve.cli.launcher import ClusterState, module_of, spawn_service
+from polyserve.cli.launcher import REPLICATED, ClusterState, module_of, spawn_service
 from polyserve.shared import infra
 
 logger = logging.getLogger("polyserve.supervisor")
@@ -78,7 +78,7 @@ class Supervisor:
                                         config=st.redis_config or None)
         else:  # with its own credentials and the same configuration files, as `up` did
             module = module_of(name)  # "gpu-agent" -> "gpu_agent", "gateway-2" -> "gateway"
-            proc = spawn_service(module, self.env, self.run_dir, name if module == "gateway" else "")
+            proc = spawn_service(module, self.env, self.run_dir, name if module in REPLICATED else "")
         return proc.pid
 
     def step(self) -> None:

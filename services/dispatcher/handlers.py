@@ -21,6 +21,7 @@ from polyserve.dispatcher.registry import DeploymentCache
 from polyserve.proto import (
     Completed,
     Deployment,
+    Dispatched,
     DispatchRequest,
     Failed,
     FirstToken,
@@ -115,6 +116,13 @@ class DispatchHandlers:
         known, dropped = self.view.worker_down(ev)
         logger.info("worker %s down (%s)%s; %d outstanding placements dropped", ev.worker_id, ev.reason,
                     "" if known else " [was not live]", dropped)
+
+    async def on_dispatched(self, ev: Dispatched) -> None:
+        """A placement the gateway announced: counted here too when another replica (or the
+        gateway's fallback, or a migration) made it, so replicas share the load they see."""
+        if self.view.dispatched(ev):
+            logger.debug("dispatched %s -> %s counted from the event (policy %s)", ev.request_id, ev.worker_id,
+                         ev.policy)
 
     async def on_finished(self, ev: Completed | Failed) -> None:
         """A request ended: it no longer counts against its worker; its timings refit the

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -40,11 +41,21 @@ from polyserve.dispatcher.config import DispatcherSettings
 from polyserve.dispatcher.live import ModelBook
 from polyserve.dispatcher.registry import Outstanding, WorkerRegistry
 from polyserve.dispatcher.views import Decision, PolicyState, RequestView, WorkerView
-from polyserve.proto import Completed, Deployment, DispatchRequest, Failed, FirstToken, Heartbeat, WorkerDown
+from polyserve.proto import (
+    Completed,
+    Deployment,
+    Dispatched,
+    DispatchRequest,
+    Failed,
+    FirstToken,
+    Heartbeat,
+    WorkerDown,
+)
 from polyserve.shared.bus import BusError
 
 logger = logging.getLogger(__name__)
 _NO_STATE = PolicyState()
+ENDED_REMEMBERED = 10_000  # ended request ids kept against late `dispatched` events
 
 
 class Choice(NamedTuple):
@@ -135,6 +146,9 @@ class LiveView:
         self._indexes: dict[str, _DepIndex] = {}  # deployment -> its index (settings.index)
         self._indexed_in: dict[str, str] = {}  # worker -> the deployment whose index holds it
         self._dirty: set[str] = set()  # workers whose view changed since the last refresh
+        self.shared = 0  # placements counted from other replicas' `dispatched` events
+        # request ids recently ended, so a late `dispatched` of one does not count it again
+        self._ended: OrderedDict[str, None] = OrderedDict()
         if settings.index:
             self.outstanding.on_change = self._dirty.add
 
@@ -178,6 +192,7 @@ class LiveView:
         wid = choice.worker.worker_id
         self.policy_state[dep.id] = choice.decision.state
         self.outstanding.place(choice.request.request_id, wid)
+        self._ended.pop(choice.request.request_id, None)  # (a retry of a request that had failed)
         self.placed += 1
         entry = None
         if dep.policy in MODEL_POLICIES:
@@ -298,9 +313,33 @@ class LiveView:
         self._refresh()
         return known, dropped
 
+    def dispatched(self, ev: Dispatched) -> bool:
+        """A placement announced by the gateway (`dispatched` event): one made by another
+        dispatcher replica, by the gateway's local fallback, or a migration, counts as
+        outstanding on its worker here too, so every replica sees the whole load. This
+        replica's own placements are already counted (deduplicated by request_id); a request
+        that already ended (its `completed` overtook the event) is not counted again. Only the
+        outstanding count is shared: the model book (aladdin/caraserve) keeps this replica's
+        placements alone, as the event does not carry the request's lengths; a tracked request
+        announced on another worker moves there. Whether the count changed."""
+        if not ev.request_id or not ev.worker_id or ev.request_id in self._ended:
+            return False
+        if self.outstanding.worker_of(ev.request_id) == ev.worker_id:
+            return False
+        self.outstanding.place(ev.request_id, ev.worker_id)
+        if self.models.moved(ev.request_id, ev.worker_id):
+            self._dirty.add(ev.worker_id)
+        self.shared += 1
+        self._dirty.add(ev.worker_id)
+        self._refresh()
+        return True
+
     def finished(self, ev: Completed | Failed) -> None:
         """A request ended: it no longer counts against its worker; its timings refit the
         worker's models (aladdin/caraserve)."""
+        self._ended[ev.request_id] = None
+        while len(self._ended) > ENDED_REMEMBERED:
+            self._ended.popitem(last=False)
         self.outstanding.finish(ev.request_id)
         self.models.finished(ev)
         self._dirty.add(ev.worker_id)

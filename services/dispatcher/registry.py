@@ -182,6 +182,11 @@ class Outstanding:
     def count(self, worker_id: str) -> int:
         return self._per_worker.get(worker_id, 0)
 
+    def worker_of(self, request_id: str) -> str | None:
+        """The worker a tracked request is counted on (None when it is not tracked)."""
+        entry = self._placed.get(request_id)
+        return None if entry is None else entry[0]
+
     def __len__(self) -> int:
         return len(self._placed)
 

@@ -9,7 +9,17 @@ from polyserve.dispatcher.config import DispatcherSettings
 from polyserve.dispatcher.handlers import DispatchHandlers
 from polyserve.dispatcher.liveview import LiveView
 from polyserve.dispatcher.registry import DeploymentCache
-from polyserve.proto import Completed, DispatchRequest, Failed, FirstToken, Heartbeat, Keys, WithdrawReply, WorkerDown
+from polyserve.proto import (
+    Completed,
+    Dispatched,
+    DispatchRequest,
+    Failed,
+    FirstToken,
+    Heartbeat,
+    Keys,
+    WithdrawReply,
+    WorkerDown,
+)
 from polyserve.shared.lifecycle import ServiceBase
 
 logger = logging.getLogger(__name__)
@@ -40,6 +50,9 @@ class DispatcherService(ServiceBase):
         # No queue group: every dispatcher needs every heartbeat and every outcome.
         await self.bus.listen(self.subjects.worker_event("heartbeat"), Heartbeat, h.on_heartbeat)
         await self.bus.listen(self.subjects.worker_event("down"), WorkerDown, h.on_worker_down)
+        # Every placement, whichever replica (or the gateway's fallback) made it: replicas in
+        # the queue group count each other's, so each sees the whole load (`LiveView.dispatched`).
+        await self.bus.listen(self.subjects.event("dispatched"), Dispatched, h.on_dispatched)
         await self.bus.listen(self.subjects.event("completed"), Completed, h.on_finished)
         await self.bus.listen(self.subjects.event("failed"), Failed, h.on_finished)
         await self.bus.listen(self.subjects.event("first_token"), FirstToken, h.on_first_token)
