@@ -22,8 +22,8 @@ the counters are per gateway.
 The reserve: nothing is preempted, so a tenant that arrives while another holds every batch slot
 waits for one of those sequences to end, and sequences started together end together (a whole
 heavy request's decode time). So while two or more tenants are active, the last
-`reserve_fraction` of the slots (at least one) go only to a tenant holding fewer than its equal
-share (slots / active tenants): a heavy tenant runs at most slots - reserve, and a light tenant's
+`reserve_fraction` of the slots (at least one, at most one per other active tenant) go only to a
+tenant holding fewer than its equal share (slots / active tenants): a heavy tenant runs at most slots - reserve, and a light tenant's
 request starts in the worker's next iteration. The cost: those slots idle while no light tenant
 uses them (`polyserve bench fairness` prints the heavy tenant's throughput with and without)."""
 from __future__ import annotations
@@ -90,7 +90,8 @@ class FairQueue:
         """(slots any tenant may fill, the share below which a tenant may fill the reserve too)."""
         if active < 2 or slots < 2 or self.reserve_fraction <= 0:
             return slots, 0.0
-        reserve = min(slots - 1, max(1, int(slots * self.reserve_fraction)))
+        # one slot per other active tenant at most: two tenants on a 64-slot batch idle 1, not 8
+        reserve = min(slots - 1, max(1, int(slots * self.reserve_fraction)), active - 1)
         return slots - reserve, slots / active
 
     def _may_start(self, tenant: str, slots: int, limit: int, share: float) -> bool:

@@ -5,10 +5,12 @@ plane, `fair_share` off: the worker's FCFS queue). The queue itself: class order
 cancellation."""
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
-from polyserve.bench.fairness import TenantLoad, measure
+from polyserve.bench.fairness import TenantLoad, _one, measure
 
 pytestmark = pytest.mark.integration
 
@@ -52,3 +54,32 @@ async def test_a_light_tenant_is_not_starved_by_a_flood(plane):
     assert vtc["light"]["ttft_p50_ms"] < 0.5 * fcfs["light"]["ttft_p50_ms"], (fcfs["light"], vtc["light"])
     assert vtc["light"]["ttft_p99_ms"] < fcfs["light"]["ttft_p99_ms"], (fcfs["light"], vtc["light"])
     assert vtc["light"]["requests"] > fcfs["light"]["requests"], (fcfs["light"], vtc["light"])
+
+
+async def _light_ttft_behind_queued_heavy(plane, scheduling: str) -> float:
+    """The heavy tenant has 5 requests on a worker with one batch slot (`fair_slots` 5: 1 running,
+    4 queued in the worker, as `fair_headroom` leaves them); then the light tenant's first request:
+    seconds to its first token."""
+    worker = {"max_batch": 1, "time_scale": 0.3, "max_waiting": 64, "scheduling": scheduling}
+    async with plane(client_keys="on", admin_api_key=ADMIN, fair_slots=5, worker_kw=worker) as p:
+        kh, kl = await keys(p.url)
+        heavy = TenantLoad("heavy", kh, concurrency=1, max_tokens=24)
+        light = TenantLoad("light", kl, concurrency=1, max_tokens=4, stream=True)
+        async with httpx.AsyncClient(base_url=p.url, timeout=60, headers={"Authorization": f"Bearer {kh}"}) as hh, \
+                httpx.AsyncClient(base_url=p.url, timeout=60, headers={"Authorization": f"Bearer {kl}"}) as hl:
+            flood = [asyncio.ensure_future(_one(hh, heavy, "sim-test")) for _ in range(5)]
+            await asyncio.sleep(0.3)  # all 5 at the worker
+            got = await _one(hl, light, "sim-test")
+            assert all(await asyncio.gather(*flood))
+    assert got is not None
+    return got[2]
+
+
+async def test_a_tenant_with_nothing_running_goes_ahead_in_a_priority_worker(plane):
+    """The fair queue sends the request of a tenant with nothing running one `priority` ahead
+    (admission.fair_priority): a worker with `scheduling=priority` starts it before the other
+    tenant's queued requests (after the running one); an FCFS worker after all of them."""
+    fcfs = await _light_ttft_behind_queued_heavy(plane, "fcfs")
+    prio = await _light_ttft_behind_queued_heavy(plane, "priority")
+    print(f"light TTFT behind 4 queued heavy requests: fcfs {fcfs * 1e3:.0f} ms, priority {prio * 1e3:.0f} ms")
+    assert prio < 0.5 * fcfs, (prio, fcfs)

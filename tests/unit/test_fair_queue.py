@@ -139,3 +139,14 @@ async def test_a_tenant_with_nothing_running_is_marked_ahead_for_the_worker():
     light = await q.acquire("light", "normal", 0, 8, slots=4)
     assert not second.ahead and light.ahead
     assert not (await q.acquire("light", "normal", 0, 8, slots=4)).ahead  # light runs one already
+
+
+async def test_the_reserve_is_one_slot_per_other_active_tenant_at_most():
+    q, slots = FairQueue(), 64
+    q.last_seen["light"] = 0.0
+    q.release(await q.acquire("light", "normal", 0, 8, slots=slots), slots=slots)
+    heavy = [await asyncio.wait_for(q.acquire("heavy", "normal", 0, 32, slots=slots), 0.05) for _ in range(63)]
+    assert q.busy == 63  # two tenants: 1 slot reserved, not 64 / 8
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(q.acquire("heavy", "normal", 0, 32, slots=slots), 0.05)
+    assert len(heavy) == 63
