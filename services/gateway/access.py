@@ -15,14 +15,13 @@ Retry-After when over."""
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 
 from fastapi import Request
 
 from polyserve.shared.auth import is_loopback
 
-from . import admission, policy, tenancy
+from . import admission, errors, policy, tenancy
 from .context import Gateway, GatewayState
 from .errors import GatewayError
 from .keys import ADMIN, TOKEN, KeyRecord
@@ -76,11 +75,7 @@ def _is_admin(gs: GatewayState, token: str) -> bool:
 
 
 async def _send_error(send, status: int, message: str, code: str) -> None:
-    body = json.dumps(policy.error_body(message, policy.error_type(status), None, code)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"www-authenticate", b"Bearer")]})
-    await send({"type": "http.response.body", "body": body})
+    await errors.send_error(send, status, message, code=code, headers=((b"www-authenticate", b"Bearer"),))
 
 
 class Access:

@@ -2,6 +2,8 @@
 client), bus errors mapped to it, and the OpenAI error envelope every error answers with."""
 from __future__ import annotations
 
+import json
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -31,6 +33,17 @@ def status_of(exc: BusError, what: str) -> GatewayError:
     if exc.code == 429:
         return GatewayError(429, exc.description, retry_after=1)
     return GatewayError(exc.code if 400 <= exc.code < 600 else 502, exc.description)
+
+
+async def send_error(send, status: int, message: str, *, type_: str | None = None, code: str | None = None,
+                     headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    """The OpenAI error envelope sent by a raw ASGI middleware (`send`), before any route runs:
+    edge limits, client keys, load shedding. `headers` are added to the content headers."""
+    body = json.dumps(policy.error_body(message, type_ or policy.error_type(status), None, code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,

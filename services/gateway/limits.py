@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import json
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.exceptions import HTTPException
+
+from . import errors
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +76,9 @@ def _declared_length(scope: dict) -> tuple[int | None, bool]:
 
 
 async def _send_error(send, exc: HTTPException) -> None:
-    body = json.dumps({"error": {"message": exc.detail, "type": "invalid_request_error", "param": None,
-                                 "code": "request_too_large" if exc.status_code == 413 else "request_timeout"}})
-    await send({"type": "http.response.start", "status": exc.status_code,
-                "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
-                            (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body.encode()})
+    await errors.send_error(send, exc.status_code, exc.detail, type_="invalid_request_error",
+                            code="request_too_large" if exc.status_code == 413 else "request_timeout",
+                            headers=((b"connection", b"close"),))
 
 
 class EdgeLimits:

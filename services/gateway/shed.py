@@ -12,9 +12,7 @@ would be refused (401) also gets the 429 while the gateway is full: it learns no
 """
 from __future__ import annotations
 
-import json
-
-from . import admission, policy
+from . import admission, errors
 from .context import GatewayState
 
 # The endpoints whose requests take an in-flight slot (Admission.begin).
@@ -33,15 +31,8 @@ class Shed:
         if (scope["type"] == "http" and gs.inflight >= gs.settings.max_inflight
                 and scope.get("method") == "POST" and scope.get("path") in MODEL_PATHS):
             exc = admission.overloaded(gs)  # counted as admission counts it
-            await _refuse(send, exc.status, exc.message, exc.retry_after or 1)
+            retry = str(int(max(1, exc.retry_after or 1))).encode()
+            await errors.send_error(send, exc.status, exc.message, headers=((b"retry-after", retry),))
             return
         await self.app(scope, receive, send)
 
-
-async def _refuse(send, status: int, message: str, retry_after: float) -> None:
-    """The same OpenAI error envelope and Retry-After header as errors.error_response."""
-    body = json.dumps(policy.error_body(message, policy.error_type(status)), separators=(",", ":")).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"retry-after", str(int(max(1, retry_after))).encode())]})
-    await send({"type": "http.response.body", "body": body})

@@ -28,7 +28,6 @@ import hashlib
 import logging
 import math
 import random
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -200,8 +199,8 @@ class MiniLM:
             vecs, _ = self.pred.encode(chunk, with_keys=False)
             self.pooled.update(zip(chunk, vecs))
             if progress and (i // batch) % 20 == 0:
-                print(f"  minilm: encoded {i + len(chunk)}/{len(todo)} prompts ({time.monotonic() - t0:.0f}s)",
-                      file=sys.stderr, flush=True)
+                logger.info("minilm: encoded %d/%d prompts (%.0fs)", i + len(chunk), len(todo),
+                            time.monotonic() - t0)
 
     def method(self, fold: Fold) -> tuple[np.ndarray, np.ndarray]:
         import torch
@@ -265,7 +264,7 @@ def run(ds: data.Dataset, *, encoder_dir: str | None = None, minilm: str | None 
 
     def say(msg: str) -> None:
         if progress:
-            print(msg, file=sys.stderr, flush=True)
+            logger.info("%s", msg)
 
     t0 = time.monotonic()
     enc_dir = enc_mod.resolve_encoder_dir(encoder_dir)
