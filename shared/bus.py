@@ -80,10 +80,20 @@ def decode(data: bytes, typ: type[T]) -> T:
     return msgspec.json.decode(data, type=typ)
 
 
+def sampled() -> bool:
+    """Whether the current trace is sampled (recorded here and, under the parent-based samplers
+    every service uses, downstream). When it is not (no exporter: `telemetry.py` samples off),
+    client spans and trace headers record nothing anywhere, yet cost ~5% of the gateway's CPU
+    (a span, a context attach and an inject per hop; docs/benchmarks/overhead.md), so they are
+    skipped: a downstream service then starts a trace of its own, which its sampler decides."""
+    return trace.get_current_span().get_span_context().trace_flags.sampled
+
+
 def trace_headers(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Current trace context as NATS headers (traceparent, tracestate)."""
+    """Current trace context as NATS headers (traceparent, tracestate), when it is sampled."""
     headers: dict[str, str] = dict(extra or {})
-    propagate.inject(headers)
+    if sampled():
+        propagate.inject(headers)
     return headers
 
 
@@ -152,24 +162,28 @@ class Bus:
     async def request(self, subject: str, msg: Any, reply_type: type[T], timeout: float,
                       span_name: str | None = None) -> T:
         """Send `msg`, wait for a typed reply; raise BusError on error/no responder/timeout."""
+        if not sampled():
+            return await self._request(subject, msg, reply_type, timeout)
         with self.tracer.start_as_current_span(span_name or f"request {subject}", kind=SpanKind.CLIENT):
-            try:
-                reply = await self.nc.request(subject, encode(msg), timeout=timeout,
-                                              headers=trace_headers())
-            except NoRespondersError as exc:
-                raise BusError(503, f"no service is listening on {subject}") from exc
-            except (NatsTimeout, asyncio.TimeoutError) as exc:
-                raise BusError(504, f"no answer on {subject} within {timeout:.1f}s") from exc
-            err = error_of(reply)
-            if err is not None:
-                raise err
-            return decode(reply.data, reply_type)
+            return await self._request(subject, msg, reply_type, timeout)
+
+    async def _request(self, subject: str, msg: Any, reply_type: type[T], timeout: float) -> T:
+        try:
+            reply = await self.nc.request(subject, encode(msg), timeout=timeout, headers=trace_headers() or None)
+        except NoRespondersError as exc:
+            raise BusError(503, f"no service is listening on {subject}") from exc
+        except (NatsTimeout, asyncio.TimeoutError) as exc:
+            raise BusError(504, f"no answer on {subject} within {timeout:.1f}s") from exc
+        err = error_of(reply)
+        if err is not None:
+            raise err
+        return decode(reply.data, reply_type)
 
     async def publish(self, subject: str, msg: Any, reply: str = "") -> None:
         if not reply and durable.prefix_of(subject) is not None:  # completed/failed: kept until stored
             await self.outbox.publish(subject, encode(msg), trace_headers())
             return
-        await self.nc.publish(subject, encode(msg), reply=reply, headers=trace_headers())
+        await self.nc.publish(subject, encode(msg), reply=reply, headers=trace_headers() or None)
 
     def publish_soon(self, subject: str, msg: Any) -> None:
         """Publish `msg` within `COALESCE_S`, with the messages of every other caller in that

@@ -66,3 +66,16 @@ def wait_until(predicate: Callable, timeout: float = 20.0, interval: float = 0.0
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def assert_lifecycle(kinds: list[str]) -> None:
+    """The order the gateway promises for one request's events: `admitted` first, the
+    terminal event last and once; `predicted` and `dispatched` once each before it, and
+    `dispatched` before `first_token`. `predicted` may come after `dispatched` and even after
+    `first_token`: a request the gateway places on a worker with a free slot does not wait for
+    its prediction (services/gateway/handlers.py `_predict_and_place`)."""
+    assert kinds[0] == "admitted", kinds
+    assert kinds[-1] in ("completed", "failed") and sum(k in ("completed", "failed") for k in kinds) == 1, kinds
+    assert kinds.count("predicted") == 1 and kinds.count("dispatched") == 1, kinds
+    if "first_token" in kinds:
+        assert kinds.index("dispatched") < kinds.index("first_token"), kinds

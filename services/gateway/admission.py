@@ -9,8 +9,9 @@ embeddings), after the endpoint validated its body:
 3. `check_input()`: 400 naming the limit for a prompt longer than any live worker takes.
 4. `predict()`: the predictor's output-length hint, clamped to the request's max_tokens
    (completions; an embedding produces no tokens); a hint, answered locally past its budget.
-5. `place()`: the dispatcher's placement, with its `dispatched` event; a second try, then a
-   local least-outstanding placement when no dispatcher answers.
+5. `place()`: the gateway's own placement for the load-only policies (routing.py), else the
+   dispatcher's, with its `dispatched` event; a second try, then a local least-outstanding
+   placement when no dispatcher answers.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ from . import policy, tenancy
 from .context import GatewayState
 from .errors import GatewayError, status_of
 from .policy import InvalidRequest
+from .routing import LOCAL_POLICIES, candidates
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +185,14 @@ def check_input(gs: GatewayState, deployment: Deployment, input_tokens: int) -> 
                              code="context_length_exceeded")
 
 
+def local_prediction(gs: GatewayState, req: PredictRequest) -> Prediction:
+    """The gateway's own estimate (core.length_hint: the predictor's history rule over the
+    requests this gateway saw complete, else the prior); source "local-history" / "local-prior"."""
+    tokens, klass, source = gs.lengths.estimate(req.model, req.input_tokens, req.max_tokens)
+    return Prediction(request_id=req.request_id, model=req.model, length_class=klass, tokens_estimate=tokens,
+                      source=f"local-{source}", num_classes=len(length_hint.CLASS_BOUNDS) + 1)
+
+
 async def predict(gs: GatewayState, req: PredictRequest, base: dict) -> Prediction:
     """The predictor's output-length hint for `req` (never above `req.max_tokens` when set);
     publishes `predicted`. A hint: when the predictor does not answer within
@@ -193,24 +203,55 @@ async def predict(gs: GatewayState, req: PredictRequest, base: dict) -> Predicti
         p = await gs.bus.request(gs.subjects.predict, req, Prediction, timeout=gs.settings.predict_timeout_s,
                                  span_name="predict")
     except BusError as exc:
-        tokens, klass, source = gs.lengths.estimate(req.model, req.input_tokens, req.max_tokens)
-        p = Prediction(request_id=req.request_id, model=req.model, length_class=klass, tokens_estimate=tokens,
-                       source=f"local-{source}", num_classes=len(length_hint.CLASS_BOUNDS) + 1)
+        p = local_prediction(gs, req)
         gs.metrics.fallbacks.labels("predict").inc()
-        logger.debug("predictor: %s; local estimate %d (%s)", exc.description, tokens, p.source)
+        logger.debug("predictor: %s; local estimate %d (%s)", exc.description, p.tokens_estimate, p.source)
     await gs.event("predicted", Predicted(**base, length_class=p.length_class, tokens_estimate=p.tokens_estimate,
                                           source=p.source, latency_ms=(time.monotonic() - t) * 1e3))
     return p
 
 
-async def place(gs: GatewayState, req: DispatchRequest, base: dict, after: asyncio.Future | None = None) -> Placement:
-    """The dispatcher's placement of `req`; publishes `dispatched`. A dispatcher that does not
+def place_here(gs: GatewayState, req: DispatchRequest, policy: str) -> tuple[Placement, bool] | None:
+    """The gateway's own placement of `req` (routing.py), and whether the chosen worker has a
+    free batch slot (the request starts there at once); None when the dispatcher must decide:
+    `local_dispatch` off, a policy that reads more than worker load, a LoRA adapter, or no
+    fresh heartbeat of a worker that can take the request."""
+    if not gs.settings.local_dispatch or policy not in LOCAL_POLICIES or req.adapter:
+        return None
+    fits = candidates(gs.fresh_heartbeats(req.deployment), req.input_tokens, req.exclude)
+    if not fits:
+        return None
+    hb = gs.router.choose(policy, req.deployment, fits)
+    free = hb.waiting == 0 and gs.router.load(hb) < max(1, hb.max_batch)
+    return _placement(gs, req, hb, policy), free
+
+
+async def place(gs: GatewayState, req: DispatchRequest, base: dict, after: asyncio.Future | None = None,
+                policy: str = "") -> Placement:
+    """Where `req` runs: the gateway's own choice for a load-only `policy` (`place_here`), else
+    the dispatcher's placement; publishes `dispatched`. A dispatcher that does not
     answer in time is asked once more (the queue group may pick another replica); when none
     answers (timeouts, or no dispatcher listening) the gateway places the request itself on the
     least-outstanding live worker from the heartbeats it follows (policy "local-fallback").
     With `after` (the prediction asked at the same time), `dispatched` waits for it, so the
     events of a request keep their order: admitted, predicted, dispatched."""
     t = time.monotonic()
+    here = place_here(gs, req, policy)
+    placement = here[0] if here else await _ask_dispatcher(gs, req)
+    latency_ms = (time.monotonic() - t) * 1e3
+    if after is not None:
+        await asyncio.shield(after)  # the caller may cancel this wait, never the prediction under it
+    await announce(gs, base, placement, latency_ms)
+    return placement
+
+
+async def announce(gs: GatewayState, base: dict, placement: Placement, latency_ms: float) -> None:
+    """The `dispatched` event (the dispatchers count placements made elsewhere from it)."""
+    await gs.event("dispatched", Dispatched(**base, worker_id=placement.worker_id, policy=placement.policy,
+                                            latency_ms=latency_ms))
+
+
+async def _ask_dispatcher(gs: GatewayState, req: DispatchRequest) -> Placement:
     placement = None
     for attempt in range(2):
         try:
@@ -228,36 +269,31 @@ async def place(gs: GatewayState, req: DispatchRequest, base: dict, after: async
     if placement is None:
         placement = await local_placement(gs, req)
         gs.metrics.fallbacks.labels("dispatch").inc()
-    latency_ms = (time.monotonic() - t) * 1e3
-    if after is not None:
-        await asyncio.shield(after)  # the caller may cancel this wait, never the prediction under it
-    await gs.event("dispatched", Dispatched(**base, worker_id=placement.worker_id, policy=placement.policy,
-                                            latency_ms=latency_ms))
     return placement
 
 
 async def local_placement(gs: GatewayState, req: DispatchRequest) -> Placement:
-    """Least outstanding (running + waiting at its last heartbeat, plus what this gateway
-    placed on it since) among the live workers of the deployment that take the request;
+    """Least outstanding (this gateway's requests on it plus the others' at its last heartbeat,
+    routing.LocalRouter) among the live workers of the deployment that take the request;
     the Redis registry answers when no heartbeat was heard yet. 503 when there is none."""
     live = gs.fresh_heartbeats(req.deployment)
     if not live:
         with contextlib.suppress(GatewayError):
             live = await gs.live_workers(req.deployment)
-    fits = [hb for hb in live if hb.worker_id not in req.exclude
-            and (hb.max_input_len <= 0 or req.input_tokens <= hb.max_input_len)]
+    fits = candidates(live, req.input_tokens, req.exclude)
     if not fits:
         raise GatewayError(503, f"no dispatcher answered and no live worker of '{req.deployment}' can take the "
                                 "request; retry shortly", retry_after=1)
 
     def load(hb: Heartbeat) -> tuple[int, int]:
         has_adapter = bool(req.adapter) and any(a.name == req.adapter for a in hb.adapters)
-        return hb.running + hb.waiting + gs.sent.get(hb.worker_id, 0), 0 if has_adapter else 1
+        return gs.router.load(hb), 0 if has_adapter else 1
 
-    hb = min(fits, key=load)
-    gs.sent[hb.worker_id] = gs.sent.get(hb.worker_id, 0) + 1
+    return _placement(gs, req, min(fits, key=load), "local-fallback")
+
+
+def _placement(gs: GatewayState, req: DispatchRequest, hb: Heartbeat, policy: str) -> Placement:
     return Placement(request_id=req.request_id, worker_id=hb.worker_id,
                      generate_subject=hb.generate_subject or gs.subjects.generate(hb.worker_id),
                      cancel_subject=hb.cancel_subject or gs.subjects.cancel(hb.worker_id),
-                     policy="local-fallback", priority=req.priority)
-
+                     policy=policy, priority=req.priority)

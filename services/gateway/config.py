@@ -18,6 +18,10 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     # Per try: a timeout is retried once (the queue group may pick another dispatcher replica),
     # then the gateway places locally (least outstanding from the heartbeats; policy "local-fallback").
     dispatch_timeout_s: float = 0.5
+    # Place requests of the load-only policies (round_robin, least_outstanding, power_of_two,
+    # random; no LoRA adapter) in the gateway, from heartbeats and its own requests in flight,
+    # without a dispatcher round trip (routing.py); false = ask the dispatcher for every request.
+    local_dispatch: bool = True
     accept_timeout_s: float = 2.0  # worker must acknowledge a generate request within this
     first_token_timeout_s: float = 60.0
     idle_timeout_s: float = 10.0  # no chunk from the worker for this long once it streams -> explicit error (504)

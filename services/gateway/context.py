@@ -28,6 +28,7 @@ from .fairness import Fairness
 from .keys import KeyStore
 from .metrics import Metrics
 from .ratelimit import Limiter
+from .routing import LocalRouter
 
 logger = logging.getLogger(__name__)
 WORKERS_CACHE_S = 1.0  # how long the live workers of a deployment are taken from memory
@@ -52,7 +53,7 @@ class GatewayState:
         self._deployments_at = 0.0
         self._deployments_lock = asyncio.Lock()
         self._heartbeats: dict[str, tuple[float, Heartbeat]] = {}  # worker -> (monotonic seen, last heartbeat)
-        self.sent: dict[str, int] = {}  # worker -> requests placed locally since its last heartbeat
+        self.router = LocalRouter()  # each worker's load as this gateway sees it; load-only policies
         self.lengths = LocalLengths()  # output lengths of completed requests: the local prediction
         self._probe: tuple[float, bool] = (0.0, True)  # (monotonic, NATS answered a ping)
         self._probe_lock = asyncio.Lock()
@@ -154,7 +155,7 @@ class GatewayState:
         self._last_heartbeat = now
         self._heartbeats[hb.worker_id] = (now, hb)
         self._down.pop(hb.worker_id, None)
-        self.sent.pop(hb.worker_id, None)
+        self.router.on_heartbeat(hb)
 
     def fresh_heartbeats(self, dep_id: str | None = None) -> list[Heartbeat]:
         """The last heartbeat of each worker (of `dep_id`) heard from within its TTL."""
@@ -207,6 +208,7 @@ class GatewayState:
     async def on_down(self, ev: WorkerDown) -> None:
         self._down[ev.worker_id] = (time.monotonic(), ev.reason)
         self._heartbeats.pop(ev.worker_id, None)
+        self.router.forget(ev.worker_id)
 
     def worker_gone(self, worker_id: str, since: float) -> str:
         """Why `worker_id` is known dead since `since` (monotonic), or '' if it is not."""

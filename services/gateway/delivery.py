@@ -101,7 +101,7 @@ class Delivery:
         recording = trace.get_current_span().is_recording()
         spanned = self.gs.tracer.start_as_current_span(span, kind=SpanKind.CLIENT) if recording else None
         with spanned or nullcontext():
-            await nc.publish(placement.generate_subject, encode(req), reply=self._inbox, headers=trace_headers())
+            await nc.publish(placement.generate_subject, encode(req), reply=self._inbox, headers=trace_headers() or None)
             try:
                 return await self._acceptance(placement)
             except BusError as exc:
@@ -316,5 +316,6 @@ class Delivery:
                     self._dead.append(placement.worker_id)
                     continue
                 raise status_of(exc, f"worker {placement.worker_id}") from exc
-            self.placement, self._sent_at = placement, time.monotonic()
+            self._place(placement)
+            self._sent_at = time.monotonic()
             return

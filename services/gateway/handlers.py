@@ -11,6 +11,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import msgspec
+
 from polyserve.proto import (
     AdapterSpec,
     Admitted,
@@ -77,6 +79,8 @@ class RequestRun(Delivery):
     redirects: int = 0  # times a worker gave the request back before it started (Aladdin Alg. 2)
     _moved_ms: float = 0.0  # time spent queued on workers that gave it back
     _sent_at: float = 0.0
+    _on: str = ""  # the worker this request counts against in the gateway's router (routing.py)
+    _predicting: asyncio.Future | None = None  # the predictor's answer, when the request did not wait for it
     _inbox: str = ""
     _exit: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
     _queue: asyncio.Queue | None = None
@@ -110,9 +114,9 @@ class RequestRun(Delivery):
             return
         self.terminal = True
         self.gs.metrics.finished(self.deployment.id, status)
-        await self._event("failed", Failed(**self._base(), reason=reason, status=status,
-                                           worker_id=self.placement.worker_id if self.placement else "",
-                                           e2e_ms=self._ms()))
+        await self._terminal_event("failed", Failed(**self._base(), reason=reason, status=status,
+                                                    worker_id=self.placement.worker_id if self.placement else "",
+                                                    e2e_ms=self._ms()))
 
     # ------------------------------------------------------------------ phases
     async def start(self) -> None:
@@ -140,10 +144,10 @@ class RequestRun(Delivery):
         excluded: list[str] = []
         for attempt in range(s.dispatch_retries + 1):
             if attempt:
-                self.placement = await self._dispatch(excluded)
+                self._place(await self._dispatch(excluded))
                 await self._fresh_inbox()
             else:
-                self.placement = first
+                self._place(first)
             try:
                 self._caps = await self._hand_to(self.placement, self._generate(self._inbox))
                 self._sent_at = time.monotonic()
@@ -159,16 +163,28 @@ class RequestRun(Delivery):
     async def _predict_and_place(self) -> Placement:
         """The prediction, then the placement that uses it; or, when the deployment's policy
         places without the prediction (admission.USES_PREDICTION), both asked at once: one
-        round trip less on the critical path, and the worker still gets the hint."""
+        round trip less on the critical path, and the worker still gets the hint. When the
+        gateway places the request itself on a worker with a free batch slot (routing.py), it
+        does not wait for the prediction at all: the request starts at once, so its place in
+        the worker's queue, the only thing the hint orders, cannot matter. It then carries the
+        gateway's own estimate, and the predictor's answer (asked all the same) is recorded
+        when it comes, before the request's terminal event."""
         # max_tokens is per sequence (each of the n choices stops there); the predictor
         # clamps its estimate to it, so the gateway passes the estimate on as it is.
-        predicting = admission.predict(
-            self.gs, PredictRequest(request_id=self.request_id, model=self.deployment.model, prompt=self.prompt,
-                                    input_tokens=self.input_tokens, max_tokens=self.params.max_tokens), self._base())
+        ask = PredictRequest(request_id=self.request_id, model=self.deployment.model, prompt=self.prompt,
+                             input_tokens=self.input_tokens, max_tokens=self.params.max_tokens)
+        predicting = admission.predict(self.gs, ask, self._base())
         if self.deployment.policy in admission.USES_PREDICTION:
             self.prediction = await predicting
             return await self._dispatch([])
         predicted = asyncio.ensure_future(predicting)
+        here = admission.place_here(self.gs, self._dispatch_request([]), self.deployment.policy)
+        if here is not None and here[1]:
+            self.prediction = admission.local_prediction(self.gs, ask)
+            self._predicting = predicted
+            predicted.add_done_callback(self._took_prediction)
+            await admission.announce(self.gs, self._base(), here[0], 0.0)
+            return here[0]
         try:
             placement = await self._dispatch([], after=predicted)
         except BaseException:
@@ -177,14 +193,46 @@ class RequestRun(Delivery):
         self.prediction = await predicted  # never fails: a local estimate past its budget
         return placement
 
+    def _took_prediction(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self.prediction = fut.result()
+
+    async def _terminal_event(self, kind: str, event: Completed | Failed) -> None:
+        """Publish the request's terminal event. When its prediction is still on the way (a
+        request that did not wait for it), after it, in the background: `predicted` precedes
+        the terminal event, `completed` carries the predictor's estimate, and the client's
+        response does not wait for either (the wait is bounded by `predict_timeout_s`)."""
+        pending = self._predicting
+        if pending is None or pending.done():
+            await self._event(kind, event)
+            return
+
+        async def after_prediction() -> None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(pending)
+            ev = event
+            if isinstance(ev, Completed) and self.prediction is not None:
+                ev = msgspec.structs.replace(ev, predicted_tokens=self.prediction.tokens_estimate)
+            await self._event(kind, ev)
+
+        self.gs.spawn(after_prediction())
+
+    def _place(self, placement: Placement) -> None:
+        """Run on `placement` now: this gateway's count of its requests per worker follows."""
+        self.gs.router.count(self._on, placement.worker_id)
+        self._on, self.placement = placement.worker_id, placement
+
     async def _dispatch(self, excluded: list[str], after: asyncio.Future | None = None) -> Placement:
+        return await admission.place(self.gs, self._dispatch_request(excluded), self._base(), after,
+                                     self.deployment.policy)
+
+    def _dispatch_request(self, excluded: list[str]) -> DispatchRequest:
         p, a = self.prediction, self.adapter
-        return await admission.place(self.gs, DispatchRequest(
+        return DispatchRequest(
             request_id=self.request_id, deployment=self.deployment.id, model=self.deployment.model,
             input_tokens=self.input_tokens, predicted_tokens=p.tokens_estimate if p else 0,
             length_class=p.length_class if p else -1, adapter=a.name if a else None, priority=self.priority,
-            exclude=excluded, adapter_rank=a.rank if a else 0, max_tokens=self.params.max_tokens), self._base(),
-            after)
+            exclude=excluded, adapter_rank=a.rank if a else 0, max_tokens=self.params.max_tokens)
 
     def _generate(self, inbox: str, resume: Resume | None = None) -> GenerateRequest:
         p, a = self.prediction, self.adapter
@@ -305,7 +353,8 @@ class RequestRun(Delivery):
                                target.worker_id, self.request_id, exc.description)
                 target = await self._dispatch([old, target.worker_id])
                 continue
-            self.placement, self._sent_at = target, time.monotonic()
+            self._place(target)
+            self._sent_at = time.monotonic()
             if target is placement:
                 await self._event("dispatched", Dispatched(**self._base(), worker_id=target.worker_id,
                                                            policy=f"{target.policy}:moved", latency_ms=0.0))
@@ -323,7 +372,7 @@ class RequestRun(Delivery):
         if st:  # the gateway's own history, for its local length estimate when the predictor is away
             self.gs.lengths.observe(self.deployment.model, self.input_tokens,
                                     st.output_tokens // max(1, self.params.n))
-        await self._event("completed", Completed(
+        await self._terminal_event("completed", Completed(
             **self._base(), worker_id=self.placement.worker_id,
             input_tokens=st.input_tokens if st else self.input_tokens,
             output_tokens=st.output_tokens if st else 0, e2e_ms=e2e,
@@ -344,6 +393,9 @@ class RequestRun(Delivery):
         await self.close()
 
     async def close(self) -> None:
+        if self._on:  # once: the request no longer counts against its worker
+            self.gs.router.count(self._on, "")
+            self._on = ""
         with contextlib.suppress(Exception):
             await self._exit.aclose()
 

@@ -32,6 +32,7 @@ from polyserve.shared.bus import BusError
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 SOURCE_MODEL = "model"
+FLUSH_EVERY_S = 0.25
 SOURCE_CACHE = "cache"
 
 
@@ -211,6 +212,7 @@ class PredictHandlers:
                  meta: Any = None):
         self.settings = settings
         self.stats = stats
+        self._flushed_at = 0.0  # monotonic time of the last write from on_completed
         self.bounds = settings.bounds
         self._meta = meta if meta is not None else artifact_meta(settings)
         self.runner = runner  # proxy.runtime.ModelRunner, or None without a model
@@ -298,7 +300,13 @@ class PredictHandlers:
                            len(self.stats.pending), ev.request_id)
             return
         self.learned += 1
-        await self.stats.flush()
+        # One Redis write per FLUSH_EVERY_S at most, not one per request (a round trip, and
+        # CPU in the predictor and Redis, for each completed request; issue 15). What is still
+        # buffered goes with the next event, the refresh loop (`refresh_s`) or the drain.
+        now = time.monotonic()
+        if now - self._flushed_at >= FLUSH_EVERY_S:
+            self._flushed_at = now
+            await self.stats.flush()
 
     async def on_completed_cache(self, ev: Completed) -> None:
         """Record the true length of a request this instance predicted in the semantic cache."""

@@ -170,7 +170,9 @@ async def test_silent_then_dead_dispatcher_falls_back_to_a_local_placement(make_
     worker = WorkerService(make_settings(WorkerSettings, "worker", worker_id="w-local", deployment=MODEL,
                                          model=MODEL, engine="sim", time_scale=0.01, heartbeat_interval_s=0.2,
                                          heartbeat_ttl_s=1.0))
-    gw = GatewayService(make_settings(GatewaySettings, "gateway", port=0, dispatch_timeout_s=0.3))
+    # local_dispatch off: least_outstanding would be placed in the gateway without asking
+    gw = GatewayService(make_settings(GatewaySettings, "gateway", port=0, dispatch_timeout_s=0.3,
+                                      local_dispatch=False))
     async with running(worker, gw):
         client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=20)
         await wait_for(lambda: "w-local" in gw.gs._heartbeats, what="the worker's heartbeat")

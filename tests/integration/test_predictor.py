@@ -155,6 +155,8 @@ async def test_redis_outage_answers_from_memory_and_saves_later(make_settings, b
             for i in range(5):
                 await bus.publish(subjects.event("completed"), completed(i, out=70))
             await wait_for(lambda: svc.handlers.learned == 5, what="5 learned")
+            # written at most every FLUSH_EVERY_S, and by the refresh loop: saved before Redis goes
+            await wait_for(lambda: not svc.stats.pending and not svc.stats.flushing, what="the first 5 saved")
             assert (await predict(bus, subjects)).tokens_estimate == 70
             infra.stop_pid(proc.pid)
             proc.wait(5)

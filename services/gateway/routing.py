@@ -1,0 +1,88 @@
+"""Placement in the gateway itself, for the dispatch policies that read nothing but worker
+load (issue 15: fewer hops on the critical path).
+
+`round_robin`, `least_outstanding`, `power_of_two` and `random` decide from the live workers'
+heartbeats and the requests in flight; none reads the prediction or keeps per-request books.
+For them a round trip to the dispatcher (two NATS messages, a wake-up of another process and
+~1 ms at concurrency 1 on two cores) buys nothing the gateway does not know better itself: it
+counts its own requests in flight on each worker exactly, and learns the rest of each worker's
+load (other gateways' requests) from the worker's heartbeat. The dispatcher still hears of every
+placement through the `dispatched` event (its shared accounting, issue 13) and still places
+what needs it: the model-based and packing policies, LoRA requests (adapter placement is its
+job) and everything while the gateway has no fresh heartbeat of the deployment.
+`local_dispatch = false` (setting) sends every request to the dispatcher as before.
+
+The same counts serve the fallback when no dispatcher answers (`admission.local_placement`).
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from polyserve.proto import Heartbeat
+
+LOCAL_POLICIES = frozenset({"round_robin", "least_outstanding", "power_of_two", "random"})
+
+
+class LocalRouter:
+    """Each live worker's load as this gateway sees it, and the load-only policies over it."""
+
+    def __init__(self, seed: int | None = None):
+        self.own: dict[str, int] = {}  # worker -> requests of this gateway on it, not ended yet
+        # worker -> running + waiting at its last heartbeat that were not this gateway's
+        # (other gateways' requests; a snapshot, refreshed by the next heartbeat)
+        self.others: dict[str, int] = {}
+        self._last: dict[str, str] = {}  # deployment -> worker chosen last (round_robin)
+        self._rng = random.Random(seed)
+
+    # ------------------------------------------------------------------ accounting
+    def count(self, old: str, new: str) -> None:
+        """A request of this gateway left worker `old` and went to `new` ("" = none)."""
+        if old:
+            left = self.own.get(old, 0) - 1
+            if left > 0:
+                self.own[old] = left
+            else:
+                self.own.pop(old, None)
+        if new:
+            self.own[new] = self.own.get(new, 0) + 1
+
+    def on_heartbeat(self, hb: Heartbeat) -> None:
+        # What the worker reports beyond this gateway's own requests. Clamped at 0: a request
+        # published a moment ago may not have reached the worker when it sent the heartbeat.
+        self.others[hb.worker_id] = max(0, hb.running + hb.waiting - self.own.get(hb.worker_id, 0))
+
+    def forget(self, worker_id: str) -> None:
+        self.others.pop(worker_id, None)
+
+    def load(self, hb: Heartbeat) -> int:
+        """Requests on the worker now: this gateway's (exact) plus the others' (last heartbeat)."""
+        return self.own.get(hb.worker_id, 0) + self.others.get(hb.worker_id, 0)
+
+    def _key(self, hb: Heartbeat) -> tuple[int, float, str]:
+        # the dispatcher's join-the-shortest-queue order (dispatcher/views.load_key): load, then
+        # the emptier KV cache, then worker_id, so that ties are broken the same everywhere
+        kv = hb.kv_used / hb.kv_capacity if hb.kv_capacity > 0 else 0.0
+        return self.load(hb), kv, hb.worker_id
+
+    # ------------------------------------------------------------------ policies
+    def choose(self, policy: str, deployment: str, workers: Sequence[Heartbeat]) -> Heartbeat:
+        """The worker `policy` picks among `workers` (non-empty; already filtered to those
+        that can take the request)."""
+        if policy == "round_robin":
+            ids = sorted(workers, key=lambda hb: hb.worker_id)
+            last = self._last.get(deployment, "")
+            hb = next((w for w in ids if w.worker_id > last), ids[0])
+            self._last[deployment] = hb.worker_id
+            return hb
+        if policy == "random":
+            return self._rng.choice(list(workers))
+        if policy == "power_of_two" and len(workers) > 2:
+            return min(self._rng.sample(list(workers), 2), key=self._key)
+        return min(workers, key=self._key)  # least_outstanding, and power_of_two of <= 2
+
+
+def candidates(live: Sequence[Heartbeat], input_tokens: int, exclude: Sequence[str]) -> list[Heartbeat]:
+    """The live workers that can take a request of `input_tokens` and are not excluded."""
+    return [hb for hb in live if hb.worker_id not in exclude
+            and (hb.max_input_len <= 0 or input_tokens <= hb.max_input_len)]

@@ -1,0 +1,72 @@
+"""The gateway places least_outstanding requests itself (services/gateway/routing.py): real
+nats-server, redis-server, predictor, dispatcher, two sim workers and the gateway over HTTP."""
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from polyserve.dispatcher.config import DispatcherSettings
+from polyserve.dispatcher.service import DispatcherService
+from polyserve.gateway.config import GatewaySettings
+from polyserve.gateway.service import GatewayService
+from polyserve.predictor.config import PredictorSettings
+from polyserve.predictor.service import PredictorService
+from polyserve.proto import AnyEvent, Deployment, DispatchRequest, GenerateRequest
+from polyserve.worker.config import WorkerSettings
+from polyserve.worker.service import WorkerService
+from tests.helpers import assert_lifecycle, running, wait_for
+from tests.integration.conftest import MODEL
+
+pytestmark = pytest.mark.integration
+
+
+async def test_least_outstanding_is_placed_in_the_gateway_and_spread(make_settings, state, bus, subjects):
+    asked: list[DispatchRequest] = []
+    generated: dict[str, list[GenerateRequest]] = {"w-a": [], "w-b": []}
+    events: list = []
+
+    async def on_dispatch(req: DispatchRequest):
+        asked.append(req)
+
+    async def on_event(ev):
+        events.append(ev)
+
+    await bus.listen(subjects.dispatch, DispatchRequest, on_dispatch)  # a copy of every dispatch request
+    for wid, got in generated.items():
+        async def on_generate(req: GenerateRequest, got=got):
+            got.append(req)
+        await bus.listen(subjects.generate(wid), GenerateRequest, on_generate)
+    await bus.listen(f"{subjects.prefix}.v1.events.>", AnyEvent, on_event)
+    await bus.nc.flush()
+
+    await state.put_deployment(Deployment(id=MODEL, model=MODEL, engine="sim", policy="least_outstanding"))
+    workers = [WorkerService(make_settings(WorkerSettings, "worker", worker_id=wid, deployment=MODEL, model=MODEL,
+                                           engine="sim", time_scale=0.2, heartbeat_interval_s=0.2,
+                                           heartbeat_ttl_s=1.0)) for wid in generated]
+    gw = GatewayService(make_settings(GatewaySettings, "gateway", port=0))
+    services = [PredictorService(make_settings(PredictorSettings, "predictor", proxy_artifact="")),
+                DispatcherService(make_settings(DispatcherSettings, "dispatcher")), *workers, gw]
+    async with running(*services):
+        await wait_for(lambda: len(gw.gs.fresh_heartbeats(MODEL)) == 2, what="both workers' heartbeats")
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=20)
+        # six at once: each worker gets three, whatever order their heartbeats came in
+        done = await asyncio.gather(*(client.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=12)
+                                      for i in range(6)))
+        assert all(c.choices[0].text for c in done)
+        await wait_for(lambda: sum(len(g) for g in generated.values()) == 6, what="six generate requests")
+        assert sorted(len(g) for g in generated.values()) == [3, 3]
+        assert gw.gs.router.own == {}  # every request ended: none counts against a worker
+        await client.close()
+        ids = {c.id for c in done}
+        await wait_for(lambda: sum(1 for e in events if type(e).__struct_config__.tag == "completed"
+                                   and e.request_id in ids) == 6, what="six completed events")
+    assert asked == []  # no dispatcher round trip
+    for rid in ids:
+        mine = [e for e in events if getattr(e, "request_id", None) == rid]
+        assert_lifecycle([type(e).__struct_config__.tag for e in mine])
+        by = {type(e).__struct_config__.tag: e for e in mine}
+        assert by["dispatched"].policy == "least_outstanding"
+        # the predictor's answer is recorded even when the request did not wait for it
+        assert by["completed"].predicted_tokens == by["predicted"].tokens_estimate > 0

@@ -1,0 +1,102 @@
+"""The gateway's own placement for load-only policies (services/gateway/routing.py and
+admission.place_here): its counts, each policy's choice, and when a request may start
+without waiting for its prediction."""
+from __future__ import annotations
+
+import asyncio
+
+from opentelemetry import trace
+
+from polyserve.gateway import admission
+from polyserve.gateway.config import GatewaySettings
+from polyserve.gateway.context import GatewayState
+from polyserve.gateway.routing import LocalRouter, candidates
+from polyserve.proto import DispatchRequest, Heartbeat, Subjects
+
+
+def hb(wid: str, running: int = 0, waiting: int = 0, max_batch: int = 4, max_input_len: int = 0,
+       dep: str = "d") -> Heartbeat:
+    return Heartbeat(worker_id=wid, deployment=dep, model="m", engine="sim", running=running, waiting=waiting,
+                     max_batch=max_batch, max_input_len=max_input_len)
+
+
+def test_counts_follow_requests_and_heartbeats_add_the_others():
+    r = LocalRouter()
+    a, b = hb("a"), hb("b")
+    r.count("", "a")
+    r.count("", "a")
+    r.count("a", "b")  # one moved (migration or redirect)
+    assert (r.load(a), r.load(b)) == (1, 1)
+    r.on_heartbeat(hb("a", running=3, waiting=1))  # 4 on it, 1 of them ours: 3 from other gateways
+    assert r.load(a) == 4
+    r.count("a", "")  # ours ended
+    assert r.load(a) == 3 and "a" not in r.own
+    r.on_heartbeat(hb("b", running=0))  # ours not there yet: never below zero
+    assert r.load(b) == 1
+    r.forget("a")
+    assert r.load(a) == 0
+
+
+def test_least_outstanding_breaks_ties_by_kv_then_worker_id_and_spreads():
+    r = LocalRouter()
+    ws = [hb("c"), hb("a"), hb("b")]
+    seq = []
+    for _ in range(6):
+        w = r.choose("least_outstanding", "d", ws)
+        r.count("", w.worker_id)
+        seq.append(w.worker_id)
+    assert seq == ["a", "b", "c", "a", "b", "c"]
+    full = Heartbeat(worker_id="a", deployment="d", model="m", engine="sim", kv_used=90, kv_capacity=100)
+    assert LocalRouter().choose("least_outstanding", "d", [full, hb("b")]).worker_id == "b"
+
+
+def test_round_robin_power_of_two_and_random():
+    r = LocalRouter(seed=1)
+    ws = [hb("b"), hb("a"), hb("c")]
+    assert [r.choose("round_robin", "d", ws).worker_id for _ in range(4)] == ["a", "b", "c", "a"]
+    assert r.choose("round_robin", "other", ws).worker_id == "a"  # per deployment
+    r.count("", "a")
+    r.count("", "a")
+    picks = {r.choose("power_of_two", "d", ws).worker_id for _ in range(50)}
+    assert picks == {"b", "c"}  # the loaded one loses every pair it is in; the pairs vary
+    assert {r.choose("random", "d", ws).worker_id for _ in range(60)} == {"a", "b", "c"}
+
+
+def test_candidates_respect_exclusions_and_input_limits():
+    ws = [hb("a", max_input_len=100), hb("b"), hb("c")]
+    assert [w.worker_id for w in candidates(ws, 200, ["c"])] == ["b"]
+
+
+def _state(**kw) -> GatewayState:
+    return GatewayState(GatewaySettings(**kw), Subjects("polyserve"), trace.get_tracer("t"), asyncio.Event())
+
+
+def _req(**kw) -> DispatchRequest:
+    base = dict(request_id="r", deployment="d", model="m", input_tokens=10)
+    base.update(kw)
+    return DispatchRequest(**base)
+
+
+def test_place_here_only_for_load_only_policies_with_a_heartbeat():
+    gs = _state()
+    assert admission.place_here(gs, _req(), "least_outstanding") is None  # no heartbeat yet: the dispatcher
+    asyncio.run(gs.on_heartbeat(hb("a", max_batch=2)))
+    placement, free = admission.place_here(gs, _req(), "least_outstanding")
+    assert (placement.worker_id, placement.policy, free) == ("a", "least_outstanding", True)
+    assert admission.place_here(gs, _req(), "aladdin") is None  # reads performance models
+    assert admission.place_here(gs, _req(), "first_fit") is None  # reads the prediction
+    assert admission.place_here(gs, _req(adapter="lora-1"), "least_outstanding") is None  # adapter placement
+    assert admission.place_here(gs, _req(exclude=["a"]), "least_outstanding") is None
+    assert admission.place_here(_state(local_dispatch=False), _req(), "least_outstanding") is None
+
+
+def test_a_request_waits_for_its_prediction_only_when_it_would_queue():
+    gs = _state()
+    asyncio.run(gs.on_heartbeat(hb("a", max_batch=2)))
+    gs.router.count("", "a")
+    assert admission.place_here(gs, _req(), "least_outstanding")[1] is True  # 1 of 2 slots taken
+    gs.router.count("", "a")
+    assert admission.place_here(gs, _req(), "least_outstanding")[1] is False  # full: it queues, the hint orders it
+    gs2 = _state()
+    asyncio.run(gs2.on_heartbeat(hb("a", running=0, waiting=1, max_batch=8)))
+    assert admission.place_here(gs2, _req(), "least_outstanding")[1] is False  # a queue already
