@@ -80,19 +80,21 @@ def decode(data: bytes, typ: type[T]) -> T:
     return msgspec.json.decode(data, type=typ)
 
 
-def sampled() -> bool:
-    """Whether the current trace is sampled (recorded here and, under the parent-based samplers
-    every service uses, downstream). When it is not (no exporter: `telemetry.py` samples off),
-    client spans and trace headers record nothing anywhere, yet cost ~5% of the gateway's CPU
-    (a span, a context attach and an inject per hop; docs/benchmarks/overhead.md), so they are
-    skipped: a downstream service then starts a trace of its own, which its sampler decides."""
-    return trace.get_current_span().get_span_context().trace_flags.sampled
+def unsampled() -> bool:
+    """Whether the current span belongs to a trace that is not sampled (recorded neither here
+    nor, under the parent-based samplers every service uses, downstream). With no exporter
+    (`telemetry.py` samples off) every request's trace is such a one, and its client spans and
+    trace headers record nothing anywhere yet cost ~5% of the gateway's CPU (a span, a context
+    attach and an inject per hop; docs/benchmarks/overhead.md): they are skipped. Without a
+    current span a client span is still made: it starts a trace its tracer's sampler decides."""
+    ctx = trace.get_current_span().get_span_context()
+    return ctx.is_valid and not ctx.trace_flags.sampled
 
 
 def trace_headers(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Current trace context as NATS headers (traceparent, tracestate), when it is sampled."""
     headers: dict[str, str] = dict(extra or {})
-    if sampled():
+    if not unsampled():
         propagate.inject(headers)
     return headers
 
@@ -162,7 +164,7 @@ class Bus:
     async def request(self, subject: str, msg: Any, reply_type: type[T], timeout: float,
                       span_name: str | None = None) -> T:
         """Send `msg`, wait for a typed reply; raise BusError on error/no responder/timeout."""
-        if not sampled():
+        if unsampled():
             return await self._request(subject, msg, reply_type, timeout)
         with self.tracer.start_as_current_span(span_name or f"request {subject}", kind=SpanKind.CLIENT):
             return await self._request(subject, msg, reply_type, timeout)

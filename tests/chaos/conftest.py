@@ -13,7 +13,7 @@ from polyserve.bench.chaos_run import run_scenario
 # 150 streams of 64 tokens, 50 at a time, on 2 workers: about 5 s of load around the fault
 CONFIG = chaos_faults.ChaosConfig(workers=2, requests=150, concurrency=50, tokens=64, time_scale=0.5,
                                   hang_s=30.0, overload_inflight=32, overload_s=3.0, slow_readers=2,
-                                  slow_tokens=12_000, slow_stall_s=12.0)
+                                  slow_tokens=12_000, slow_stall_s=6.0)
 
 
 def scenario_row(name: str, **overrides) -> dict:

@@ -39,6 +39,13 @@ async def test_least_outstanding_is_placed_in_the_gateway_and_spread(make_settin
             got.append(req)
         await bus.listen(subjects.generate(wid), GenerateRequest, on_generate)
     await bus.listen(f"{subjects.prefix}.v1.events.>", AnyEvent, on_event)
+    headers: list = []
+
+    async def on_raw(msg):
+        headers.append(msg.headers)
+
+    await bus.nc.subscribe(subjects.predict, cb=on_raw)
+    await bus.nc.subscribe(subjects.generate("w-a"), cb=on_raw)
     await bus.nc.flush()
 
     await state.put_deployment(Deployment(id=MODEL, model=MODEL, engine="sim", policy="least_outstanding"))
@@ -63,6 +70,8 @@ async def test_least_outstanding_is_placed_in_the_gateway_and_spread(make_settin
         await wait_for(lambda: sum(1 for e in events if type(e).__struct_config__.tag == "completed"
                                    and e.request_id in ids) == 6, what="six completed events")
     assert asked == []  # no dispatcher round trip
+    # nothing exports spans here (sampling off): no trace headers on the requests' messages
+    assert len(headers) >= 9 and not any(headers), headers[:3]
     for rid in ids:
         mine = [e for e in events if getattr(e, "request_id", None) == rid]
         assert_lifecycle([type(e).__struct_config__.tag for e in mine])
