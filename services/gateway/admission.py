@@ -223,6 +223,7 @@ def place_here(gs: GatewayState, req: DispatchRequest, policy: str) -> tuple[Pla
         return None
     hb = gs.router.choose(policy, req.deployment, fits)
     free = hb.waiting == 0 and gs.router.load(hb) < max(1, hb.max_batch)
+    gs.router.assign(req.request_id, hb.worker_id)
     return _placement(gs, req, hb, policy), free
 
 
@@ -289,7 +290,9 @@ async def local_placement(gs: GatewayState, req: DispatchRequest) -> Placement:
         has_adapter = bool(req.adapter) and any(a.name == req.adapter for a in hb.adapters)
         return gs.router.load(hb), 0 if has_adapter else 1
 
-    return _placement(gs, req, min(fits, key=load), "local-fallback")
+    hb = min(fits, key=load)
+    gs.router.assign(req.request_id, hb.worker_id)
+    return _placement(gs, req, hb, "local-fallback")
 
 
 def _placement(gs: GatewayState, req: DispatchRequest, hb: Heartbeat, policy: str) -> Placement:

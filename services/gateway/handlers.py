@@ -79,7 +79,6 @@ class RequestRun(Delivery):
     redirects: int = 0  # times a worker gave the request back before it started (Aladdin Alg. 2)
     _moved_ms: float = 0.0  # time spent queued on workers that gave it back
     _sent_at: float = 0.0
-    _on: str = ""  # the worker this request counts against in the gateway's router (routing.py)
     _predicting: asyncio.Future | None = None  # the predictor's answer, when the request did not wait for it
     _inbox: str = ""
     _exit: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
@@ -219,8 +218,8 @@ class RequestRun(Delivery):
 
     def _place(self, placement: Placement) -> None:
         """Run on `placement` now: this gateway's count of its requests per worker follows."""
-        self.gs.router.count(self._on, placement.worker_id)
-        self._on, self.placement = placement.worker_id, placement
+        self.gs.router.assign(self.request_id, placement.worker_id)
+        self.placement = placement
 
     async def _dispatch(self, excluded: list[str], after: asyncio.Future | None = None) -> Placement:
         return await admission.place(self.gs, self._dispatch_request(excluded), self._base(), after,
@@ -393,9 +392,7 @@ class RequestRun(Delivery):
         await self.close()
 
     async def close(self) -> None:
-        if self._on:  # once: the request no longer counts against its worker
-            self.gs.router.count(self._on, "")
-            self._on = ""
+        self.gs.router.release(self.request_id)  # no longer counts against its worker
         with contextlib.suppress(Exception):
             await self._exit.aclose()
 

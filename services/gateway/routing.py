@@ -29,6 +29,7 @@ class LocalRouter:
 
     def __init__(self, seed: int | None = None):
         self.own: dict[str, int] = {}  # worker -> requests of this gateway on it, not ended yet
+        self._where: dict[str, str] = {}  # request_id -> the worker it counts against
         # worker -> running + waiting at its last heartbeat that were not this gateway's
         # (other gateways' requests; a snapshot, refreshed by the next heartbeat)
         self.others: dict[str, int] = {}
@@ -36,16 +37,29 @@ class LocalRouter:
         self._rng = random.Random(seed)
 
     # ------------------------------------------------------------------ accounting
-    def count(self, old: str, new: str) -> None:
-        """A request of this gateway left worker `old` and went to `new` ("" = none)."""
+    def assign(self, request_id: str, worker_id: str) -> None:
+        """`request_id` runs on `worker_id` now (idempotent; a move counts once). Done at the
+        moment of choice: concurrent requests must see each other before anything awaits."""
+        old = self._where.get(request_id)
+        if old == worker_id:
+            return
         if old:
-            left = self.own.get(old, 0) - 1
-            if left > 0:
-                self.own[old] = left
-            else:
-                self.own.pop(old, None)
-        if new:
-            self.own[new] = self.own.get(new, 0) + 1
+            self._drop(old)
+        self._where[request_id] = worker_id
+        self.own[worker_id] = self.own.get(worker_id, 0) + 1
+
+    def release(self, request_id: str) -> None:
+        """`request_id` ended (or never ran): it no longer counts against a worker."""
+        old = self._where.pop(request_id, None)
+        if old:
+            self._drop(old)
+
+    def _drop(self, worker_id: str) -> None:
+        left = self.own.get(worker_id, 0) - 1
+        if left > 0:
+            self.own[worker_id] = left
+        else:
+            self.own.pop(worker_id, None)
 
     def on_heartbeat(self, hb: Heartbeat) -> None:
         # What the worker reports beyond this gateway's own requests. Clamped at 0: a request

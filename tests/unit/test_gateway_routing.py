@@ -23,13 +23,15 @@ def hb(wid: str, running: int = 0, waiting: int = 0, max_batch: int = 4, max_inp
 def test_counts_follow_requests_and_heartbeats_add_the_others():
     r = LocalRouter()
     a, b = hb("a"), hb("b")
-    r.count("", "a")
-    r.count("", "a")
-    r.count("a", "b")  # one moved (migration or redirect)
+    r.assign("r1", "a")
+    r.assign("r2", "a")
+    r.assign("r2", "a")  # idempotent
+    r.assign("r2", "b")  # moved (migration or redirect): counts once, on its new worker
     assert (r.load(a), r.load(b)) == (1, 1)
     r.on_heartbeat(hb("a", running=3, waiting=1))  # 4 on it, 1 of them ours: 3 from other gateways
     assert r.load(a) == 4
-    r.count("a", "")  # ours ended
+    r.release("r1")
+    r.release("r1")  # once
     assert r.load(a) == 3 and "a" not in r.own
     r.on_heartbeat(hb("b", running=0))  # ours not there yet: never below zero
     assert r.load(b) == 1
@@ -41,9 +43,9 @@ def test_least_outstanding_breaks_ties_by_kv_then_worker_id_and_spreads():
     r = LocalRouter()
     ws = [hb("c"), hb("a"), hb("b")]
     seq = []
-    for _ in range(6):
+    for i in range(6):
         w = r.choose("least_outstanding", "d", ws)
-        r.count("", w.worker_id)
+        r.assign(f"r{i}", w.worker_id)
         seq.append(w.worker_id)
     assert seq == ["a", "b", "c", "a", "b", "c"]
     full = Heartbeat(worker_id="a", deployment="d", model="m", engine="sim", kv_used=90, kv_capacity=100)
@@ -55,8 +57,8 @@ def test_round_robin_power_of_two_and_random():
     ws = [hb("b"), hb("a"), hb("c")]
     assert [r.choose("round_robin", "d", ws).worker_id for _ in range(4)] == ["a", "b", "c", "a"]
     assert r.choose("round_robin", "other", ws).worker_id == "a"  # per deployment
-    r.count("", "a")
-    r.count("", "a")
+    r.assign("r1", "a")
+    r.assign("r2", "a")
     picks = {r.choose("power_of_two", "d", ws).worker_id for _ in range(50)}
     assert picks == {"b", "c"}  # the loaded one loses every pair it is in; the pairs vary
     assert {r.choose("random", "d", ws).worker_id for _ in range(60)} == {"a", "b", "c"}
@@ -83,6 +85,7 @@ def test_place_here_only_for_load_only_policies_with_a_heartbeat():
     asyncio.run(gs.on_heartbeat(hb("a", max_batch=2)))
     placement, free = admission.place_here(gs, _req(), "least_outstanding")
     assert (placement.worker_id, placement.policy, free) == ("a", "least_outstanding", True)
+    gs.router.release("r")
     assert admission.place_here(gs, _req(), "aladdin") is None  # reads performance models
     assert admission.place_here(gs, _req(), "first_fit") is None  # reads the prediction
     assert admission.place_here(gs, _req(adapter="lora-1"), "least_outstanding") is None  # adapter placement
@@ -93,10 +96,10 @@ def test_place_here_only_for_load_only_policies_with_a_heartbeat():
 def test_a_request_waits_for_its_prediction_only_when_it_would_queue():
     gs = _state()
     asyncio.run(gs.on_heartbeat(hb("a", max_batch=2)))
-    gs.router.count("", "a")
-    assert admission.place_here(gs, _req(), "least_outstanding")[1] is True  # 1 of 2 slots taken
-    gs.router.count("", "a")
-    assert admission.place_here(gs, _req(), "least_outstanding")[1] is False  # full: it queues, the hint orders it
+    assert admission.place_here(gs, _req(request_id="r1"), "least_outstanding")[1] is True  # counted at once
+    assert admission.place_here(gs, _req(request_id="r2"), "least_outstanding")[1] is True  # 1 of 2 slots taken
+    assert admission.place_here(gs, _req(request_id="r3"), "least_outstanding")[1] is False  # full: it queues
+    assert gs.router.own == {"a": 3}
     gs2 = _state()
     asyncio.run(gs2.on_heartbeat(hb("a", running=0, waiting=1, max_batch=8)))
     assert admission.place_here(gs2, _req(), "least_outstanding")[1] is False  # a queue already
