@@ -301,8 +301,11 @@ class RequestRun(Delivery):
                                                                 ttft_ms=self._ms()))
                     self.gs.metrics.ttft(self.deployment.id, self._ms() / 1e3)
                 if chunk.done:
-                    self._returned = chunk.seq  # acknowledged at once: the worker forgets the stream
-                    await self._credit(force=True)
+                    # Not acknowledged: the worker keeps an ended stream's chunks for replay until
+                    # `replay_linger_s` passes (worker/handlers.py `_linger`) whether or not a
+                    # credit comes, so a credit now would only free them sooner, for one more NATS
+                    # message and worker wake-up per request (issue 15).
+                    self._returned = chunk.seq
                     # The terminal event first: a consumer may stop iterating at the done chunk.
                     await self._completed(chunk)
                     yield chunk
