@@ -72,6 +72,18 @@ def _spawn(name: str, cmd: list[str], log_path: Path, env: dict[str, str] | None
         log.close()
 
 
+def nats_env(cpus: int | None = None) -> dict[str, str]:
+    """The environment for nats-server: on a machine of at most 4 CPUs, GOMAXPROCS=1 unless the
+    caller set GOMAXPROCS. There nats-server shares the cores with every polyserve process, and
+    Go's idle processors spin looking for work before they park: with one, nats-server used
+    20-25% less CPU per request on 2 vCPUs (`polyserve bench overhead`, docs/benchmarks/overhead.md)
+    at well under 1% of what one core of it can route."""
+    env = dict(os.environ)
+    if "GOMAXPROCS" not in env and (cpus if cpus is not None else (os.cpu_count() or 1)) <= 4:
+        env["GOMAXPROCS"] = "1"
+    return env
+
+
 def start_nats(run_dir: Path, port: int | None = None, monitor_port: int | None = None,
                timeout: float = 10.0, config: str | Path | None = None) -> tuple[subprocess.Popen, str, int]:
     """nats-server with JetStream; returns (process, client url, monitoring port).
@@ -85,7 +97,7 @@ def start_nats(run_dir: Path, port: int | None = None, monitor_port: int | None 
     cmd = [find_nats_server(), *(["-c", str(config)] if config else []), "-a", "127.0.0.1",
            "-p", str(port or -1), "-m", str(monitor_port or -1),
            "-js", "-sd", str(run_dir / "jetstream"), "--ports_file_dir", str(ports_dir)]
-    proc = _spawn("nats", cmd, run_dir / "nats-server.log")
+    proc = _spawn("nats", cmd, run_dir / "nats-server.log", env=nats_env())
     ports_file = ports_dir / f"nats-server_{proc.pid}.ports"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -161,7 +173,7 @@ def start_nats_node(run_dir: Path, node: NatsNode, timeout: float = 10.0) -> sub
     lives in RUN_DIR/<name>, its log in RUN_DIR/<name>.log."""
     run_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(run_dir, 0o700)
-    proc = _spawn(node.name, [find_nats_server(), "-c", node.config], run_dir / f"{node.name}.log")
+    proc = _spawn(node.name, [find_nats_server(), "-c", node.config], run_dir / f"{node.name}.log", env=nats_env())
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

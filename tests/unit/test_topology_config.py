@@ -95,3 +95,13 @@ def test_compose_credentials_give_each_service_only_its_own(tmp_path: Path):
     again = credentials.write_compose_secrets(out)  # idempotent: the same passwords
     assert again.nats == sec.nats
     assert credentials.write_compose_secrets(out, rotate=True).nats != sec.nats
+
+
+def test_nats_server_runs_on_one_go_processor_on_small_machines(monkeypatch):
+    from polyserve.shared import infra
+
+    monkeypatch.delenv("GOMAXPROCS", raising=False)
+    assert infra.nats_env(cpus=2)["GOMAXPROCS"] == "1"
+    assert "GOMAXPROCS" not in infra.nats_env(cpus=16)
+    monkeypatch.setenv("GOMAXPROCS", "3")  # the operator's own setting wins
+    assert infra.nats_env(cpus=2)["GOMAXPROCS"] == "3"
