@@ -4,9 +4,10 @@ Export goes to an OTLP/HTTP endpoint when one is configured (settings
 `otlp_endpoint` or the standard OTEL_EXPORTER_OTLP_ENDPOINT); none by default.
 Tests pass their own SpanExporter (the SDK's InMemorySpanExporter).
 
-When nothing exports, spans are sampled off (`ALWAYS_OFF`): they still carry trace ids and
-propagate `traceparent` across NATS, but record nothing; a service that exports records all
-its spans (`ALWAYS_ON`), whatever the caller's sampled flag. A recording span
+When nothing exports, spans are sampled off (`ALWAYS_OFF`): they carry trace ids but record
+nothing, and the bus sends no `traceparent` for them (`bus.unsampled`); a service that
+exports records all its spans (`ALWAYS_ON`), whatever the caller's sampled flag, so give every
+service the same export setting (behind one that does not export, it starts its own traces). A recording span
 with no exporter cost about 240 µs per NATS hop (docs/benchmarks/overhead.md). The
 standard OTEL_TRACES_SAMPLER variable, when set, decides instead.
 """
