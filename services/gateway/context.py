@@ -96,7 +96,7 @@ class GatewayState:
         if self._cleanup:
             await asyncio.wait(set(self._cleanup), timeout=max(0.1, timeout))
 
-    async def event(self, kind: str, event) -> None:
+    async def event(self, kind: str, event, counted: bool = False) -> None:
         """Publish a lifecycle event, best effort: a request goes on when it cannot be sent.
         Coalesced (Bus.publish_soon): the ~5 events of a request, and those of concurrent
         requests, share socket writes instead of one each; in order, at most 2 ms later.
@@ -104,14 +104,20 @@ class GatewayState:
         Also the usage hook of client keys: a `completed` event carries the tokens the worker
         counted, added to the ticket of the request being served (tenancy.py), which settles
         its key's TPM reservation and usage counters when the request ends (access.py)."""
-        if kind == "completed":
-            ticket = tenancy.current()
-            if ticket is not None:
-                ticket.used(getattr(event, "input_tokens", 0), getattr(event, "output_tokens", 0))
+        if kind == "completed" and not counted:
+            self.count_usage(event)
         try:
             self.bus.publish_soon(self.subjects.event(kind), event)
         except Exception:  # noqa: BLE001 - events are best effort; the request goes on
             logger.warning("could not publish %s for %s", kind, getattr(event, "request_id", "?"))
+
+    @staticmethod
+    def count_usage(event) -> None:
+        """Add a `completed` event's tokens to the client key's ticket of the request being served
+        (`event(..., counted=True)` when this was done already)."""
+        ticket = tenancy.current()
+        if ticket is not None:
+            ticket.used(getattr(event, "input_tokens", 0), getattr(event, "output_tokens", 0))
 
     def ready_to_serve(self) -> bool:
         return self.ready.is_set() and not self.draining and self.bus is not None and self.bus.nc.is_connected

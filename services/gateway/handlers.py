@@ -205,6 +205,8 @@ class RequestRun(Delivery):
         if pending is None or pending.done():
             await self._event(kind, event)
             return
+        if kind == "completed":  # the client key's usage now: its settlement reads it when the response ends
+            self.gs.count_usage(event)
 
         async def after_prediction() -> None:
             with contextlib.suppress(Exception):
@@ -212,7 +214,7 @@ class RequestRun(Delivery):
             ev = event
             if isinstance(ev, Completed) and self.prediction is not None:
                 ev = msgspec.structs.replace(ev, predicted_tokens=self.prediction.tokens_estimate)
-            await self._event(kind, ev)
+            await self.gs.event(kind, ev, counted=True)
 
         self.gs.spawn(after_prediction())
 

@@ -152,3 +152,29 @@ async def test_the_buckets_are_atomic_with_the_services_redis_acl(infra_servers,
 
 def test_reset_durations_read_like_openais():
     assert [duration(x) for x in (20, 1500, 60_000, 361_000)] == ["20ms", "1.5s", "1m0s", "6m1s"]
+
+
+async def test_usage_is_counted_when_the_prediction_comes_after_the_answer(plane, bus, subjects):
+    """A request the gateway starts without waiting for its prediction (a free worker slot) can end
+    before the prediction: its `completed` event then waits for it, but the key's usage is counted
+    at the answer, so the settlement at the response's end sees it (issue 15)."""
+    async def black_hole(msg):  # a predictor that never answers: the hint comes after predict_timeout_s
+        pass
+
+    sub = await bus.nc.subscribe(subjects.predict, cb=black_hole)
+    await bus.nc.flush()
+    async with plane(with_predictor=False, client_keys="on", admin_api_key=ADMIN, predict_timeout_s=0.3) as p:
+        made = await make_key(p.url)
+        async with httpx.AsyncClient(base_url=p.url, headers={"Authorization": f"Bearer {made['key']}"}) as http:
+            answers = [await http.post("/v1/completions", json={"model": "sim-test", "prompt": "hi", "max_tokens": 3})
+                       for _ in range(3)]
+        assert [r.status_code for r in answers] == [200, 200, 200]
+        used = sum(r.json()["usage"]["total_tokens"] for r in answers)
+        async with httpx.AsyncClient(base_url=p.url, headers=ADMIN_H) as http:
+            for _ in range(40):  # settled in the background within moments, well before the 0.3 s hint
+                u = (await http.get(f"/v1/keys/{made['id']}")).json()["usage"]
+                if u.get("requests") == 3:
+                    break
+                await asyncio.sleep(0.005)
+        assert (u.get("requests"), u.get("total_tokens")) == (3, used), u
+    await sub.unsubscribe()
