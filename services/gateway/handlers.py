@@ -214,7 +214,10 @@ class RequestRun(Delivery):
             ev = event
             if isinstance(ev, Completed) and self.prediction is not None:
                 ev = msgspec.structs.replace(ev, predicted_tokens=self.prediction.tokens_estimate)
-            await self.gs.event(kind, ev, counted=True)
+            try:
+                await self.gs.event(kind, ev, counted=True)
+            except Exception:  # a bug, never a fault: say so loudly (the request's one terminal event)
+                logger.exception("the %s event of %s could not be published", kind, self.request_id)
 
         self.gs.spawn(after_prediction())
 

@@ -25,13 +25,13 @@ async def start(gs: GatewayState) -> None:
     m = gs.metrics
     publish = gs.event
 
-    async def event(kind: str, ev) -> None:
+    async def event(kind: str, ev, counted: bool = False) -> None:
         with contextlib.suppress(Exception):  # metrics never stop an event
             if isinstance(ev, Completed):
                 m.completed(ev.deployment, ev.output_tokens, ev.atgt_ms, ev.queue_ms, ev.predicted_tokens)
             elif isinstance(ev, Predicted):
                 m.predictions.labels(ev.deployment, ev.source).inc()
-        await publish(kind, ev)
+        await publish(kind, ev, counted)
 
     gs.event = event  # type: ignore[method-assign]  # every route publishes through gs.event
     gpus: dict[str, tuple[float, GpuTelemetry]] = {}

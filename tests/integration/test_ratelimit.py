@@ -14,7 +14,8 @@ import redis.asyncio as aioredis
 from polyserve.gateway.config import GatewaySettings
 from polyserve.gateway.ratelimit import Limiter, duration
 from polyserve.gateway.service import GatewayService
-from tests.helpers import running
+from polyserve.proto import Completed
+from tests.helpers import running, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -162,6 +163,12 @@ async def test_usage_is_counted_when_the_prediction_comes_after_the_answer(plane
         pass
 
     sub = await bus.nc.subscribe(subjects.predict, cb=black_hole)
+    completed: list[Completed] = []
+
+    async def on_completed(ev: Completed):
+        completed.append(ev)
+
+    await bus.listen(subjects.event("completed"), Completed, on_completed)
     await bus.nc.flush()
     async with plane(with_predictor=False, client_keys="on", admin_api_key=ADMIN, predict_timeout_s=0.3) as p:
         made = await make_key(p.url)
@@ -177,4 +184,8 @@ async def test_usage_is_counted_when_the_prediction_comes_after_the_answer(plane
                     break
                 await asyncio.sleep(0.005)
         assert (u.get("requests"), u.get("total_tokens")) == (3, used), u
+        # and each `completed` event comes once its prediction (the local one, past the budget) did
+        ids = {r.json()["id"] for r in answers}
+        await wait_for(lambda: {e.request_id for e in completed} >= ids, what="the three completed events")
+        assert all(e.predicted_tokens == 3 for e in completed if e.request_id in ids)  # the prior, capped
     await sub.unsubscribe()
