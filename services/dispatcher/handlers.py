@@ -3,12 +3,15 @@ the dispatcher's state (`liveview.LiveView`: workers, placements, model book, in
 
 A dispatch is one straight path: look the deployment up (cached, with a timeout: Redis is
 read only for deployments, and by the service to seed the worker view at start), let the
-view decide, record the placement in the view, answer. The handlers get what they need
+view decide, record the placement in the view, answer — for aladdin/caraserve the recording
+comes right after the reply is sent (`LiveView.record_later` / `settle`: off the reply's
+path, never missed by the next read). The handlers get what they need
 passed in — the view, the deployment cache, the subjects, the bus's `publish` (and
 `ask` for a re-balancing round) — and hold no state of their own but counters.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -64,7 +67,17 @@ class DispatchHandlers:
     async def _dispatch(self, req: DispatchRequest) -> Placement:
         dep = await self._deployment(req)
         choice = self.view.decide(dep, req)
-        self.view.record(dep, choice)
+        if dep.policy not in MODEL_POLICIES:
+            self.view.record(dep, choice)  # cheap (~6-11 µs): deferring it costs more CPU than it saves
+        elif self.view.record_later(dep, choice):
+            # aladdin/caraserve: the bookkeeping (model book, index update: ~20-40 µs) runs
+            # after this reply is sent (`LiveView.settle`): the bus publishes the reply once
+            # this returns, and the NATS client's flusher task, which writes it to the
+            # socket, is woken by that publish; a second `call_soon` hop queues `settle`
+            # behind it. Whatever runs first (another dispatch, an event) settles the queue
+            # itself, so the state is never read without it.
+            loop = asyncio.get_running_loop()
+            loop.call_soon(loop.call_soon, self.view.settle)
         if choice.decision.scale_out and dep.policy in MODEL_POLICIES:
             await self._signal(dep, req.request_id, choice.candidates)
         logger.debug("dispatch %s -> %s (deployment %s, policy %s, %d candidates%s)", req.request_id,

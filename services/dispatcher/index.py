@@ -21,12 +21,16 @@ API (what the live dispatcher calls)::
     index.placed(d.worker_id, request_view)    # outstanding + 1, request joins `requests`
     index.finished(worker_id, request_id)      # outstanding - 1, request leaves `requests`
     index.views()                   # the views, in the order the fast policies see them
+    index.get(worker_id)            # one view; index.load(worker_id): (outstanding, requests)
 
 ``placed`` / ``finished`` do what the dispatcher's own accounting does between two
 heartbeats: ``outstanding`` ±1 and, with ``track_requests=True`` (default), the request
 added to / removed from ``WorkerView.requests`` as Aladdin's "new" entry (`as_new`), which
 is what `policy_aladdin.RequestBook` gives Aladdin and CaraServe. The next `upsert` replaces
 the whole view (the caller builds it from the heartbeat, its outstanding count and book).
+With aladdin's / caraserve's structures only, `placed` updates them from the new entry alone
+and builds the new WorkerView when something reads it (lazy views: `get`, `views`, a
+decision that needs it); an `upsert` replaces it without building it.
 Decisions are exact for the views the index holds: views whose `requests` carry time-based
 estimates (`RequestBook.requests(now)`) are as fresh as their last `upsert` (heartbeat or
 first-token event), where the pure policy would see them at `now`.
@@ -47,17 +51,17 @@ What each structure costs per decision (n workers) and what it assumes:
   rounding, one token for KV) and three *sufficient* ones of the same form (as strict: the
   same bounds, and for KV the sum of each request's footprint at its last step, which
   bounds the peak from above when h >= 0). Workers no request can fit (batch full, no room
-  left) are left out; the others sit in blocks of up to 16 keys with an upper bound of each
-  block's necessary limits (stale-high until a walk finds the block empty-handed and
-  tightens it), so a decision skips whole blocks no worker of which can take the request,
-  then walks from the fullest
+  left) are left out; the others sit in blocks of up to 16 keys with each block's maxima of
+  the necessary limits (kept exact by the updates, `index_structs._Blocked`), so a decision
+  skips whole blocks no worker of which can take the request, then walks from the fullest
   worker, skips those whose necessary limits the request exceeds, takes the first whose
   sufficient limits it meets without running `check`, and runs the real `check` only where
   the two disagree (near a boundary) — O(blocks + k), `check` rarely. The fallback (nothing
   fits: the least `policy_aladdin.fallback_key`, scale_out=True) scans every view —
   O(Σ requests), only when no worker fits. What the limits read of a perf model is
   computed once per model (`index_models._Consts`). An upsert recomputes one worker's sums
-  in one pass (O(its requests)); `placed` adds the new request to them in O(1) — the
+  in one pass (O(its requests)); `placed` adds the new request to them in place, in O(1),
+  and recomputes the worker's key from them and its model's constants alone — the
   Σ(l_in + γ·l_out) that `capacity_norm` reads stays bit-identical because CPython's `sum`
   adds floats left to right (< 3.12; on 3.12+ `capacity_norm` itself is called).
 * caraserve: cost groups of workers alike but for their context, visited in the order of
@@ -111,6 +115,15 @@ class WorkerIndex:
         self._ids: list[str] = []  # sorted
         self._structs: dict[str, _Struct] = {}
         self._aladdin: dict[tuple[float, float], _Aladdin] = {}
+        # Placements not yet in `_views` (lazy views): worker -> the entries placed on it since
+        # its view was last built. With requests tracked and only structures that update
+        # from the entry alone (aladdin's, caraserve's: `placed_from`), `placed` leaves the
+        # WorkerView as it is; the view is built when something reads it (`_fresh`), and a
+        # heartbeat's upsert, which replaces it, never builds it. Building it was ~2 µs of a
+        # placement's ~13 (fifth round, docs/benchmarks/dispatch.md).
+        self._pending: dict[str, list] = {}
+        self._lazy = False  # on with a LAZY structure and no other (`_fill`), tracking requests
+        self._lazy_ok = track_requests
         for name in policies:
             self.prepare(name)
 
@@ -138,9 +151,12 @@ class WorkerIndex:
         raise KeyError(name)
 
     def _fill(self, s: _Struct) -> _Struct:
+        self._fresh_all()
         for v in self._views.values():
             s.update(None, v)
         s.membership_changed()
+        self._lazy_ok = self._lazy_ok and s.LAZY
+        self._lazy = self._lazy_ok and (s.LAZY or self._lazy)
         return s
 
     def _struct(self, name: str):
@@ -173,6 +189,7 @@ class WorkerIndex:
         old = self._views.pop(worker_id, None)
         if old is None:
             return False
+        self._pending.pop(worker_id, None)
         i = self._pos.pop(worker_id)
         order, pos = self._order, self._pos
         del order[i]  # keep the insertion order (as the dispatcher's registry does): O(n), rare
@@ -184,24 +201,71 @@ class WorkerIndex:
             s.membership_changed()
         return True
 
-    def placed(self, worker_id: str, request: RequestView, entry=None) -> WorkerView:
+    def placed(self, worker_id: str, request: RequestView, entry=None) -> None:
         """The dispatcher placed `request` on the worker: outstanding + 1 (and, tracking
         requests, it joins the worker's `requests` as a not-yet-started entry: `entry`, when
-        the caller has made it already, must be `policy_aladdin.as_new(request)`)."""
-        w = self._get(worker_id)
+        the caller has made it already, must be `policy_aladdin.as_new(request)`). The view
+        may be built later (`get`, `views` and `load` see the placement at once)."""
+        w = self._views.get(worker_id)
+        if w is None:
+            w = self._get(worker_id)  # (raises the KeyError that says what to do)
         if not self.track_requests:
-            return self._set(_with_load(w, w.outstanding + 1, w.requests))
+            self._set(_with_load(w, w.outstanding + 1, w.requests))
+            return
         if entry is None:
             entry = AL.as_new(request)
-        return self._set(_with_load(w, w.outstanding + 1, w.requests + (entry,)), entry)
+        if self._lazy and self._placed_lazily(w, entry):
+            return
+        w = self._fresh(worker_id)
+        self._set(_with_load(w, w.outstanding + 1, w.requests + (entry,)), entry)
+
+    def _placed_lazily(self, w: WorkerView, entry) -> bool:
+        """`placed` without building the view (lazy views); False when an aladdin structure
+        declines (its view lists no requests), nothing done."""
+        al = self._aladdin
+        if len(al) > 1 and not all(s.can_place(w.worker_id) for s in al.values()):
+            return False
+        for s in al.values():  # (first: with one structure, it may decline, nothing done yet)
+            if not s.placed_from(w, entry):
+                return False
+        for s in self._structs.values():
+            s.placed_from(w, entry)
+        pend = self._pending.get(w.worker_id)
+        if pend is None:
+            self._pending[w.worker_id] = [entry]
+        else:
+            pend.append(entry)
+        return True
+
+    def load(self, worker_id: str) -> tuple[int, int] | None:
+        """(outstanding, requests listed) of the worker's current view, without building it
+        (None: not indexed)."""
+        w = self._views.get(worker_id)
+        if w is None:
+            return None
+        n = len(self._pending.get(worker_id, ()))
+        return w.outstanding + n, len(w.requests) + n
+
+    def _fresh(self, worker_id: str) -> WorkerView:
+        """The worker's view with the placements not yet built into it (lazy views)."""
+        w = self._views[worker_id]
+        pend = self._pending.pop(worker_id, None)
+        if pend is not None:
+            w = self._views[worker_id] = _with_load(w, w.outstanding + len(pend), w.requests + tuple(pend))
+            self._order[self._pos[worker_id]] = w
+        return w
+
+    def _fresh_all(self) -> None:
+        for wid in list(self._pending):
+            self._fresh(wid)
 
     def finished(self, worker_id: str, request: RequestView | str) -> WorkerView | None:
         """A request placed on the worker completed or failed: outstanding − 1 and, tracking
         requests, it leaves `requests` (a request not there is a duplicate event: no change).
         None when the worker is gone."""
-        w = self._views.get(worker_id)
-        if w is None:
+        if worker_id not in self._views:
             return None
+        w = self._fresh(worker_id)
         rid = request if isinstance(request, str) else request.request_id
         reqs = w.requests
         if self.track_requests:
@@ -222,6 +286,9 @@ class WorkerIndex:
     def _set(self, view: WorkerView, added=None) -> WorkerView:
         wid = view.worker_id
         old = self._views.get(wid)
+        # a heartbeat's view replaces the placements not yet built in (the structures read
+        # only `old.worker_id` when `added` is None: the stale `old` will do)
+        self._pending.pop(wid, None)
         self._views[wid] = view
         if old is None:
             self._pos[wid] = len(self._order)
@@ -240,9 +307,13 @@ class WorkerIndex:
     # -- reads --------------------------------------------------------------------
     def views(self) -> list[WorkerView]:
         """The indexed views, in the order random / power_of_two draw from."""
+        if self._pending:
+            self._fresh_all()
         return list(self._order)
 
     def get(self, worker_id: str) -> WorkerView | None:
+        if worker_id in self._pending:
+            return self._fresh(worker_id)
         return self._views.get(worker_id)
 
     def __len__(self) -> int:
@@ -279,6 +350,8 @@ def fast_power_of_two(index: WorkerIndex, request: RequestView, state: PolicySta
     if len(order) == 1:
         return Decision(order[0].worker_id, state)
     a, b = rng.sample(order, 2)
+    if index._pending:  # (their views with the placements not built in yet)
+        a, b = index._fresh(a.worker_id), index._fresh(b.worker_id)
     return Decision(min(a, b, key=P.load_key).worker_id, state)
 
 
@@ -309,7 +382,6 @@ def fast_aladdin(index: WorkerIndex, request: RequestView, state: PolicyState, r
     s = index._aladdin_for(cfg)
     if s is None:  # more distinct SLO pairs than indexed: the pure scan
         return AL.aladdin_best_fit(index.views(), request, state, rng)
-    views = index._views
     need_in, out = request.input_tokens, AL.new_output(request)
     need_w = need_in + cfg.gamma * out
     need_t = need_in + out
@@ -319,20 +391,16 @@ def fast_aladdin(index: WorkerIndex, request: RequestView, state: PolicyState, r
     for i, blk in enumerate(live.blocks):
         mx = maxes[i]
         if need_in > mx[0] or need_w > mx[1] or need_t > mx[2]:
-            continue  # no key of this block can take it
-        stale = True
+            continue  # no key of this block can take it (the maxima are exact: `_Blocked`)
         for key in blk:
             if need_in > key[2] or need_w > key[3] or need_t > key[4]:
                 continue  # fails a constraint for sure: no need to run `check`
             if need_in <= key[5] and need_w <= key[6] and need_t <= key[7]:
                 return Decision(key[1], state)  # passes every constraint for sure
-            if not AL.check(views[key[1]], request, cfg):
+            if not AL.check(index.get(key[1]), request, cfg):
                 return Decision(key[1], state)
-            stale = False
-        if stale:
-            live.tighten(i)  # no key was within the bound: it was stale, make it exact
     # none fits: where it does the least harm (the pure policy's fallback, over every view)
-    return Decision(AL.fallback(views.values(), request, cfg), state, scale_out=True)
+    return Decision(AL.fallback(index.views(), request, cfg), state, scale_out=True)
 
 
 def fast_caraserve(index: WorkerIndex, request: RequestView, state: PolicyState, rng) -> Decision:

@@ -84,13 +84,25 @@ def _batch_sums(w: WorkerView, prev: tuple | None, added) -> tuple | None:
     return sum(r.input_tokens + r.generated for r in reqs), len(reqs), max(ranks), sum(ranks)
 
 
-def _cara_signature(w: WorkerView, sums: tuple | None = None) -> tuple[tuple, tuple, bool, bool, tuple]:
+def _fit_of(perf, kernel: str) -> tuple:
+    """What `cost_of` reads of a worker's perf model and kernel, by value: (k2, c2, c3, LoRA
+    coefficients, α, β, MBGMV?, bounded, ordering: 1 by context, 0 context-free, -1 none)."""
+    m = perf.base
+    lora = tuple(perf.lora.get(kernel, LORA_DEFAULTS[BGMV]))
+    order = 1 if m.k2 > 0 and m.c2 >= 0 and m.c3 >= 0 else 0 if m.k2 == 0 else -1
+    return m.k2, m.c2, m.c3, lora, lora[0], lora[1], kernel == MBGMV, m.k2 >= 0 and lora[0] >= 0, order
+
+
+def _cara_signature(w: WorkerView, sums: tuple | None = None, fit: tuple | None = None
+                    ) -> tuple[tuple, tuple, bool, bool, tuple]:
     """(group signature, member key, ordered, bounded, cost inputs) of a worker (see the
     module docstring); the cost inputs are what `cost_of` computes before it looks at the
     request: (k2, c2, c3, LoRA α, LoRA β, MBGMV?, b, mean context, max rank, Σ rank, step
     time now, KV room, adapters) — what `_cara_cost` and a decision read, so that neither
-    fetches the perf model or the view. `sums`: its `_batch_sums` (None: computed here)."""
-    perf = w.perf or CS._LORA_ONLY
+    fetches the perf model or the view. `sums`: its `_batch_sums` (None: computed here);
+    `fit`: its `_fit_of` (None: computed here; `_Cara` keeps one per perf model)."""
+    if fit is None:
+        fit = _fit_of(w.perf or CS._LORA_ONLY, w.kernel)
     if sums is None and w.requests:
         sums = _batch_sums(w, None, None)
     if sums is not None:
@@ -98,22 +110,23 @@ def _cara_signature(w: WorkerView, sums: tuple | None = None) -> tuple[tuple, tu
         ctx = sums[0] / b
     else:
         b, ctx, mx, sm = CS._batch_state(w)
-    m = perf.base
-    lora = tuple(perf.lora.get(w.kernel, LORA_DEFAULTS[BGMV]))
-    alpha = lora[0]
-    state = (m.k2, m.c2, m.c3, alpha, lora[1], w.kernel == MBGMV, b, ctx, mx, sm,
-             CS.step_ms(perf, w.kernel, b, ctx, mx, sm),
+    k2, c2, c3, lora, alpha, beta, mbgmv, bounded, order = fit
+    # `policy_caraserve.step_ms` (decode_ms + lora_ms, four calls) written out: the same
+    # float operations; every update computes it (fifth round)
+    t0 = 0.0
+    if b > 0:
+        t0 = (k2 * ctx + c2) * b + c3
+        if not t0 > 0.0:
+            t0 = 0.0
+        if mx > 0:
+            x = alpha * (sm if mbgmv else b * mx) + beta
+            t0 += x if x > 0.0 else 0.0
+    state = (k2, c2, c3, alpha, beta, mbgmv, b, ctx, mx, sm, t0,
              w.kv_capacity - w.kv_used if w.kv_capacity > 0 else _INF, w.adapters)
-    bounded = m.k2 >= 0 and alpha >= 0
-    if m.k2 > 0 and m.c2 >= 0 and m.c3 >= 0:
-        ordered, mkey = True, (ctx, w.worker_id)
-    elif m.k2 == 0:
-        ordered, mkey = True, (0.0, w.worker_id)  # the context does not enter the cost
-    else:
-        ordered, mkey = False, (ctx, w.worker_id)
+    mkey = (ctx if order else 0.0, w.worker_id)  # (k2 == 0: the context does not enter the cost)
     # what `cost_of` reads of the perf model, by value: workers with equal fits share groups
-    sig = (m.k2, m.c2, m.c3, lora, w.kernel, b, mx, sm if w.kernel == MBGMV else -1)
-    return sig, mkey, ordered, bounded, state
+    sig = (k2, c2, c3, lora, w.kernel, b, mx, sm if mbgmv else -1)
+    return sig, mkey, order >= 0, bounded, state
 
 
 def _cara_cost(state: tuple, n_in: int, rank: int, slo: float, penalty: float) -> tuple[float, bool]:
@@ -145,6 +158,8 @@ class _Cara(_Struct):
     (in its member list, its slot-free list when it has a free adapter slot, and the holder
     list of each adapter it holds), so an update touches one or two groups only."""
 
+    LAZY = True  # a placement updates it from the entry alone (`placed_from`)
+
     def __init__(self, views: dict[str, WorkerView]):
         self.views = views
         self.groups: dict[tuple, _CaraGroup] = {}
@@ -153,6 +168,7 @@ class _Cara(_Struct):
         self.where: dict[str, tuple] = {}  # worker_id -> (group, member key, slot-free, adapters)
         self.state: dict[str, tuple] = {}  # worker_id -> its cost inputs (`_cara_signature`)
         self.sums: dict[str, tuple] = {}  # worker_id -> `_batch_sums` of its requests
+        self.fits: dict[tuple, tuple] = {}  # (id(perf), kernel) -> (perf, `_fit_of`): per model, not per update
         self._next = 0
         # The same (bound, gid, group) entries, filed for requests naming an adapter: groups
         # holding more than NARROW adapters in `wide`; the others under each adapter they
@@ -215,20 +231,7 @@ class _Cara(_Struct):
 
     def update(self, old: WorkerView | None, new: WorkerView | None, added=None) -> None:
         if old is not None:
-            g, mkey, free, adapters = self.where.pop(old.worker_id)
-            first = g.members[0]
-            m = g.members
-            del m[bisect_left(m, mkey)]
-            if free:
-                del g.free[bisect_left(g.free, mkey)]
-            for a in adapters:
-                lst = g.holders[a]
-                del lst[bisect_left(lst, mkey)]
-                if not lst:
-                    del g.holders[a]
-            if not m or m[0] != first:
-                self._rebound(g)
-            self._file(g)
+            self._take_out(old.worker_id)
         if new is None:
             self.state.pop(old.worker_id, None)
             self.sums.pop(old.worker_id, None)
@@ -239,7 +242,46 @@ class _Cara(_Struct):
             self.sums.pop(wid, None)
         else:
             self.sums[wid] = sums
-        sig, mkey, ordered, bounded, state = _cara_signature(new, sums)
+        self._put_in(new, sums)
+
+    def placed_from(self, w: WorkerView, entry) -> None:
+        """`entry` placed on the worker (`_Struct.placed_from`): its batch sums from those
+        kept (all of its requests so far: none when it lists none), its other cost inputs
+        from `w` (a placement changes only its requests)."""
+        wid = w.worker_id
+        prev = self.sums.get(wid)
+        self._take_out(wid)
+        sums = self.sums[wid] = _batch_sums(w, (0, 0, 0, 0) if prev is None else prev, entry)
+        self._put_in(w, sums)
+
+    def _take_out(self, wid: str) -> None:
+        """Remove the worker from its group's lists."""
+        g, mkey, free, adapters = self.where.pop(wid)
+        first = g.members[0]
+        m = g.members
+        del m[bisect_left(m, mkey)]
+        if free:
+            del g.free[bisect_left(g.free, mkey)]
+        for a in adapters:
+            lst = g.holders[a]
+            del lst[bisect_left(lst, mkey)]
+            if not lst:
+                del g.holders[a]
+        if not m or m[0] != first:
+            self._rebound(g)
+        self._file(g)
+
+    def _put_in(self, new: WorkerView, sums: tuple | None) -> None:
+        """File the worker (`new`: its view, or one differing only in its requests, whose
+        `_batch_sums` are `sums`) in its group."""
+        wid = new.worker_id
+        perf = new.perf or CS._LORA_ONLY
+        fit = self.fits.get((id(perf), new.kernel))
+        if fit is None or fit[0] is not perf:
+            if len(self.fits) > 4096:  # per-worker online fits are replaced as they refit
+                self.fits.clear()
+            fit = self.fits[(id(perf), new.kernel)] = (perf, _fit_of(perf, new.kernel))
+        sig, mkey, ordered, bounded, state = _cara_signature(new, sums, fit[1])
         self.state[wid] = state
         g = self.groups.get(sig)
         if g is None:
@@ -301,7 +343,13 @@ class _Cara(_Struct):
                 continue  # no candidate in this group (tested first: it is the cheapest test)
             if best is not None and bound != -_INF:
                 # a lower bound of this request's cost on any member: the empty request's
-                # plus what its rank and input add (a margin far above float rounding)
+                # plus what its rank and input add (a margin far above float rounding).
+                # First without the rank's share (>= 0 in a bounded group, LoRA α >= 0): a
+                # weaker bound that needs no `extra` (with per-worker fits groups are single
+                # workers, made and dropped as they move, and `extra` is mostly a cache miss)
+                lb = bound + g.k2 * n_in
+                if lb - best_cost > 1e-9 * (abs(lb) + abs(best_cost) + 1.0):
+                    continue
                 extra = g.lora_extra.get(rank)
                 lb = bound + (g.extra(rank) if extra is None else extra) + g.k2 * n_in
                 if lb - best_cost > 1e-9 * (abs(lb) + abs(best_cost) + 1.0):

@@ -32,13 +32,17 @@ def _tol(real: float, mag: float) -> float:
 class _Consts:
     """What `capacity_norm` and `_aladdin_limits` read of a perf model under one config,
     computed once per model instead of on every update (a placement's update used to redo
-    these ~15 attribute reads and divisions; docs/benchmarks/dispatch.md, fourth round).
+    these ~15 attribute reads and divisions; docs/benchmarks/dispatch.md, fourth round), and
+    the config's knobs the limits read (one object to touch instead of two, fifth round).
     Each value is the same float expression the policy evaluates, so results are identical."""
 
-    __slots__ = ("a0", "b_lim", "c1", "c2", "ctx_lim", "h", "j", "k1", "k2", "perf", "t_mag", "t_real0")
+    __slots__ = ("a0", "b_lim", "banked", "c1", "c2", "ctx_lim", "gamma", "h", "j", "k1", "k2", "perf",
+                 "t_mag", "t_real0", "theta", "ttft_ok")
 
     def __init__(self, perf, cfg: AL.AladdinConfig):
         self.perf = perf  # (held: the cache is keyed by its id)
+        self.theta, self.gamma = cfg.theta, cfg.gamma
+        self.banked, self.ttft_ok = cfg.slack == "banked", cfg.ttft_slo_ms >= 0
         self.h, self.j = (perf.base.h, perf.base.j) if perf is not None else (1.0, 0.0)
         self.b_lim = self.ctx_lim = 0.0
         if perf is None:
@@ -61,19 +65,20 @@ class _Consts:
             return math.inf if room >= 0 else -1.0
         return room / self.k2
 
-    def norm(self, w: WorkerView, b: int, ctx: float) -> float:
-        """`policy_aladdin.norm_of(w, cfg, perf, b, ctx)`."""
-        return math.hypot(b / (float(w.max_batch or 0) or self.b_lim or 1.0),
-                          ctx / (self.ctx_lim or float(w.kv_capacity or 1)))
-
 
 class _Agg:
-    """One pass over a worker's requests: what `capacity_norm`, the necessary limits and the
-    sufficient ("surely passes") limits need; kept incrementally when a request is placed."""
+    """One worker under one config: one pass over its requests for what `capacity_norm`, the
+    necessary and the sufficient ("surely passes") limits need, and what they read of its
+    view (batch limit, KV capacity and use, the norm's denominators), so that a placement
+    (`add`) updates them in place and recomputes the worker's key from this object and its
+    model's `_Consts` alone. Before, a placement built a new `_Agg` and the key read the
+    new `WorkerView` (~10 attribute reads on an object not in the CPU caches; fifth round)."""
 
-    __slots__ = ("ctx", "n", "prefilling", "queued", "slack", "ub", "wctx")
+    __slots__ = ("b0", "b_den", "c_den", "cap", "ctx", "cw", "k", "kv_used", "listed", "mb", "n", "prefilling",
+                 "queued", "slack", "ub", "wctx")
 
-    def __init__(self, w: WorkerView, cfg: AL.AladdinConfig, h: float, j: float):
+    def __init__(self, w: WorkerView, cfg: AL.AladdinConfig, k: _Consts):
+        h, j = k.h, k.j
         wctx, queued, prefilling, ctx, slack, ub = 0.0, 0, 0, 0, _INF, 0.0
         g, t_dec, planned = cfg.gamma, cfg.atgt_slo_ms, AL.planned_output
         for r in w.requests:
@@ -91,112 +96,137 @@ class _Agg:
                 slack = min(slack, t_dec * max(1, r.generated) - r.decode_ms)
         self.wctx, self.queued, self.prefilling, self.ctx, self.slack, self.ub = wctx, queued, prefilling, ctx, slack, ub
         self.n = len(w.requests)
+        self.listed = self.n > 0  # a view listing no requests: batch and context from the heartbeat
+        self.b0 = self.n if self.listed else max(w.outstanding, w.running + w.waiting)  # capacity_norm's b
+        self.cw = wctx if self.listed else float(w.kv_used)  # its Σ(l_in + γ·l_out) (KV use when unlisted)
+        self.k, self.mb, self.cap, self.kv_used = k, w.max_batch, w.kv_capacity, w.kv_used
+        self.b_den = float(w.max_batch or 0) or k.b_lim or 1.0  # `_Consts.norm`'s denominators
+        self.c_den = k.ctx_lim or float(w.kv_capacity or 1)
 
-    def plus(self, r, cfg: AL.AladdinConfig, h: float, j: float) -> _Agg:
-        """The aggregates with a not-yet-started request `r` (an `as_new` entry) appended."""
-        a = object.__new__(_Agg)
-        out = r.predicted_tokens  # planned_output of a new entry: its prediction (>= 1)
-        a.wctx = self.wctx + (r.input_tokens + cfg.gamma * out)
-        a.queued, a.prefilling = self.queued + r.input_tokens, self.prefilling
-        a.ctx, a.slack, a.n = self.ctx + r.input_tokens, self.slack, self.n + 1
-        a.ub = self.ub + max(0.0, h * (r.input_tokens + out) + j)
-        return a
+    def add(self, r) -> None:
+        """A not-yet-started request `r` (an `as_new` entry) was appended to a worker that
+        lists its requests: the same sums `__init__` gives the longer list (floats added in
+        the same order)."""
+        k = self.k
+        n_in, out = r.input_tokens, r.predicted_tokens  # planned_output of a new entry: its prediction
+        self.wctx = self.cw = self.wctx + (n_in + k.gamma * out)
+        self.queued += n_in
+        self.ctx += n_in
+        self.n = self.b0 = self.n + 1
+        kv = k.h * (n_in + out) + k.j
+        self.ub = self.ub + (kv if kv > 0.0 else 0.0)  # (max(0.0, kv) without the call)
+
+    def norm(self) -> float:
+        """`policy_aladdin.capacity_norm` of the worker (`norm_of`'s float operations; with
+        `_PLAIN_SUM` only: `cw` is `sum`'s left-to-right total)."""
+        return math.hypot(self.b0 / self.b_den, float(self.cw) / self.c_den)
 
 
-def _capacity_norm(w: WorkerView, cfg: AL.AladdinConfig, perf, agg: _Agg, k: _Consts | None = None) -> float:
+def _capacity_norm(w: WorkerView, cfg: AL.AladdinConfig, agg: _Agg) -> float:
     """`policy_aladdin.capacity_norm` from the aggregates (the same float operations)."""
-    if not _PLAIN_SUM:
-        return AL.capacity_norm(w, cfg)
-    b = agg.n if w.requests else max(w.outstanding, w.running + w.waiting)
-    ctx = float(agg.wctx) if w.requests else float(w.kv_used)
-    if k is None:
-        return AL.norm_of(w, cfg, perf, b, ctx)
-    return k.norm(w, b, ctx)
+    return agg.norm() if _PLAIN_SUM else AL.capacity_norm(w, cfg)
 
 
-def _aladdin_limits(w: WorkerView, cfg: AL.AladdinConfig, perf=None, agg: _Agg | None = None,
-                    k: _Consts | None = None) -> tuple | None:
+def _aladdin_limits(w: WorkerView, cfg: AL.AladdinConfig) -> tuple | None:
+    """`_limits` of a worker computed from scratch (tests; the index keeps `_Agg`s)."""
+    perf = AL._perf(w, cfg)
+    return _limits(_Agg(w, cfg, _Consts(perf, cfg)))
+
+
+def _limits(a: _Agg, head: tuple = ()) -> tuple | None:
     """Limits on a request for `check(w, request)`: three *necessary* ones (most input tokens
     by the TTFT, slack and first-step KV constraints, most input + γ·predicted by ATGT, most
     input + predicted by KV for a heartbeat-only view), each generous by `_tol` (one token
     for KV) so that float rounding never skips a feasible worker (inf = no limit), then
     three *sufficient* ones of the same form, as strict (−inf: only `check` can tell): a
-    request within them
-    passes every constraint. None when no request at all can pass (batch full, no TTFT /
-    slack / ATGT / KV room)."""
-    if perf is None:
-        perf = AL._perf(w, cfg)
-    if k is None:
-        k = _Consts(perf, cfg)
+    request within them passes every constraint. None when no request at all can pass
+    (batch full, no TTFT / slack / ATGT / KV room). Reads `a` and its `_Consts` only (the
+    view's fields it needs are in `a`); `_tol` and `l_d` are written out (a placement runs
+    this: three calls fewer). `head`: what the tuple starts with (the key's (−cn, id): the
+    key is built in one go)."""
+    k = a.k
     h, j = k.h, k.j
-    if agg is None:
-        agg = _Agg(w, cfg, h, j)
-    b = (agg.n if w.requests else max(w.outstanding, w.running + w.waiting)) + 1
-    if w.max_batch and b > w.max_batch:
+    b = a.b0 + 1
+    if a.mb and b > a.mb:
         return None
     max_in = room = max_total = _INF
     s_in = s_w = s_t = _INF
-    queued, prefilling, slack = agg.queued, agg.prefilling, agg.slack
-    if perf is not None:
+    queued, prefilling, slack = a.queued, a.prefilling, a.slack
+    if k.perf is not None:
         # (b) ATGT: Σ(l_in + γ·l_out) + in + γ·pred <= θ·l_d(b)
-        cap_w = cfg.theta * k.l_d(b)
-        ctx_w = agg.wctx if w.requests else float(w.kv_used)
+        ld = k.a0 - k.c2 * b
+        if k.k2 <= 0:
+            ld = _INF if ld >= 0 else -1.0
+        else:
+            ld = ld / k.k2
+        cap_w = k.theta * ld
+        ctx_w = a.cw
         real = cap_w - ctx_w
-        e = _tol(real, abs(cap_w) + abs(ctx_w))
+        e = 1e-9 * (abs(real) + (abs(cap_w) + abs(ctx_w)) + 1.0) if real != _INF and real != -_INF else 0.0
         room, s_w = real + e, real - e
         if queued + prefilling > 0:  # (c) TTFT: prefill(queued + prefilling + in) <= T_pre
             if k.k1 > 0:
                 real = k.t_real0 - (queued + prefilling)
-                e = _tol(real, k.t_mag + queued + prefilling)
+                e = 1e-9 * (abs(real) + (k.t_mag + queued + prefilling) + 1.0) \
+                    if real != _INF and real != -_INF else 0.0  # `_tol`, written out
                 max_in = real + e
-                s_in = real - e if cfg.ttft_slo_ms >= 0 else -_INF
+                s_in = real - e if k.ttft_ok else -_INF
             else:
                 s_in = -_INF
-        if cfg.slack == "banked":  # (d): prefill(queued + in) <= θ·slack (Alg. 1's banked slack)
+        if k.banked:  # (d): prefill(queued + in) <= θ·slack (Alg. 1's banked slack)
             if slack < 0:
                 return None  # a prefill takes >= 0 ms
             if slack < _INF:  # (with nothing queued an empty prompt takes 0 ms: never skip it)
                 if k.k1 > 0:
-                    real = (cfg.theta * slack - k.c1) / k.k1 - queued
-                    e = _tol(real, (abs(cfg.theta * slack) + abs(k.c1)) / k.k1 + queued)
+                    real = (k.theta * slack - k.c1) / k.k1 - queued
+                    e = 1e-9 * (abs(real) + ((abs(k.theta * slack) + abs(k.c1)) / k.k1 + queued) + 1.0) \
+                        if real != _INF and real != -_INF else 0.0
                     bound = real + e
-                    max_in = min(max_in, bound if queued else max(0.0, bound))
-                    s_in = min(s_in, real - e)
+                    if not queued and not bound > 0.0:  # max(0.0, bound)
+                        bound = 0.0
+                    if bound < max_in:
+                        max_in = bound
+                    if real - e < s_in:
+                        s_in = real - e
                 else:
                     s_in = -_INF
         elif slack < _INF:
             s_in = -_INF  # "lifetime" slack: only `check` can tell
-    if w.kv_capacity > 0:  # (e) KV: the peak is at least the footprint of the first future step
-        cap = w.kv_capacity
-        if w.requests:
+    cap = a.cap
+    if cap > 0:  # (e) KV: the peak is at least the footprint of the first future step
+        if a.listed:
             if h > 0:
-                n = agg.n + 1
-                max_in = min(max_in, (cap - j * n) / h - agg.ctx - n + 1.0)
+                n = a.n + 1
+                bound = (cap - j * n) / h - a.ctx - n + 1.0
+                if bound < max_in:
+                    max_in = bound
             # the peak is at most Σ of each request's footprint at its last step (h >= 0)
-            free = cap - agg.ub - _margin(cap)
+            free = cap - a.ub - (1.0 + 1e-9 * abs(cap))  # (`_margin` of a finite capacity)
             if h > 0 and free >= 0:
                 s_t = (free - j) / h - 1.0
             elif h == 0 and free - max(0.0, j) >= 0:
                 s_t = _INF
             else:
                 s_t = -_INF
-        elif perf is None:
-            max_total = cap - w.kv_used + 1.0
+        elif k.perf is None:
+            max_total = cap - a.kv_used + 1.0
             s_t = max_total - 1.0 - _margin(cap)
         elif h > 0:
-            max_total = (cap - w.kv_used - j) / h + 1.0
+            max_total = (cap - a.kv_used - j) / h + 1.0
             s_t = max_total - 1.0 - _margin(cap) / h
         else:
             s_t = -_INF
-    if max_in < 0 or room < cfg.gamma or max_total < 1:
+    if max_in < 0 or room < k.gamma or max_total < 1:
         return None  # every request has input >= 0, predicted >= 1 (as Aladdin plans it)
-    return max_in, room, max_total, s_in, s_w, s_t
+    return (*head, max_in, room, max_total, s_in, s_w, s_t)
 
 
 class _Aladdin(_Struct):
     """Workers by (−capacity_norm, id) under one config, those some request may fit, with
-    their `_aladdin_limits`: keys (−cn, id, limits...); `norms` holds every worker's −cn (the
+    their `_limits`: keys (−cn, id, limits...); `norms` holds every worker's −cn (the
     fallback scans the views: no sorted order of all workers is kept)."""
+
+    LAZY = True
 
     def __init__(self, cfg: AL.AladdinConfig):
         self.cfg = cfg
@@ -212,19 +242,38 @@ class _Aladdin(_Struct):
             self.aggs.pop(old.worker_id, None)
             return
         wid, cfg = new.worker_id, self.cfg
+        if added is not None and old is not None and self.placed_from(old, added):
+            return  # a placement (`WorkerIndex.placed`), O(1)
         perf = new.perf if new.perf is not None else cfg.perf
         k = self.consts.get(id(perf))
         if k is None or k.perf is not perf:
             if len(self.consts) > 4096:  # per-worker online fits are replaced as they refit
                 self.consts.clear()
             k = self.consts[id(perf)] = _Consts(perf, cfg)
-        prev = self.aggs.get(wid) if added is not None and old is not None and old.requests else None
-        agg = prev.plus(added, cfg, k.h, k.j) if prev is not None else _Agg(new, cfg, k.h, k.j)
-        self.aggs[wid] = agg
-        cn = -_capacity_norm(new, cfg, perf, agg, k)
-        self.norms[wid] = cn
-        limits = _aladdin_limits(new, cfg, perf, agg, k)
-        if limits is None:
+        a = self.aggs[wid] = _Agg(new, cfg, k)
+        self._key(wid, _capacity_norm(new, cfg, a), a)
+
+    def can_place(self, wid: str) -> bool:
+        """Whether a placement on `wid` updates its key from the entry alone (`placed_from`):
+        its view lists its requests (else the batch and context come from the heartbeat)."""
+        a = self.aggs.get(wid)
+        return a is not None and a.listed and _PLAIN_SUM
+
+    def placed_from(self, w: WorkerView, entry) -> bool:
+        """A placement on the worker: its sums updated in place and its key recomputed from
+        them, O(1), when it `can_place` (True); else False, nothing done."""
+        wid = w.worker_id
+        a = self.aggs.get(wid)
+        if a is None or not a.listed or not _PLAIN_SUM:
+            return False
+        a.add(entry)
+        self._key(wid, a.norm(), a)
+        return True
+
+    def _key(self, wid: str, norm: float, a: _Agg) -> None:
+        cn = self.norms[wid] = -norm
+        key = _limits(a, (cn, wid))
+        if key is None:
             self.live.discard(wid)  # no request can fit it: never checked
         else:
-            self.live.set(wid, (cn, wid, *limits))
+            self.live.set(wid, key)

@@ -7,7 +7,7 @@ import math
 from bisect import bisect_left, insort
 from collections.abc import Callable
 from dataclasses import fields
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 
 from polyserve.dispatcher import policy as P
 from polyserve.dispatcher import policy_arlo as AR
@@ -15,15 +15,24 @@ from polyserve.dispatcher.views import WorkerView
 
 _INF = math.inf
 _FIELDS = [f.name for f in fields(WorkerView)]
-_GET_ALL = attrgetter(*_FIELDS)
-_I_OUT, _I_REQS = _FIELDS.index("outstanding"), _FIELDS.index("requests")
 
 
-def _with_load(w: WorkerView, outstanding: int, requests: tuple) -> WorkerView:
-    """`replace(w, outstanding=..., requests=...)`, twice as fast (on every placement)."""
-    values = list(_GET_ALL(w))
-    values[_I_OUT], values[_I_REQS] = outstanding, requests
-    return WorkerView(*values)
+def _make_with_load():
+    """`_with_load`, generated from `WorkerView`'s fields: one call with every field passed
+    positionally, read straight off the old view. It runs on every placement; this is 0.6 µs
+    where `attrgetter` of all fields into a list, two item sets and `WorkerView(*values)`
+    took 0.9 (fifth round, docs/benchmarks/dispatch.md). Generated, so it follows the fields."""
+    args = ", ".join("outstanding" if n == "outstanding" else "requests" if n == "requests" else f"w.{n}"
+                     for n in _FIELDS)
+    code = f"def _with_load(w, outstanding, requests):\n    return WorkerView({args})\n"
+    scope: dict = {"WorkerView": WorkerView}
+    exec(compile(code, "<index_structs._with_load>", "exec"), scope)
+    fn = scope["_with_load"]
+    fn.__doc__ = "`replace(w, outstanding=..., requests=...)`, faster (on every placement)."
+    return fn
+
+
+_with_load = _make_with_load()
 
 
 class _Sorted:
@@ -58,15 +67,18 @@ _G2, _G3, _G4 = itemgetter(2), itemgetter(3), itemgetter(4)
 
 class _Blocked:
     """Aladdin's live keys (−cn, id, max_in, room, max_total, ...) sorted, in blocks of at most
-    `2·B` (8 -> 16) with an upper bound of each block's three necessary limits, so that a
+    `2·B` (8 -> 16) with each block's maxima of the three necessary limits, so that a
     decision skips a whole block no key of which can take the request.
 
-    The bounds may be stale (too high), never too low: an insert raises them, a delete
-    leaves them, a split gives both halves the old block's. Recomputing them exactly after
-    each delete that removed a maximum (as before) cost ~2 recomputations of 3 × 16 keys per
-    decision (docs/benchmarks/dispatch.md, fourth round); a stale bound only makes a
-    decision walk a block it could have skipped, and
-    `tighten` (called by the walk when no key of a block qualified) makes it exact again."""
+    The maxima are kept exact by the update that changes them: an insert raises them; a
+    delete, or a key lowered in place, that took a maximum away recomputes that one limit's
+    maximum over the block (C-level `max(map(...))`, ~1 µs); a split computes both halves'.
+    History (fifth round, docs/benchmarks/dispatch.md): bounds left stale-high, tightened only
+    after a decision had walked a whole block in vain, put ~2 such walks into each slow
+    decision (decision p99 ~18-21 µs, ~13 exact); flagging them stale and tightening them
+    when a decision meets them costs the decision more still (p50 5.4 -> 7.0 µs): a placement
+    lowers the chosen worker's limits, and ~3 in 4 times that worker held a maximum of its
+    block. Exact maxima cost the update ~2 µs and make the decision's walk the shortest."""
 
     __slots__ = ("blocks", "cur", "lasts", "maxes")
     B = 8
@@ -74,7 +86,7 @@ class _Blocked:
     def __init__(self) -> None:
         self.blocks: list[list[tuple]] = []
         self.lasts: list[tuple] = []  # each block's last key (to find a key's block)
-        self.maxes: list[tuple] = []  # each block's (max_in, room, max_total) bound
+        self.maxes: list[tuple] = []  # each block's (max_in, room, max_total) maxima
         self.cur: dict[str, tuple] = {}
 
     @property
@@ -89,30 +101,49 @@ class _Blocked:
         self.cur[wid] = key
         if old is None:
             self._ins(key)
-        elif old != key and not self._move(old, key):
-            self._del(old)
-            self._ins(key)
+        elif old != key:
+            i = self._move(old, key)
+            if i >= 0:  # it leaves its block (the search for `old` is not done twice)
+                self._del(old, i)
+                self._ins(key)
 
     def discard(self, wid: str) -> None:
         old = self.cur.pop(wid, None)
         if old is not None:
             self._del(old)
 
-    def _move(self, old: tuple, key: tuple) -> bool:
+    def _move(self, old: tuple, key: tuple) -> int:
         """Replace `old` by `key` when `key` belongs in `old`'s block (a placement moves a
-        worker by a little): one search of the block list instead of two."""
+        worker by a little): one search of the block list instead of two. -1 when done,
+        else the index of `old`'s block (for `_del`)."""
         lasts = self.lasts
         i = bisect_left(lasts, old)
         blk = self.blocks[i]
         if len(blk) == 1 or not ((i == 0 or lasts[i - 1] < key) and (key < lasts[i] or i == len(lasts) - 1)):
-            return False
+            return i
         del blk[bisect_left(blk, old)]
         insort(blk, key)
         lasts[i] = blk[-1]
-        mx = self.maxes[i]
-        if key[2] > mx[0] or key[3] > mx[1] or key[4] > mx[2]:
-            self.maxes[i] = (max(mx[0], key[2]), max(mx[1], key[3]), max(mx[2], key[4]))
-        return True
+        self._bound(i, old, key)
+        return -1
+
+    def _bound(self, i: int, gone: tuple | None, came: tuple | None) -> None:
+        """Block `i`'s maxima after `gone` left it and/or `came` joined it (the block holds
+        its current keys): each limit `gone` held the maximum of and `came` does not keep
+        recomputed over the block, the others raised to `came`'s."""
+        m0, m1, m2 = self.maxes[i]
+        if came is not None:
+            c0, c1, c2 = came[2], came[3], came[4]
+        else:
+            c0 = c1 = c2 = -_INF
+        if gone is not None and ((gone[2] == m0 and c0 < m0) or (gone[3] == m1 and c1 < m1)
+                                 or (gone[4] == m2 and c2 < m2)):
+            blk = self.blocks[i]
+            self.maxes[i] = (max(map(_G2, blk)) if gone[2] == m0 and c0 < m0 else max(m0, c0),
+                             max(map(_G3, blk)) if gone[3] == m1 and c1 < m1 else max(m1, c1),
+                             max(map(_G4, blk)) if gone[4] == m2 and c2 < m2 else max(m2, c2))
+        elif c0 > m0 or c1 > m1 or c2 > m2:
+            self.maxes[i] = (max(m0, c0), max(m1, c1), max(m2, c2))
 
     def _ins(self, key: tuple) -> None:
         blocks, lasts = self.blocks, self.lasts
@@ -127,27 +158,30 @@ class _Blocked:
         blk = blocks[i]
         insort(blk, key)
         lasts[i] = blk[-1]
-        mx = self.maxes[i]
-        if key[2] > mx[0] or key[3] > mx[1] or key[4] > mx[2]:
-            mx = self.maxes[i] = (max(mx[0], key[2]), max(mx[1], key[3]), max(mx[2], key[4]))
+        self._bound(i, None, key)
         if len(blk) > 2 * self.B:
             a, b = blk[:self.B], blk[self.B:]
             blocks[i:i + 1] = [a, b]
             lasts[i:i + 1] = [a[-1], b[-1]]
-            self.maxes[i:i + 1] = [mx, mx]
+            self.maxes[i:i + 1] = [(), ()]
+            self.tighten(i)
+            self.tighten(i + 1)
 
-    def _del(self, key: tuple) -> None:
+    def _del(self, key: tuple, i: int = -1) -> None:
+        """Remove `key` (`i`: its block's index, when known)."""
         lasts = self.lasts
-        i = bisect_left(lasts, key)
+        if i < 0:
+            i = bisect_left(lasts, key)
         blk = self.blocks[i]
         del blk[bisect_left(blk, key)]
         if not blk:
             del self.blocks[i], lasts[i], self.maxes[i]
             return
         lasts[i] = blk[-1]
+        self._bound(i, key, None)
 
     def tighten(self, i: int) -> None:
-        """Make block `i`'s bound exact (its maxima)."""
+        """Compute block `i`'s maxima afresh."""
         blk = self.blocks[i]
         self.maxes[i] = (max(map(_G2, blk)), max(map(_G3, blk)), max(map(_G4, blk)))
 
@@ -163,6 +197,8 @@ class _Blocked:
 class _Struct(abc.ABC):
     """One policy's structure: told of every change of one worker's view."""
 
+    LAZY = False  # whether it updates on a placement from the entry alone (`placed_from`)
+
     @abc.abstractmethod
     def update(self, old: WorkerView | None, new: WorkerView | None, added=None) -> None:
         """`old` (None: a new worker) became `new` (None: the worker left); `added`: the one
@@ -171,6 +207,13 @@ class _Struct(abc.ABC):
 
     def membership_changed(self) -> None:
         """A worker joined or left (after `update`)."""
+
+    def placed_from(self, w: WorkerView, entry) -> bool | None:
+        """(`LAZY` structures) `entry` was placed on the worker whose view, without it and
+        any placement before it that this structure was told of, is `w`: as `update(old,
+        new, entry)` with the new view, which the index has not built. (Aladdin's may
+        decline: False, nothing done.)"""
+        raise NotImplementedError
 
 
 # ------------------------------------------------------------------ simple keyed orders

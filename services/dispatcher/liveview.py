@@ -27,11 +27,12 @@ override them when > 0) and its predicted output clamped to its `max_tokens` (wh
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from polyserve.core.names import MODEL_POLICIES
@@ -102,8 +103,8 @@ class _DepIndex:
 
     def placed(self, wid: str, request: RequestView, entry=None) -> None:
         """`request` was placed on `wid`: outstanding + 1 (and, modelled, it joins `requests`)."""
-        v = self.index.placed(wid, request, entry)
-        if self.cap > 0 and v.outstanding >= self.cap:
+        self.index.placed(wid, request, entry)
+        if self.cap > 0 and self.index.load(wid)[0] >= self.cap:
             self.capped.add(wid)
 
     def remove(self, wid: str) -> None:
@@ -123,8 +124,28 @@ class _DepIndex:
         return input_tokens <= self._min_limit
 
 
+def _settled(method: Callable) -> Callable:
+    """Run `LiveView.settle` before `method`: every event sees the placements answered before
+    it as recorded (`LiveView.record_later`)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self._later:
+            self.settle()
+        return method(self, *args, **kwargs)
+
+    return run
+
+
 class LiveView:
-    """Workers, placements, the model book and the per-deployment indexes (module docstring)."""
+    """Workers, placements, the model book and the per-deployment indexes (module docstring).
+
+    A placement may be recorded after its reply is sent (`record_later`, then `settle`):
+    the handler answers with the decision alone, and the bookkeeping (outstanding count,
+    model book, index update: about half of a dispatch's CPU time for aladdin/caraserve)
+    runs once the reply is on its way. Correctness does not depend on when that happens:
+    `decide` and every event method settle the queue first, so nothing reads a state
+    that lacks an answered placement (asyncio runs one handler at a time)."""
 
     def __init__(self, settings: DispatcherSettings, rng: random.Random | None = None, *,
                  registry: WorkerRegistry | None = None, outstanding: Outstanding | None = None,
@@ -149,6 +170,7 @@ class LiveView:
         self.shared = 0  # placements counted from other replicas' `dispatched` events
         # request ids recently ended, so a late `dispatched` of one does not count it again
         self._ended: OrderedDict[str, None] = OrderedDict()
+        self._later: list[tuple[Deployment, Choice]] = []  # answered, not yet recorded (in order)
         if settings.index:
             self.outstanding.on_change = self._dirty.add
 
@@ -173,6 +195,8 @@ class LiveView:
         """The deployment's policy over its live workers: the index's fast twin when it gives
         the scan's answer, else the scan (BusError 503/429 when no worker may take `req`;
         UnknownPolicy for a deployment whose policy is not in `POLICIES`)."""
+        if self._later:  # the placements answered before this one count
+            self.settle()
         choose = policy.get_policy(dep.policy)
         slos = self.slos(dep)
         rview = self.request_view(dep, req, slos)
@@ -189,6 +213,24 @@ class LiveView:
 
     def record(self, dep: Deployment, choice: Choice) -> None:
         """Account the placement `choice` (outstanding, policy state, model book, index)."""
+        if self._later:
+            self.settle()
+        self._record(dep, choice)
+
+    def record_later(self, dep: Deployment, choice: Choice) -> bool:
+        """Queue `record(dep, choice)` until `settle` (class docstring); True when the queue
+        was empty, i.e. the caller should arrange for `settle` to run."""
+        self._later.append((dep, choice))
+        return len(self._later) == 1
+
+    def settle(self) -> None:
+        """Record the queued placements (`record_later`), in the order they were decided (one
+        at most: a decision settles the queue first)."""
+        while self._later:
+            dep, choice = self._later.pop(0)  # (taken off first: one that fails is not retried)
+            self._record(dep, choice)
+
+    def _record(self, dep: Deployment, choice: Choice) -> None:
         wid = choice.worker.worker_id
         self.policy_state[dep.id] = choice.decision.state
         self.outstanding.place(choice.request.request_id, wid)
@@ -213,10 +255,10 @@ class LiveView:
         di = self._indexes.get(dep.id)
         if di is None or self._indexed_in.get(wid) != dep.id:
             return
-        v = di.index.get(wid)
-        if v is None or self.outstanding.count(wid) != v.outstanding + 1:
+        load = di.index.load(wid)  # (outstanding, requests) without building the view
+        if load is None or self.outstanding.count(wid) != load[0] + 1:
             return
-        if di.modelled and self.models.requests.tracked(wid) != len(v.requests) + 1:
+        if di.modelled and self.models.requests.tracked(wid) != load[1] + 1:
             return
         di.placed(wid, request, entry)  # (the book's entry: the same `as_new(request)`)
         self._dirty.discard(wid)
@@ -259,10 +301,12 @@ class LiveView:
                             f"{', '.join(why)}); retry later")
 
     # ---------------------------------------------------------------- Alg. 2
+    @_settled
     def model_deployments(self) -> list[str]:
         """Deployments this dispatcher placed on with a model policy."""
         return sorted(self._model_deps)
 
+    @_settled
     def rebalance_plan(self, dep: Deployment, max_moves: int) -> list[tuple[policy_aladdin.Move, Heartbeat]]:
         """Aladdin Alg. 2 over the deployment's live workers: the moves (each with its
         destination's heartbeat) from under- to over-estimated workers."""
@@ -276,6 +320,7 @@ class LiveView:
         cfg = policy_aladdin.config_for(RequestView(ttft_slo_ms=ttft, atgt_slo_ms=atgt))
         return [(mv, beats[mv.dst]) for mv in policy_aladdin.rebalance(views, cfg, max_moves=max_moves)]
 
+    @_settled
     def moved(self, mv: policy_aladdin.Move) -> None:
         """The source worker gave the request back: it now waits on `mv.dst`."""
         self.models.moved(mv.request_id, mv.dst)
@@ -285,6 +330,7 @@ class LiveView:
         self._refresh()
 
     # ---------------------------------------------------------------- events
+    @_settled
     def seed(self, beats: Iterable[Heartbeat]) -> int:
         """Workers registered in Redis at start (those not live already); how many were added."""
         n = 0
@@ -296,6 +342,7 @@ class LiveView:
         self._refresh()
         return n
 
+    @_settled
     def heartbeat(self, hb: Heartbeat) -> bool:
         """A worker's heartbeat; False when it predates that worker's WorkerDown (ignored)."""
         if not self.registry.heartbeat(hb):
@@ -304,6 +351,7 @@ class LiveView:
         self._refresh()
         return True
 
+    @_settled
     def worker_down(self, ev: WorkerDown) -> tuple[bool, int]:
         """Stop placing on a worker at once; (whether it was live, placements dropped)."""
         known = self.registry.down(ev)
@@ -313,6 +361,7 @@ class LiveView:
         self._refresh()
         return known, dropped
 
+    @_settled
     def dispatched(self, ev: Dispatched) -> bool:
         """A placement announced by the gateway (`dispatched` event): one made by another
         dispatcher replica, by the gateway's local fallback, or a migration, counts as
@@ -334,6 +383,7 @@ class LiveView:
         self._refresh()
         return True
 
+    @_settled
     def finished(self, ev: Completed | Failed) -> None:
         """A request ended: it no longer counts against its worker; its timings refit the
         worker's models (aladdin/caraserve)."""
@@ -345,12 +395,14 @@ class LiveView:
         self._dirty.add(ev.worker_id)
         self._refresh()
 
+    @_settled
     def first_token(self, ev: FirstToken) -> None:
         """A request started decoding (its worker's book entry becomes ongoing)."""
         self.models.first_token(ev)
         self._dirty.add(ev.worker_id)
         self._refresh()
 
+    @_settled
     def sweep(self) -> None:
         """Forget expired workers and placements (memory bound; dispatch also checks TTLs itself)."""
         for wid in self.registry.sweep():

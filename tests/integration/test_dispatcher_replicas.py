@@ -129,6 +129,8 @@ async def _imbalance(make_settings, bus, subjects, state, replicas: int, share: 
                     request_id=rid, worker_id=wid, input_tokens=10, output_tokens=1, e2e_ms=1, ttft_ms=1))
 
             def settled():
+                for s in svcs:  # (the last placement's bookkeeping runs after its reply: count it)
+                    s.view.settle()
                 return all(len(s.view.outstanding) == (len(live) if share else sum(1 for _, r in live.values()
                                                                                    if r == j))
                            for j, s in enumerate(svcs))

@@ -2,6 +2,7 @@
 in process: no NATS, no Redis. Every decision test runs with the worker index on and off."""
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -237,6 +238,43 @@ async def test_dispatch_looks_up_decides_records_and_answers(index):
             await h.dispatch(bad)
         assert err.value.code == code and text in err.value.description
     assert h.rejected == {400: 2, 404: 1, 500: 1}
+
+
+@pytest.mark.parametrize("policy_name", ["aladdin", "caraserve"])
+async def test_bookkeeping_after_the_reply_is_never_missed(index, policy_name):
+    """For aladdin/caraserve the handler answers before it records the placement
+    (`LiveView.record_later`); every read in between settles the queue first: the next
+    decision counts it, an event about it (completed before the loop turned) finds it, and
+    the state ends as with `record`, once the event loop has turned twice."""
+    view = make_view(index)
+    deps = Deployments(Deployment(id="d", model="m", policy=policy_name))
+    h = DispatchHandlers(view.settings, view, deps, Subjects("t"))
+    for wid in ("w1", "w2", "w3"):
+        await h.on_heartbeat(beat(wid, profile=PROFILE, max_batch=8))
+    first = await h.dispatch(req("a"))
+    assert view.placed == 0 and view.outstanding.count(first.worker_id) == 0  # not recorded yet
+    await h.on_finished(Completed(request_id="a", worker_id=first.worker_id, input_tokens=100,
+                                  output_tokens=5, e2e_ms=1, ttft_ms=1))
+    assert view.placed == 1 and len(view.outstanding) == 0  # recorded, then completed
+    # the same decisions as a view that records each placement at once (the next decision
+    # counts the ones answered before it)
+    ref = make_view(index)
+    for wid in ("w1", "w2", "w3"):
+        ref.heartbeat(beat(wid, profile=PROFILE, max_batch=8))
+    dep = deps.deps["d"]
+    ref.record(dep, ref.decide(dep, req("a")))
+    ref.finished(Completed(request_id="a", worker_id=first.worker_id, input_tokens=100, output_tokens=5,
+                           e2e_ms=1, ttft_ms=1))
+    sizes = [100, 3000, 50, 800, 20]
+    got = [(await h.dispatch(req(f"r{i}", input_tokens=n))).worker_id for i, n in enumerate(sizes)]
+    want = [place(ref, dep, req(f"r{i}", input_tokens=n)).worker.worker_id for i, n in enumerate(sizes)]
+    assert got == want
+    assert view.placed == 5  # the last one still queued...
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert view.placed == 6 and all(view.outstanding.count(w) == ref.outstanding.count(w) for w in ("w1", "w2", "w3"))
+    if index:
+        assert view._indexes["d"].index.views() == ref._indexes["d"].index.views()
 
 
 @pytest.mark.parametrize("policy_name", ["aladdin", "caraserve", "least_outstanding"])
