@@ -99,7 +99,8 @@ def _ood(args: argparse.Namespace, ds) -> dict:
     minilm = None if args.no_minilm else (args.minilm_artifact or str(artifact.default_dir("minilm")))
     return ood.run(ds, encoder_dir=args.encoder_dir, minilm=minilm, max_train_rows=args.max_train_rows,
                    max_test_prompts=args.max_test_prompts, model_folds=args.model_folds, seed=args.seed,
-                   minilm_precision=None if args.precision == "auto" else args.precision)
+                   minilm_precision=None if args.precision == "auto" else args.precision,
+                   static=args.static, cache_dir=args.cache_dir or None)
 
 
 def _store_ood(path: str, out: dict) -> None:
@@ -125,8 +126,12 @@ def cmd_eval_ood(args: argparse.Namespace) -> int:
     print(f"corpus {len(ds.rows)} rows, data {ds.data_hash[:12]}; lengths in {ds.tokenizer} WordPiece tokens; "
           f"ran in {out['seconds']:.0f}s")
     print(ood.render(out["folds"], out["summary"]))
+    out["consensus_tau"] = ood.consensus_tau(ds)
+    print("ceiling of a prompt-only predictor per prompt set (tau of the other models' mean rank): "
+          + ", ".join(f"{k} {v:.3f}" for k, v in out["consensus_tau"].items()))
     if args.json:
-        Path(args.json).write_text(json.dumps(ood.to_json(out), indent=1) + "\n", encoding="utf-8")
+        Path(args.json).write_text(json.dumps(dict(ood.to_json(out), consensus_tau=out["consensus_tau"]), indent=1)
+                                   + "\n", encoding="utf-8")
     if args.write_meta:
         _store_ood(args.write_meta, out)
         print(f"OOD figures and ood_confusion written to {args.write_meta}/meta.json")
@@ -139,7 +144,8 @@ def cmd_train_lexical(args: argparse.Namespace) -> int:
     ds = _corpus(args)
     t = time.monotonic()
     meta = lexical.train(ds, args.out, encoder_dir=args.encoder_dir, dims=args.dims, rounds=args.rounds,
-                         seed=args.seed, exclude_sources=corpus.TEST_ONLY)
+                         seed=args.seed, exclude_sources=corpus.TEST_ONLY, static=args.static,
+                         cache_dir=args.cache_dir or None)
     print(f"lexical-gbm: {meta.extra['train_rows']} training rows, {meta.extra['best_iteration']} trees, "
           f"trained in {time.monotonic() - t:.0f}s; artifact {args.out} "
           f"({artifact.size_bytes(args.out) / 1024:.0f} KiB)")
@@ -232,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--max-train-rows", type=int, default=0, help="OOD folds: subsample training rows (0 = all)")
         sp.add_argument("--max-test-prompts", type=int, default=400, help="OOD folds: most test prompts per fold")
         sp.add_argument("--model-folds", type=int, default=5, help="groups of answering models held out in turn")
+        sp.add_argument("--static", default="raw", choices=["raw", "combined"],
+                        help="lexical tier's static token table: the encoder's input embeddings (default), or "
+                             "those + distilled rows (computed once with torch, cached in --cache-dir)")
 
     b = sub.add_parser("build-dataset", help="count lengths, split by prompt, write JSON lines")
     data_flags(b)

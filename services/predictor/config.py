@@ -55,6 +55,10 @@ class PredictorSettings(CommonSettings, frozen=True, kw_only=True):
     natively, else fp32. Figures in proxy/README.md."""
     proxy_int8: bool = False
     """Same as proxy_precision="int8" (kept for existing configurations)."""
+    proxy_calibrate: bool = True
+    """Fast tier: decode a prediction's class by its rank among the target model's recent
+    predictions (`proxy/calibrate.py`: the class is relative to the model's own percentiles) rather
+    than by the artifact's fixed cut points on the score."""
     cache_enabled: bool = True
     """Semantic cache of true output lengths (needs the model's encoder and faiss)."""
     cache_threshold: float = 0.8

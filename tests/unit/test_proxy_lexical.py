@@ -167,7 +167,7 @@ def test_ood_run_end_to_end_and_store_in_meta(tmp_path):
     from polyserve.predictor import cli
 
     ds = synthetic_corpus()
-    out = ood.run(ds, sources=("s1", "s2"), model_folds=2, progress=False)
+    out = ood.run(ds, sources=("s1", "s2"), model_folds=2, progress=False, static="raw")
     assert {"in", "source:s1", "source:s2"} <= set(out["folds"])
     lex = out["folds"]["source:s1"]["lexical"]
     assert lex.n == 240 and lex.tau > 0.5  # the item count carries over to an unseen prompt set
@@ -178,3 +178,52 @@ def test_ood_run_end_to_end_and_store_in_meta(tmp_path):
     cli._store_ood(str(tmp_path / "a"), out)
     meta = artifact.read_meta(tmp_path / "a")
     assert meta.ood_confusion == conf and "OOD all (macro)" in meta.extra["ood"]["summary"]
+
+
+def test_train_save_load_round_trip_serves_what_was_fitted(tmp_path):
+    """The artifact stores the static table already projected: the loaded predictor computes the same
+    features and scores as the fitted model, and decodes classes with the stored per-target calibration."""
+    ds = synthetic_corpus()
+    meta = lexical.train(ds, tmp_path / "a", static="raw", rounds=60)
+    assert meta.extra["static"] == "raw" and meta.extra["calibration"]["level_cuts"]
+    pred = lexical.LexicalPredictor.load(tmp_path / "a")
+    assert pred.calibrator is not None
+    prompts = [r.prompt for r in ds.rows if r.split == "test"][:12]
+    answers, _ = pred.predict(prompts, ["s1-model-a"] * len(prompts))
+    # the same fit in memory (training is deterministic): training-time features == serving-time features
+    from polyserve.predictor.proxy import encoder as enc_mod
+
+    enc_dir = enc_mod.resolve_encoder_dir(None)
+    table = lexical.static_table(enc_dir, "raw")
+    tr, va = [r for r in ds.rows if r.split == "train"], [r for r in ds.rows if r.split == "val"]
+    pf = lexical.PromptFeatures.build([r.prompt for r in ds.rows], lexical.fast_tokenizer(enc_dir), table)
+    fitted = lexical.fit(pf, table, tr, va, rounds=60)
+    assert pred.matrix(prompts) == pytest.approx(fitted.matrix(pf, prompts), abs=1e-4)
+    assert [a.value for a in answers] == pytest.approx(list(fitted.values(pf, [row(p, "m", 1) for p in prompts])),
+                                                       abs=1e-6)
+    assert all(0 <= a.length_class < 5 for a in answers)
+    fixed = lexical.LexicalPredictor.load(tmp_path / "a", calibrate_classes=False)
+    assert fixed.calibrator is None
+    meta.extra["features"] = meta.extra["features"][:-1]  # trained on other features: refused, not mis-read
+    artifact.write_meta(tmp_path / "a", meta)
+    with pytest.raises(artifact.ArtifactError):
+        lexical.LexicalPredictor.load(tmp_path / "a")
+
+
+@needs_shipped
+async def test_model_runner_calibrates_classes_unless_told_not_to():
+    from polyserve.predictor.proxy.runtime import ModelRunner
+
+    for calibrate_classes in (True, False):
+        runner = ModelRunner(str(artifact.default_dir()), calibrate=calibrate_classes)
+        await runner.start()
+        try:
+            assert runner.ready, runner.error
+            cal = runner.predictor.calibrator
+            assert (cal is not None) == calibrate_classes
+            if cal is not None:
+                assert not cal._recent  # the warm-up prediction is not counted as traffic
+                await runner.predict("List 5 ideas for a weekend trip.", "gpt-3.5-turbo", 5.0)
+                assert sum(len(s) for _, s in cal._recent.values()) == 1
+        finally:
+            await runner.stop()

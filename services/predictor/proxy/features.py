@@ -22,6 +22,8 @@ import re
 
 import numpy as np
 
+from polyserve.predictor.proxy.lexicon import count_groups
+
 HEAD_CHARS, TAIL_CHARS, TAIL_TOKENS = 3000, 1000, 32
 
 KEYWORDS: tuple[tuple[str, str], ...] = (
@@ -70,17 +72,22 @@ _COUNT = re.compile(r"\b(\d{1,3}|" + "|".join(NUMBER_WORDS) + r")\s+(?:\w+\s+){0
 _WORD_BUDGET = re.compile(r"\b(?:in|under|within|less than|fewer than|at most|no more than|about|around|up to)?"
                           r"\s*(\d{1,4})\s*(?:-|to)?\s*(?:\d{1,4}\s*)?words?\b")
 _KW = [(name, re.compile(rx)) for name, rx in KEYWORDS]
+_LATIN_EXT = re.compile("[\u00c0-\u024f]")
+_CYRILLIC = re.compile("[\u0400-\u04ff]")
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af]")
 _CODE_CHARS = re.compile(r"[{}();=<>\[\]_#$\\|]")
 _CODE_KW = re.compile(r"\bdef |\bimport |\breturn\b|#include|\bpublic |\bconst |\bvar |\blet |\bfunction\s*\(|"
                       r"\bSELECT\b|\bprint\(|=>|</")
 _TURN = re.compile(r"(?:^|\n)\s*(?:Human|Assistant|User|USER|ASSISTANT|Q|A):", re.M)
+_USER_TURN = re.compile(r"(?:^|\n)\s*(?:Human|User|USER):\s*", re.M)
+_ASSISTANT_CUE = re.compile(r"\s*(?:Assistant|ASSISTANT):\s*$")
 _WORD = re.compile(r"\w+", re.U)
 
 LEXICAL_NAMES: tuple[str, ...] = (
     "log_chars", "log_words", "log_lines", "log_tokens", "frac_nonascii", "frac_cjk", "frac_digit", "frac_upper",
     "frac_codechar", "code_fence", "code_keywords", "questions", "ends_question", "first_word",
     "requested_items", "word_budget", "input_share", "log_first_line", "turns", "log_longest_line",
+    "log_last_turn", "frac_latin_ext", "frac_cyrillic",
 ) + tuple(f"kw_{name}" for name, _ in KEYWORDS) + tuple(f"kw_{name}_head" for name, _ in KEYWORDS[:18])
 
 
@@ -105,6 +112,16 @@ def word_budget(text: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def last_user_turn(text: str) -> str | None:
+    """The last user turn of a dialogue ("Human: ... Assistant: ... Human: ..."), None if not one."""
+    starts = [m.end() for m in _USER_TURN.finditer(text)]
+    if not starts:
+        return None
+    turn = text[starts[-1]:]
+    nxt = re.search(r"\n\s*(?:Assistant|ASSISTANT):", turn)
+    return turn[:nxt.start()] if nxt else turn
+
+
 def lexical(prompt: str, n_tokens: int) -> np.ndarray:
     """The lexical/structural features of one prompt, in `LEXICAL_NAMES` order."""
     text = prompt if len(prompt) <= HEAD_CHARS + TAIL_CHARS else prompt[:HEAD_CHARS] + "\n" + prompt[-TAIL_CHARS:]
@@ -113,26 +130,38 @@ def lexical(prompt: str, n_tokens: int) -> np.ndarray:
     words = _WORD.findall(low)
     lines = text.split("\n")
     first, _, rest = text.strip().partition("\n\n")
-    # the instruction: the first paragraph; keywords there weigh more than in pasted input
-    head = first.lower()
-    first_word = words[0] if words else ""
+    # the instruction: the first paragraph (in a dialogue: the last user turn, what the reply answers);
+    # keywords there weigh more than in pasted input or earlier turns
+    last = last_user_turn(text)
+    head = (last if last is not None else first).lower()
+    head_words = _WORD.findall(head)
+    first_word = head_words[0] if head_words else (words[0] if words else "")
     fw = QUESTION_WORDS.index(first_word) + 1 if first_word in QUESTION_WORDS else 0
     vals = [
         _log(len(prompt)), _log(len(words)), _log(len(lines)), _log(n_tokens),
         sum(c > "\x7f" for c in text) / n, len(_CJK.findall(text)) / n, sum(c.isdigit() for c in text) / n,
         sum(c.isupper() for c in text) / n, len(_CODE_CHARS.findall(text)) / n,
-        float("```" in text), float(len(_CODE_KW.findall(text))), float(text.count("?")),
-        float(text.rstrip().endswith("?")), float(fw), requested_items(low), word_budget(low),
+        float("```" in text), float(len(_CODE_KW.findall(text))), float(text.count("?") + text.count("？")),
+        float(_ASSISTANT_CUE.sub("", text).rstrip().endswith(("?", "？"))), float(fw), requested_items(low),
+        word_budget(low),
         len(rest) / n, _log(len(first)), float(len(_TURN.findall(text))),
         _log(max((len(x) for x in lines), default=0)),
+        _log(len(last if last is not None else first)),
+        len(_LATIN_EXT.findall(text)) / n, len(_CYRILLIC.findall(text)) / n,
     ]
-    vals += [float(len(rx.findall(low))) for _, rx in _KW]
-    vals += [float(bool(rx.search(head))) for _, rx in _KW[:18]]
+    # English keywords, plus the same requests in nine other languages (`lexicon`) in the same feature
+    cjk = vals[5] > 0
+    other, other_head = count_groups(words, low, cjk), count_groups(head_words, head, cjk)
+    # max, not sum: a foreign stem that is also an English word ("detail") must not count twice
+    vals += [float(max(len(rx.findall(low)), other.get(name, 0))) for name, rx in _KW]
+    vals += [float(bool(other_head.get(name)) or bool(rx.search(head))) for name, rx in _KW[:18]]
     return np.asarray(vals, dtype=np.float32)
 
 
 def clip_text(prompt: str) -> str:
-    """Head + tail of a long prompt (what gets tokenized)."""
+    """Head + tail of a long prompt (what gets tokenized), without a dialogue's trailing
+    "Assistant:" cue (so the tail embedding is the user's last words)."""
+    prompt = _ASSISTANT_CUE.sub("", prompt) if prompt.rstrip().endswith(":") else prompt
     if len(prompt) <= HEAD_CHARS + TAIL_CHARS:
         return prompt
     return prompt[:HEAD_CHARS] + "\n" + prompt[-TAIL_CHARS:]

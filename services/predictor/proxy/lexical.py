@@ -11,17 +11,20 @@
   *relative to the model's own answers*; that carries over to models and prompt sets it
   never saw (selected on the out-of-distribution folds of `ood`, not the in-distribution split).
 * **Model**: LightGBM regression (L2) on that rank; a few hundred trees, one thread.
-* **Classes**: the predicted rank is cut into the five classes at the points that maximise
-  accuracy on the validation rows (true classes from each model's own percentiles; start:
-  the p25/p50/p75/p99 of the predictions, ``cut="quantile"``), +0.00-0.04 accuracy on the OOD
-  folds over the quantile cuts, tau unchanged. The class is relative to the target model, as the MiniLM tier's; its
-  token estimate is the class median of the model's training answers (`artifact.Meta.classes_for`:
-  the unseen-model scheme for models it does not know).
+* **Classes**: as served, by rank among the target model's recent predictions
+  (`calibrate.RankCalibrator`, stored in ``extra.calibration``): a class is relative to the
+  model's own p25/p50/p75/p99, so the predicted classes should split a model's traffic the same
+  way; level cut points fitted for accuracy on the validation rows' (prompt set, model) groups.
+  The fixed cut points on the score (``extra.thresholds``: accuracy-maximising on the validation
+  rows, from the prediction quantiles) decode when calibration is off and weigh the calibrator's
+  first predictions of a model. The token estimate is the class median of the model's training
+  answers (`artifact.Meta.classes_for`: the unseen-model scheme for models it does not know).
 
 Artifact (`artifacts/lexical-gbm/`): ``meta.json`` (`artifact.Meta` with ``kind:
-"lexical-gbm"``, thresholds and feature names in ``extra``, the measured OOD figures and
-``ood_confusion``), ``gbm.txt`` (LightGBM's text model), ``static.safetensors`` (the
-384 x dims projection; the embedding table itself comes from the encoder package).
+"lexical-gbm"``, thresholds, calibration and feature names in ``extra``, the measured OOD
+figures and ``ood_confusion``), ``gbm.txt`` (LightGBM's text model), ``static.safetensors``
+(the static table as serving reads it: each token's projected row, vocab x dims, and its two
+shares of the embedding ridge, vocab x 2; plus the bag-of-words ridge weights).
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ import numpy as np
 
 from polyserve.core.length_classes import UNSEEN_BOUNDS, UNSEEN_MEDIANS
 from polyserve.core.model_names import canonical
-from polyserve.predictor.proxy import artifact, data, features, labels
+from polyserve.predictor.proxy import artifact, calibrate, data, features, labels
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +46,11 @@ KIND = "lexical-gbm"
 GBM = "gbm.txt"
 STATIC = "static.safetensors"
 CLASS_SHARES = (0.25, 0.50, 0.75, 0.99)
-GBM_PARAMS = {"objective": "regression", "learning_rate": 0.05, "num_leaves": 31, "min_data_in_leaf": 40,
-              "feature_fraction": 0.7, "bagging_fraction": 0.8, "bagging_freq": 1, "lambda_l2": 1.0,
+# Smaller, more regularised trees than LightGBM's defaults (15 leaves, >= 100 prompts a leaf, half
+# the features per tree, L2 10): +0.01 tau on held-out prompt sets over 31 leaves / 40 / 0.7 / 1,
+# in distribution unchanged (issue 17, 2026-11-26; docs/benchmarks/predictor.md).
+GBM_PARAMS = {"objective": "regression", "learning_rate": 0.03, "num_leaves": 15, "min_data_in_leaf": 100,
+              "feature_fraction": 0.5, "bagging_fraction": 0.8, "bagging_freq": 1, "lambda_l2": 10.0,
               "num_threads": 1, "verbose": -1, "seed": 0, "deterministic": True}
 
 
@@ -142,6 +148,7 @@ class Fitted:
     bow_bias: float
     emb_coef: np.ndarray  # 2 x hidden: ridge on the raw head and tail mean embeddings
     emb_bias: float
+    calibration: dict | None = None  # `calibrate.RankCalibrator.to_json()`: per-target class decoding
 
     def matrix(self, pf: "PromptFeatures", prompts: list[str]) -> np.ndarray:
         bow = bow_vectorizer().transform([features.clip_text(p) for p in prompts]) @ self.bow_coef + self.bow_bias
@@ -181,6 +188,8 @@ def fit(pf: PromptFeatures, table: np.ndarray, train_rows: list[data.Row], val_r
     x_tr = np.hstack([pf.matrix(p_tr, proj), oof_bow[:, None], oof_emb[:, None]])
     x_va = fitted.matrix(pf, p_va)
     prm = dict(GBM_PARAMS, seed=seed, **(params or {}))
+    # a leaf holds >= 100 prompts on the corpus, fewer on a small training set (else no split at all)
+    prm["min_data_in_leaf"] = min(prm["min_data_in_leaf"], max(5, len(p_tr) // 50))
     dtr = lgb.Dataset(x_tr, y_tr, weight=w_tr, feature_name=feature_names(dims), free_raw_data=True)
     dva = lgb.Dataset(x_va, y_va, weight=w_va, reference=dtr)
     fitted.booster = lgb.train(prm, dtr, num_boost_round=rounds, valid_sets=[dva],
@@ -188,10 +197,13 @@ def fit(pf: PromptFeatures, table: np.ndarray, train_rows: list[data.Row], val_r
     fitted.best_iteration = int(fitted.booster.best_iteration or rounds)
     row_pred = fitted.values(pf, val_rows)
     fitted.thresholds = tuple(float(t) for t in np.quantile(row_pred, CLASS_SHARES))
-    if cut == "accuracy":
-        from polyserve.predictor.proxy.ood import truth_classes
+    from polyserve.predictor.proxy.ood import truth_classes
 
-        fitted.thresholds = accuracy_cuts(row_pred, truth_classes(val_rows)[0], fitted.thresholds)
+    truth, keys = truth_classes(val_rows)
+    if cut == "accuracy":
+        fitted.thresholds = accuracy_cuts(row_pred, truth, fitted.thresholds)
+    fitted.calibration = calibrate.RankCalibrator(calibrate.fit_level_cuts(keys, row_pred, truth),
+                                                  calibrate.reference_sample(row_pred)).to_json()
     return fitted
 
 
@@ -223,9 +235,27 @@ def _hash01(text: str, seed: int) -> float:
     return int.from_bytes(hashlib.sha256(f"{seed}\0{text}".encode()).digest()[:8], "big") / 2 ** 64
 
 
+STATIC_TABLES = ("raw", "combined")
+DEFAULT_STATIC = "raw"  # "combined" was no better out of distribution (docs/benchmarks/predictor.md)
+
+
+def static_table(enc_dir, static: str = DEFAULT_STATIC, cache_dir: str | Path | None = None) -> np.ndarray:
+    """The static token table (vocab x width) the embedding features average: ``raw`` = the encoder's
+    input embeddings; ``combined`` = raw and distilled rows side by side (`distill`, needs torch
+    once, then cached under `cache_dir`)."""
+    if static == "raw":
+        return features.StaticEmbedder.word_embeddings(enc_dir)
+    if static == "combined":
+        from polyserve.predictor.proxy import distill
+
+        return distill.cached_combined(enc_dir, cache_dir)
+    raise ValueError(f"static table {static!r}: use one of {', '.join(STATIC_TABLES)}")
+
+
 def train(ds: data.Dataset, out_dir: str | Path, *, encoder_dir: str | None = None, dims: int = 24,
           rounds: int = 600, seed: int = 0, exclude_sources: frozenset[str] = frozenset(),
-          extra: dict | None = None, cut: str = "accuracy") -> artifact.Meta:
+          extra: dict | None = None, cut: str = "accuracy", static: str = DEFAULT_STATIC,
+          cache_dir: str | Path | None = None) -> artifact.Meta:
     """Fit on the train split (sources in `exclude_sources` left out) and write the artifact."""
     from polyserve.predictor.proxy import encoder as enc_mod
     from polyserve.predictor.proxy import train as proxy_train
@@ -233,7 +263,7 @@ def train(ds: data.Dataset, out_dir: str | Path, *, encoder_dir: str | None = No
     t0 = time.monotonic()
     enc_dir = enc_mod.resolve_encoder_dir(encoder_dir)
     tok = fast_tokenizer(enc_dir)
-    table = features.StaticEmbedder.word_embeddings(enc_dir)
+    table = static_table(enc_dir, static, cache_dir)
     rows = [r for r in ds.rows if r.source not in exclude_sources]
     tr, va = [r for r in rows if r.split == "train"], [r for r in rows if r.split == "val"]
     pf = PromptFeatures.build([r.prompt for r in tr + va], tok, table)
@@ -254,22 +284,27 @@ def train(ds: data.Dataset, out_dir: str | Path, *, encoder_dir: str | None = No
                                 "features": feature_names(dims), "best_iteration": fitted.best_iteration,
                                 "gbm_params": dict(GBM_PARAMS, seed=seed), "train_rows": len(tr),
                                 "val_rows": len(va), "excluded_sources": sorted(exclude_sources), "cut": cut,
+                                "static": static, "calibration": fitted.calibration,
                                 "unseen_classes_derived": derived.to_json(),
                                 "train_s": round(time.monotonic() - t0, 1), **(extra or {})})
-    save(out_dir, meta, fitted)
+    save(out_dir, meta, fitted, table)
     return meta
 
 
-def save(out_dir: str | Path, meta: artifact.Meta, fitted: Fitted) -> Path:
-    """Write gbm.txt, static.safetensors (projection, bag-of-words weights) and meta.json."""
+def save(out_dir: str | Path, meta: artifact.Meta, fitted: Fitted, table: np.ndarray) -> Path:
+    """Write gbm.txt, static.safetensors and meta.json. The static table is stored already reduced
+    to what serving reads: each token's projected row (vocab x dims) and its two shares of
+    the embedding ridge (vocab x 2), so serving needs neither the distilled table nor torch."""
     from safetensors.numpy import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fitted.booster.save_model(str(out / GBM), num_iteration=fitted.best_iteration)
-    save_file({"projection": np.ascontiguousarray(fitted.proj, dtype=np.float32),
-               "bow_coef": np.ascontiguousarray(fitted.bow_coef, dtype=np.float16),
-               "emb_coef": np.ascontiguousarray(fitted.emb_coef, dtype=np.float32)}, str(out / STATIC))
+    hidden = table.shape[1]
+    scores = np.stack([table @ fitted.emb_coef[:hidden], table @ fitted.emb_coef[hidden:]], axis=1)
+    save_file({"table_proj": np.ascontiguousarray(table @ fitted.proj, dtype=np.float32),
+               "token_scores": np.ascontiguousarray(scores, dtype=np.float32),
+               "bow_coef": np.ascontiguousarray(fitted.bow_coef, dtype=np.float16)}, str(out / STATIC))
     meta.extra["bow_bias"] = fitted.bow_bias
     meta.extra["emb_bias"] = fitted.emb_bias
     artifact.write_meta(out, meta)
@@ -331,12 +366,16 @@ class LexicalPredictor:
         self.bow_coef = bow_coef.astype(np.float32)
         self.bow_bias = float(meta.extra.get("bow_bias", 0.0))
         self.thresholds = np.asarray(meta.extra["thresholds"], dtype=np.float64)
+        self.calibrator: calibrate.RankCalibrator | None = None
         self.vec = bow_vectorizer()
         self._tok = tok
         self.tok = _TokWrapper(tok)
 
     @classmethod
-    def load(cls, path: str | Path, encoder_dir: str | None = None) -> "LexicalPredictor":
+    def load(cls, path: str | Path, encoder_dir: str | None = None, *,
+             calibrate_classes: bool = True) -> "LexicalPredictor":
+        """`calibrate_classes`: decode classes by rank among each target model's recent predictions
+        (`calibrate.RankCalibrator`, stored in the artifact) instead of the fixed cut points."""
         import lightgbm as lgb
         from safetensors.numpy import load_file
 
@@ -354,13 +393,19 @@ class LexicalPredictor:
         if fp != meta.tokenizer_fingerprint:
             raise artifact.ArtifactError(f"artifact {path} was trained with tokenizer {meta.tokenizer} "
                                          f"({meta.tokenizer_fingerprint}), the encoder at {enc_dir} has {fp}")
+        names = meta.extra.get("features")
+        if names is not None and names != feature_names(int(meta.extra.get("static_dims", 24))):
+            raise artifact.ArtifactError(f"artifact {path} was trained on other features than this code computes "
+                                         "(retrain it: polyserve predictor train-lexical)")
         arrays = load_file(str(path / STATIC))
-        raw = features.StaticEmbedder.word_embeddings(enc_dir)
-        hidden = raw.shape[1]
-        emb_coef = arrays["emb_coef"].astype(np.float32)
-        scores = np.stack([raw @ emb_coef[:hidden], raw @ emb_coef[hidden:]], axis=1)
+        if "table_proj" not in arrays:
+            raise artifact.ArtifactError(f"artifact {path} has no projected static table (an older format)")
         booster = lgb.Booster(model_file=str(path / GBM))
-        return cls(meta, booster, raw @ arrays["projection"], arrays["bow_coef"], scores, fast_tokenizer(enc_dir))
+        pred = cls(meta, booster, arrays["table_proj"].astype(np.float32), arrays["bow_coef"],
+                   arrays["token_scores"].astype(np.float32), fast_tokenizer(enc_dir))
+        if calibrate_classes and meta.extra.get("calibration"):
+            pred.calibrator = calibrate.RankCalibrator.from_json(meta.extra["calibration"])
+        return pred
 
     def token_ids(self, prompts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch([features.clip_text(p) for p in prompts],
@@ -384,7 +429,10 @@ class LexicalPredictor:
         if not prompts:
             return [], None
         values = self.booster.predict(self.matrix(prompts, ids), num_threads=1)
-        cls = np.searchsorted(self.thresholds, values, side="right")
+        if self.calibrator is not None:
+            cls = [self.calibrator.classify(m, float(v)) for m, v in zip(models, values)]
+        else:
+            cls = np.searchsorted(self.thresholds, values, side="right")
         out = []
         for m, v, c in zip(models, values, cls):
             out.append(Answer(int(c), self.meta.classes_for(m).tokens(int(c)), float(v),

@@ -173,13 +173,19 @@ def history_method(fold: Fold) -> tuple[np.ndarray, np.ndarray]:
 
 
 def lexical_method(fold: Fold, pf, table, *, dims: int = 24, rounds: int = 600,
-                   seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    from polyserve.predictor.proxy import lexical
+                   seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The fast tier retrained on the fold: ``lexical`` decodes classes as served (`calibrate`: rank
+    among the target's earlier predictions; each (prompt set, model) group of the test rows is one
+    traffic stream, rows in a fixed hash order), ``lexical_fixed`` with the fixed cut points."""
+    from polyserve.predictor.proxy import calibrate, lexical
 
     fitted = lexical.fit(pf, table, fold.train, fold.val or fold.train[: len(fold.train) // 10], dims=dims,
                          rounds=rounds, seed=seed)
     v = fitted.values(pf, fold.test)
-    return v, fitted.classes(v)
+    keys = [(r.source, canonical(r.model)) for r in fold.test]
+    order = sorted(range(len(fold.test)), key=lambda i: _h(f"{fold.test[i].prompt}\0{fold.test[i].model}", seed))
+    streamed = calibrate.stream_classes(keys, [r.model for r in fold.test], v, fitted.calibration, order)
+    return {"lexical": (v, streamed), "lexical_fixed": (v, fitted.classes(v))}
 
 
 class MiniLM:
@@ -257,10 +263,11 @@ def render(results: dict[str, dict[str, Scored]], summary: dict[str, dict[str, S
 def run(ds: data.Dataset, *, encoder_dir: str | None = None, minilm: str | None = None,
         minilm_precision: str | None = None, max_train_rows: int = 0, max_test_prompts: int = 400,
         model_folds: int = 5, sources: tuple[str, ...] = DEFAULT_SOURCES, seed: int = 0,
-        kinds: tuple[str, ...] = ("in", "source", "models"), progress: bool = True) -> dict:
+        kinds: tuple[str, ...] = ("in", "source", "models"), progress: bool = True, static: str | None = None,
+        cache_dir: str | None = None) -> dict:
     """Every fold, every method; returns {"folds": {fold: {method: Scored}}, "summary": ...}."""
     from polyserve.predictor.proxy import encoder as enc_mod
-    from polyserve.predictor.proxy import features, lexical
+    from polyserve.predictor.proxy import lexical
 
     def say(msg: str) -> None:
         if progress:
@@ -268,7 +275,7 @@ def run(ds: data.Dataset, *, encoder_dir: str | None = None, minilm: str | None 
 
     t0 = time.monotonic()
     enc_dir = enc_mod.resolve_encoder_dir(encoder_dir)
-    table = features.StaticEmbedder.word_embeddings(enc_dir)
+    table = lexical.static_table(enc_dir, static or lexical.DEFAULT_STATIC, cache_dir)
     pf = lexical.PromptFeatures.build([r.prompt for r in ds.rows], lexical.fast_tokenizer(enc_dir), table)
     say(f"ood: features of {len(pf.index)} prompts in {time.monotonic() - t0:.0f}s")
     mini = MiniLM(minilm, minilm_precision) if minilm else None
@@ -278,7 +285,8 @@ def run(ds: data.Dataset, *, encoder_dir: str | None = None, minilm: str | None 
                    max_test_prompts=max_test_prompts, seed=seed, kinds=kinds):
         t = time.monotonic()
         res = {"history": score(f.test, *history_method(f))}
-        res["lexical"] = score(f.test, *lexical_method(f, pf, table, seed=seed))
+        for name, (v, c) in lexical_method(f, pf, table, seed=seed).items():
+            res[name] = score(f.test, v, c)
         if mini is not None:
             mask = np.array([data.normalise(r.prompt) not in seen for r in f.test])
             if mask.any():
@@ -288,9 +296,39 @@ def run(ds: data.Dataset, *, encoder_dir: str | None = None, minilm: str | None 
             f"{m} acc {s.accuracy:.3f} tau {s.tau:.3f} (n {s.n})" for m, s in res.items())
             + f" [{time.monotonic() - t:.0f}s]")
     return {"folds": results, "summary": summarise(results), "seconds": round(time.monotonic() - t0, 1),
-            "settings": {"max_train_rows": max_train_rows, "max_test_prompts": max_test_prompts,
+            "settings": {"static": static or lexical.DEFAULT_STATIC,
+                         "max_train_rows": max_train_rows, "max_test_prompts": max_test_prompts,
                          "model_folds": model_folds, "sources": list(sources), "seed": seed,
                          "data_hash": ds.data_hash, "rows": len(ds.rows)}}
+
+
+def consensus_tau(ds: data.Dataset) -> dict[str, float]:
+    """Per prompt set with >= 3 answering models: Kendall's tau of each model's lengths against the
+    mean within-model rank of the *other* models on the same prompts, row-weighted over models. It
+    shows roughly how well any prompt-only predictor can do on a set. Printed by `eval --ood`."""
+    from polyserve.predictor.proxy.lexical import group_ranks
+
+    ranks = group_ranks(ds.rows)
+    by: dict[str, dict[str, dict[str, tuple[float, int]]]] = defaultdict(lambda: defaultdict(dict))
+    for r, q in zip(ds.rows, ranks):
+        by[r.source][canonical(r.model)][r.prompt] = (float(q), r.output_tokens)
+    out: dict[str, float] = {}
+    for src, models in sorted(by.items()):
+        if len(models) < 3:
+            continue
+        total = weight = 0.0
+        for m, rows in models.items():
+            others = [(np.mean([models[o][p][0] for o in models if o != m and p in models[o]]), n)
+                      for p, (_, n) in rows.items() if any(o != m and p in models[o] for o in models)]
+            if len(others) < 2:
+                continue
+            t = labels.kendall_tau(np.array([o[0] for o in others]), np.array([o[1] for o in others], float))
+            if not math.isnan(t):
+                total += t * len(others)
+                weight += len(others)
+        if weight:
+            out[src] = round(total / weight, 4)
+    return out
 
 
 def to_json(out: dict) -> dict:

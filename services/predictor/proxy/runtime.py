@@ -76,7 +76,7 @@ class ModelRunner:
 
     def __init__(self, artifact_dir: str, encoder_dir: str | None = None, *, max_batch: int = 16,
                  batch_wait_ms: float = 2.0, max_queue: int = 256, bucket_step: int = 64, threads: int = 0,
-                 cache_keys: str = "tuned", int8: bool = False, precision: str | None = None):
+                 cache_keys: str = "tuned", int8: bool = False, precision: str | None = None, calibrate: bool = True):
         self.artifact_dir = artifact_dir
         self.encoder_dir = encoder_dir
         self.max_batch = max_batch
@@ -86,6 +86,7 @@ class ModelRunner:
         self.cache_keys = cache_keys
         self.int8 = int8
         self.precision = precision
+        self.calibrate = calibrate
         self.queue: asyncio.Queue[_Job] = asyncio.Queue(maxsize=max_queue)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="predictor-model")
         self.predictor = None
@@ -113,8 +114,10 @@ class ModelRunner:
         if meta.kind == "lexical-gbm":  # the fast tier: no torch, no encoder pass
             from polyserve.predictor.proxy.lexical import LexicalPredictor
 
-            pred = LexicalPredictor.load(self.artifact_dir, self.encoder_dir)
+            pred = LexicalPredictor.load(self.artifact_dir, self.encoder_dir, calibrate_classes=self.calibrate)
             pred.predict(["warm up"], [pred.meta.models[0] if pred.meta.models else ""])
+            if pred.calibrator is not None:  # the warm-up is not traffic
+                pred.calibrator = type(pred.calibrator).from_json(pred.calibrator.to_json())
             return pred, time.monotonic() - t
         passive_openmp()
         import torch
