@@ -190,6 +190,9 @@ def _add_worker_args(ap: argparse.ArgumentParser, traces: Path) -> None:
                          "overtake one (0 = default)")
     ap.add_argument("--ssjf-window-s", type=float, default=0.0,
                     help="ssjf: that window before any request completed (0 = default)")
+    ap.add_argument("--refine-preempt", action="store_true",
+                    help="with --order ssjf / sjf_oracle only: preemptive shortest-(expected-)remaining-first at iteration "
+                         "boundaries, paused requests keep their KV (docs/experiments/sjf.md)")
     ap.add_argument("--context-limit", type=int, default=-1,
                     help="context window in tokens (-1 = the profile's model's, 0 = none)")
     ap.add_argument("--over-context", choices=("reject", "truncate"), default="truncate",
@@ -361,7 +364,8 @@ def _base_config(args, raw: dict, tp: int, threshold_factor: float) -> SimConfig
                      worker=WorkerConfig(max_batch=args.max_batch, kv_capacity=kv_cap, kv_mode=args.kv_mode,
                                          max_adapters=args.max_adapters, max_waiting=args.max_waiting,
                                          max_prefill_tokens=args.max_prefill_tokens,
-                                         adapter_load_ms_per_rank=args.adapter_load_ms_per_rank, tp=tp),
+                                         adapter_load_ms_per_rank=args.adapter_load_ms_per_rank, tp=tp,
+                                         refine_preempt=args.refine_preempt),
                      planner_period_s=args.planner_period_s, initial_workers=args.initial_workers,
                      scaler_window_s=args.scaler_window_s,
                      stabilization_s=args.stabilization_s, scaler_max_step=args.max_step,

@@ -46,10 +46,6 @@ from polyserve.simulator.trace import Adapters, Trace
 __all__ = ["NEEDS_REQUESTS", "POLICIES", "SIM_POLICIES", "Cluster", "RunResult", "SimConfig", "simulate",
            "with_worker"]
 
-REFINE_PAYBACK = 8.0
-"""refine_preempt evicts a request only if its expected remaining tokens are this many times
-the cost of recomputing it (prompt + generated tokens x the ssjf input weight)."""
-
 # Event kinds, in their order at equal times. Arrivals at time t are handled before any
 # event at t, and an idle worker is started by a _KICK at t, so requests arriving together
 # (or exactly at a step boundary) join the same step.
@@ -101,21 +97,15 @@ class Cluster(Placement, Scaling, Accounting):
             return lambda r, _a=cfg.aging_s: qo.ssjf_class_key(r, _a)
         return ORDER_KEYS[cfg.order]  # ssjf: a SizeRule per worker (_new_rule)
 
-    def _refiner(self, rule: qo.SizeRule):
-        """(request, generated) -> its key now: size = E[L | L > generated, predicted class] −
-        generated (+ the prompt term), the conditional mean learned from the trace's
-        (prediction, true length) pairs, as a live system would from completed requests."""
-        w_in = rule.input_weight
-
-        def key(r: SimRequest, generated: int):
-            cm = self._cond_by_class.get(r.length_class) or self._cond_by_class[None]
-            remaining = cm(0, 0, generated) - generated
-            recompute = w_in * (r.input_len + generated)  # its prefill again, in output-token equivalents
-            if remaining < REFINE_PAYBACK * max(recompute, 1.0):
-                return None
-            return rule.key_for(r.arrival, remaining + recompute)
-
-        return key
+    def _refiner(self, w: SimWorker):
+        """(request, generated, tokens to prefill) -> its key now, for refine_preempt: ssjf's
+        rule on the remaining size E[L − generated | L > generated, predicted class] learned from
+        the worker's own completions (`core.queue_order.RemainingEstimator`, as a live worker
+        would); sjf_oracle: the true remaining length (SRPT, the honest oracle for a preemptive rule)."""
+        if self.cfg.order == "sjf_oracle":
+            return lambda r, generated, prefill: qo.srpt_oracle_key(r, generated)
+        rule, est = w.rule, w.rule.estimator
+        return lambda r, generated, prefill: qo.refined_ssjf_key(rule, est, r, generated, prefill)
 
     def _new_rule(self) -> qo.SizeRule | None:
         """A worker's own `ssjf` state (its queue's recent sizes and JCTs), as in a live worker."""
@@ -124,7 +114,9 @@ class Cluster(Placement, Scaling, Accounting):
             return None
         return qo.SizeRule(input_weight=cfg.ssjf_input_weight if cfg.ssjf_input_weight >= 0 else qo.INPUT_WEIGHT,
                            window_factor=cfg.ssjf_window_factor or qo.WINDOW_FACTOR,
-                           window_s=cfg.ssjf_window_s or qo.WINDOW_S)
+                           window_s=cfg.ssjf_window_s or qo.WINDOW_S,
+                           estimator=qo.RemainingEstimator(by_client=cfg.worker.refine_by_client)
+                           if cfg.worker.refine_preempt else None, tail_guard=cfg.worker.tail_guard)
 
     # ------------------------------------------------------------------ run
     def run(self) -> RunResult:
@@ -168,15 +160,15 @@ class Cluster(Placement, Scaling, Accounting):
             pred_tok, pred_cls = self.predictor.precompute(tr.output_len)
         else:
             pred_tok, pred_cls = tr.output_len.copy(), np.full(len(tr), -1)
-        self._cond_by_class = {None: ConditionalMean(tr.output_len)}
-        for c in set(pred_cls.tolist()):
-            self._cond_by_class[c] = ConditionalMean(tr.output_len[pred_cls == c])
         arrivals, inputs, outputs = tr.arrival.tolist(), tr.input_len.tolist(), tr.output_len.tolist()
         pred_tok, pred_cls = pred_tok.tolist(), pred_cls.tolist()
+        clients = tr.client.tolist() if tr.client is not None else None
 
         def make(i: int) -> SimRequest:
             r = SimRequest(idx=i, request_id=f"r{i}", arrival=arrivals[i], input_len=inputs[i],
                            output_len=outputs[i], predicted_tokens=pred_tok[i], length_class=pred_cls[i])
+            if clients is not None:
+                r.client = clients[i]
             self._fit_context(r)
             if self._online:
                 r.predicted_tokens, r.length_class = self.predictor.predict_online(r.input_len)
@@ -234,6 +226,8 @@ class Cluster(Placement, Scaling, Accounting):
             self._finished(w, r, now, self._online)
             if w.rule is not None:
                 w.rule.observe(now - r.arrival)
+                if w.rule.estimator is not None:
+                    w.rule.estimator.observe(r.length_class, r.output_len, qo.client_of(r))
         self._count_misses(prefilled, now)
         if self.clock is not None:
             self._clock_step(w, st, now)
@@ -278,8 +272,10 @@ class Cluster(Placement, Scaling, Accounting):
         w = SimWorker(f"w{self._n_made:03d}", self.perf, self.cfg.worker, rule.key if rule else self.order_key,
                       started_at=now)
         w.rule = rule
-        if rule is not None and self.cfg.worker.refine_preempt:
-            w.refined_key = self._refiner(rule)
+        if self.cfg.worker.refine_preempt:
+            if self.cfg.order not in ("ssjf", "sjf_oracle"):
+                raise ValueError("refine_preempt needs order ssjf or sjf_oracle")
+            w.refined_key = self._refiner(w)
         w.ready_at = ready_at
         self.workers[w.id] = w
         self.timeline.append((now, self._up()))

@@ -47,6 +47,7 @@ class SimRequest:
     priority: int = 0
     adapter: str | None = None
     rank: int = 0
+    client: int = -1  # the sending client where the trace has one (ServeGen)
     # filled by the worker
     worker: str = ""
     key: object = None
@@ -60,6 +61,10 @@ class SimRequest:
     first_token: float = -1.0
     finish: float = -1.0
     preemptions: int = 0
+    pauses: int = 0
+    held_kv: int = 0  # KV kept while paused (refine_preempt): it resumes without a prefill
+    in_queue: bool = False
+    promoted: bool = False  # past the tail guard: first come first served ahead of the rest, never paused
     rejected: str = ""
 
     @property
@@ -78,7 +83,16 @@ class WorkerConfig:
     max_waiting: int = 0  # 0 = unbounded
     max_prefill_tokens: int = 0  # prompt tokens per prefill (vLLM max_num_batched_tokens); 0 = no limit
     tp: int = 1  # GPUs of one worker
-    refine_preempt: bool = False  # ssjf only: evict a running request whose refined key sorts behind the queue's head
+    # Shortest-expected-remaining-first (core.queue_order.Preemptor): with a full batch, pause a
+    # running request whose refined key sorts behind a waiting one's (ssjf: its remaining size
+    # given what it generated; sjf_oracle: its true remaining). Checked every preempt_quantum
+    # decode steps; a paused request keeps its KV while memory allows (pause_kv), else it
+    # re-prefills prompt + generated tokens when it resumes.
+    refine_preempt: bool = False
+    preempt_quantum: int = 16
+    pause_kv: bool = True
+    refine_by_client: bool = False  # the remaining-length tables also per client (RemainingEstimator.by_client)
+    tail_guard: float = 0.0  # ssjf: a request waiting past this quantile of recent JCTs goes first (0 = off)
 
 
 @dataclass
@@ -101,8 +115,14 @@ class SimWorker:
         self.cfg = cfg
         self.order_key = order_key
         self.rule = None  # the queue order's state where it has one (core.queue_order.SizeRule)
-        self.refined_key = None  # (request, tokens generated) -> its key now (refine_preempt; set by the cluster)
-        self.refine_preemptions = 0
+        self.refined_key = None  # (request, generated, tokens to prefill) -> its key now (refine_preempt; cluster)
+        self.preemptor = wp.Preemptor(cfg.preempt_quantum) if cfg.refine_preempt else None
+        self.refine_preemptions = 0  # pauses
+        self.paused_dropped = 0  # paused requests whose KV was freed for others (they re-prefill)
+        self.kv_paused = 0  # grow mode: KV held by paused requests
+        self.paused: dict[int, SimRequest] = {}
+        self._ages: list[tuple[float, int, SimRequest]] = []  # waiting requests by arrival (lazy), tail guard
+        self.promoted = 0
         self.started_at = started_at
         self.stopped_at: float | None = None
         self.ready_at = started_at
@@ -143,7 +163,7 @@ class SimWorker:
         h, j = self.perf.base.h, self.perf.base.j
         ctx = self.S + self.b * self.D
         held = sum(self.perf.kv(r.prefill_len + 1) for r in self.step.new) if self.step else 0.0
-        return int(h * ctx + j * self.b + held)
+        return int(h * ctx + j * self.b + held) + self.kv_paused
 
     def max_rank(self) -> int:
         return max((r for r, c in self.rank_count.items() if c > 0), default=0)
@@ -165,11 +185,36 @@ class SimWorker:
             return False
         r.worker = self.id
         r.prefill_len = r.input_len + r.generated
+        r.held_kv = 0
         if r.key is None:
             r.key = self.order_key(r)
+        self._push(r)
+        return True
+
+    def _push(self, r: SimRequest) -> None:
+        """Into the waiting queue under r.key (and the arrival heap the tail guard watches)."""
         self._seq += 1
         heapq.heappush(self.waiting, (r.key, self._seq, r))
-        return True
+        r.in_queue = True
+        if self.rule is not None and self.rule.tail_guard and not r.promoted:
+            heapq.heappush(self._ages, (r.arrival, self._seq, r))
+
+    def _promote_overdue(self, now: float) -> None:
+        """The tail guard (`SizeRule.guard`): requests waiting longer than it go first, FCFS."""
+        g = self.rule.guard()
+        while g is not None and self._ages:
+            a, _, r = self._ages[0]
+            if r.in_queue and not r.promoted and now - a <= g:
+                return
+            heapq.heappop(self._ages)
+            if not r.in_queue or r.promoted:
+                continue
+            r.promoted = True
+            self.promoted += 1
+            r.key = (a - 1e12, a)
+            idx = next(i for i, e in enumerate(self.waiting) if e[2] is r)
+            self.waiting[idx] = (r.key, self.waiting[idx][1], r)
+            heapq.heapify(self.waiting)
 
     def remove_waiting(self, request_id: str) -> SimRequest | None:
         """Take a not-yet-started request out of the queue (Aladdin re-balancing)."""
@@ -177,6 +222,11 @@ class SimWorker:
             if r.request_id == request_id:
                 self.waiting.pop(k)
                 heapq.heapify(self.waiting)
+                r.in_queue = False
+                if self.paused.pop(r.idx, None) is not None:  # a paused request leaves its KV here
+                    self.kv_paused -= r.held_kv if self.cfg.kv_mode == "grow" else 0
+                    self._release(r)
+                    r.held_kv = 0
                 return r
         return None
 
@@ -184,9 +234,12 @@ class SimWorker:
     def start_step(self, now: float) -> float | None:
         """Begin the next iteration at `now`; its end time, or None when there is nothing to do."""
         cfg, perf = self.cfg, self.perf
+        if self._ages and self.waiting:
+            self._promote_overdue(now)
         preempted = self._preempt_for_growth() if cfg.kv_mode == "grow" and self.running else False
-        if not preempted and self.refined_key is not None and self.waiting and self.b >= cfg.max_batch:
-            self._preempt_for_shorter()
+        if (not preempted and self.preemptor is not None and self.waiting and self.b >= cfg.max_batch
+                and self.D % cfg.preempt_quantum == 0):
+            self._pause_for_shorter(now)
         new: list[SimRequest] = []
         if self.waiting and not preempted:
             new = self._admit()
@@ -255,13 +308,25 @@ class SimWorker:
             kv = self.kv_used() + int(self.perf.base.h * self.b + 0.999)
         while self.waiting:
             r = self.waiting[0][2]
+            if r.held_kv:  # paused with its KV: it rejoins the decode set, no prefill
+                if seqs + 1 > cfg.max_batch:
+                    break
+                heapq.heappop(self.waiting)
+                r.in_queue = False
+                self._resume(r)
+                seqs += 1
+                continue
             r.kv_demand = self._demand(r)
+            if wp.admit_count([r], seqs, kv, cfg.max_batch, cap) == 0 and self.paused \
+                    and seqs + 1 <= cfg.max_batch:  # memory held by paused requests goes to the queue's head
+                kv -= self._drop_paused(kv + r.kv_demand - cap)
             if wp.admit_count([r], seqs, kv, cfg.max_batch, cap) == 0 or not self._adapter_slot(r):
                 break
             if cfg.max_prefill_tokens and new and prompt + r.prefill_len > cfg.max_prefill_tokens:
                 break
             prompt += r.prefill_len
             heapq.heappop(self.waiting)
+            r.in_queue = False
             new.append(r)
             seqs += 1
             kv += r.kv_demand
@@ -301,26 +366,73 @@ class SimWorker:
             ms += self.cfg.adapter_load_ms_per_rank * r.rank
         return ms
 
-    def _preempt_for_shorter(self) -> None:
-        """Shortest-remaining with refinement (TRAIL-style), once per request: the running
-        request whose key *now* (its remaining length given what it has generated, see
-        cluster) sorts furthest behind goes back to the queue (recompute) when the queue's
-        head sorts before it. A key is still at most arrival + W (the starvation bound)."""
-        head_key = self.waiting[0][0]
-        worst, worst_key = None, None
-        for r in self.running.values():
-            if r.preemptions:
-                continue
-            k = self.refined_key(r, self.generated_of(r))
-            if k is None:  # not worth its recompute
-                continue
-            if worst_key is None or k > worst_key:
-                worst, worst_key = r, k
-        if worst is None or not worst_key > head_key:
-            return
-        self.refine_preemptions += 1
-        worst.key = worst_key
-        self._requeue(worst)
+    def _pause_for_shorter(self, now: float) -> None:
+        """Shortest expected remaining first (`core.queue_order.Preemptor`): pause the running
+        requests whose key now sorts behind the best waiting keys; the waiting ones take their
+        slots in this step's admission. Keys stay <= arrival + W (ssjf's starvation bound)."""
+        keep = self.cfg.pause_kv
+        guard = self.rule.guard() if self.rule is not None else None  # overdue requests are not paused
+        running = [(self.refined_key(r, g, 0 if keep else r.input_len + g), self.D - r.d0, r)
+                   for r in self.running.values() if not r.promoted and (guard is None or now - r.arrival <= guard)
+                   for g in (self.generated_of(r),)]
+        heads = [k for k, _, _ in heapq.nsmallest(len(running), self.waiting)]
+        margin = wp.PREEMPT_MARGIN * self.rule.window if self.rule is not None else 0.0
+        for r in self.preemptor.victims(running, heads, margin):
+            r.key = next(k for k, _, x in running if x is r)
+            self.refine_preemptions += 1
+            r.pauses += 1
+            if keep:
+                self._pause(r)
+            else:
+                self._requeue(r)
+
+    def _pause(self, r: SimRequest) -> None:
+        """Take running `r` out of the decode set; its KV (and adapter) stay until it resumes or
+        the memory is needed (`_drop_paused`)."""
+        r.generated = self.generated_of(r)
+        self.running.pop(r.idx, None)
+        self.S -= r.input_len + r.g0 - r.d0
+        self.rank_count[r.rank] -= 1
+        self.sum_rank -= r.rank
+        self._fin = [(d, s, x) for d, s, x in self._fin if x is not r]
+        heapq.heapify(self._fin)
+        r.prefill_len = r.input_len + r.generated  # if its KV is dropped
+        r.held_kv = max(1, int(self.perf.kv(r.input_len + r.generated) + 0.999)) if self.cfg.kv_mode == "grow" \
+            else max(1, r.kv_demand)
+        if self.cfg.kv_mode == "grow":
+            self.kv_paused += r.held_kv
+        self.paused[r.idx] = r
+        self._push(r)
+
+    def _resume(self, r: SimRequest) -> None:
+        """A paused request with its KV rejoins the decode set where it stopped."""
+        self.paused.pop(r.idx, None)
+        if self.cfg.kv_mode == "grow":
+            self.kv_paused -= r.held_kv
+        r.held_kv = 0
+        r.g0, r.d0 = r.generated, self.D
+        self.running[r.idx] = r
+        self.S += r.input_len + r.g0 - r.d0
+        self.rank_count[r.rank] = self.rank_count.get(r.rank, 0) + 1
+        self.sum_rank += r.rank
+        self._seq += 1
+        heapq.heappush(self._fin, (self.D + r.output_len - r.g0, self._seq, r))
+
+    def _drop_paused(self, need: float) -> int:
+        """Free paused requests' KV (the worst-keyed first) until `need` tokens are free; those
+        requests re-prefill prompt + generated tokens when they resume. Returns the KV freed."""
+        freed = 0
+        for r in sorted(self.paused.values(), key=lambda x: x.key, reverse=True):
+            if freed >= need:
+                break
+            del self.paused[r.idx]
+            freed += r.held_kv
+            if self.cfg.kv_mode == "grow":
+                self.kv_paused -= r.held_kv
+            self._release(r)
+            r.held_kv = 0
+            self.paused_dropped += 1
+        return freed
 
     def _requeue(self, r) -> None:
         """Preempt running `r` (recompute): back to the waiting queue under its key, to prefill
@@ -332,8 +444,7 @@ class SimWorker:
         r.preemptions += 1
         self.preemptions += 1
         r.prefill_len = r.input_len + r.generated
-        self._seq += 1
-        heapq.heappush(self.waiting, (r.key, self._seq, r))
+        self._push(r)
 
     def _preempt_for_growth(self) -> bool:
         """vLLM recompute preemption: while this decode step would overflow the KV budget,
@@ -343,6 +454,8 @@ class SimWorker:
             return False
         h = self.perf.base.h
         hit = False
+        if self.paused and self.kv_used() + h * self.b > cap:
+            self._drop_paused(self.kv_used() + h * self.b - cap)
         while self.running and self.kv_used() + h * self.b > cap:
             if self.b == 1:  # alone and still out of room: let it overflow rather than livelock
                 self.kv_overflows += 1

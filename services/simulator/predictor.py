@@ -83,16 +83,16 @@ def resolve_confusion(path: str | Path | None) -> tuple[np.ndarray, str]:
         p = p / "meta.json" if p.is_dir() else p
         data = json.loads(p.read_text())
         if isinstance(data, dict):
-            if "ood_confusion" not in data:
-                raise ValueError(f"{p}: no 'ood_confusion' key (give a matrix or a metadata JSON that has one)")
+            if data.get("ood_confusion") is None:
+                raise ValueError(f"{p}: no 'ood_confusion' matrix (give a matrix or a metadata JSON that has one)")
             return load_confusion(data["ood_confusion"]), f"measured OOD confusion of {p}"
         return load_confusion(data), f"confusion matrix from {p}"
     meta = shipped_meta_path()
     if meta is not None and meta.exists():
         data = json.loads(meta.read_text())
-        if "ood_confusion" in data:
+        if data.get("ood_confusion") is not None:
             return load_confusion(data["ood_confusion"]), f"shipped predictor's measured OOD confusion ({meta})"
-        why = f"{meta} has no 'ood_confusion' key"
+        why = f"{meta} has no 'ood_confusion' matrix"  # absent, or null while being re-recorded
     else:
         why = "shipped predictor artifact not found"
     return load_confusion(None), (f"FALLBACK synthetic µ-Serve-like 5-class confusion (simulator.predictor."

@@ -31,8 +31,19 @@ from polyserve.simulator.limits import context_limit, profiled_prompt_tokens
 from polyserve.simulator.predictor import LengthPredictor, resolve_confusion
 from polyserve.simulator.trace import Trace, datasets_dir, load_trace, window
 
-ORDERS = (("fcfs", "FCFS", {}), ("ssjf_class", "SSJF (old)", {"aging_s": 120.0}), ("ssjf", "SSJF (new)", {}),
-          ("ssjf_refine", "SSJF (new) + refine", {"refine": True}), ("sjf_oracle", "oracle SJF", {}))
+ALL_ORDERS = (("fcfs", "FCFS", "fcfs", {}), ("ssjf_class", "SSJF (old)", "ssjf_class", {"aging_s": 120.0}),
+              ("ssjf", "SSJF", "ssjf", {}), ("ssjf_refine", "SSJF + refine", "ssjf", {"refine": True}),
+              ("ssjf_client", "SSJF + refine by client", "ssjf", {"refine": True, "by_client": True}),
+              ("ssjf_true", "SSJF + refine on true lengths", "ssjf", {"refine": True, "true_lengths": True}),
+              ("sjf_oracle", "oracle SJF", "sjf_oracle", {}), ("srpt_oracle", "oracle SRPT", "sjf_oracle", {"refine": True}))
+"""(name, label, the simulator's order, options). `+ refine` / SRPT: preemptive at iteration
+boundaries (WorkerConfig.refine_preempt, pause with KV kept; the oracle with its true
+remaining length, the same preemption rules)."""
+DEFAULT_ORDERS = tuple(o for o in ALL_ORDERS if o[0] not in ("ssjf_class", "ssjf_true"))
+ORDERS = DEFAULT_ORDERS
+ORACLES = ("sjf_oracle", "srpt_oracle")
+DEFAULT_TAIL_GUARD = qo.TAIL_GUARD
+TAIL_GUARD = DEFAULT_TAIL_GUARD
 LONG_CONTEXT = 131072
 
 
@@ -50,7 +61,8 @@ def default_traces() -> list[tuple[str, int]]:
 
 def _head(t: Trace, n: int) -> Trace:
     pc = t.predicted_class[:n] if t.predicted_class is not None else None
-    return Trace(t.name, t.arrival[:n], t.input_len[:n], t.output_len[:n], None, pc, t.class_bounds)
+    cl = t.client[:n] if t.client is not None else None
+    return Trace(t.name, t.arrival[:n], t.input_len[:n], t.output_len[:n], None, pc, t.class_bounds, cl)
 
 
 def saturation(tr: Trace, perf, cfg: SimConfig, n: int) -> float:
@@ -80,45 +92,56 @@ def run_trace(spec: str, ctx: int, perf, raw: dict, base: SimConfig, loads, n: i
     for load in loads:
         tr = _head(window(full, rate_scale=load * sat / full.rate), n)
         pred = _predictor(full, tr, confusion, cname, seed)
-        for order, label, kw in ORDERS:
-            run_cfg = replace(cfg, order=order.removesuffix("_refine"), **{k: v for k, v in kw.items() if k != "refine"})
+        for order, label, sim_order, kw in ORDERS:
+            if kw.get("by_client") and tr.client is None:
+                continue  # no client ids in this trace: the same runs as + refine
+            sim_kw = {k: v for k, v in kw.items() if k not in ("refine", "by_client", "true_lengths")}
+            run_cfg = replace(cfg, order=sim_order, **sim_kw)
             if kw.get("refine"):
-                run_cfg = replace(run_cfg, worker=replace(run_cfg.worker, refine_preempt=True))
-            res = simulate(tr, perf, run_cfg, predictor=pred)
+                run_cfg = replace(run_cfg, worker=replace(run_cfg.worker, refine_preempt=True, tail_guard=TAIL_GUARD,
+                                                          refine_by_client=bool(kw.get("by_client"))))
+            # ssjf_true: the same rule and bound fed true lengths (what the predictor costs, apart from the bound)
+            used = LengthPredictor("oracle", full.output_len, name="oracle: true lengths (ssjf_true only)") \
+                if kw.get("true_lengths") else pred
+            res = simulate(tr, perf, run_cfg, predictor=used)
             lat = report.latencies(res)
             rows.append({"trace": full.name, "load": load, "rate": round(tr.rate, 4), "saturation_rps": sat,
                          "order": order, "label": label, "requests": len(tr), "served": int(lat.e2e.size),
                          "mean_s": float(lat.e2e.mean()) / 1000, "p99_s": float(np.percentile(lat.e2e, 99)) / 1000,
-                         "counters": res.counters, "predictor": pred.name, "context_limit": cfg.context_limit})
+                         "counters": res.counters, "predictor": used.name, "context_limit": cfg.context_limit})
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    """Mean and P99 JCT per trace and load, % of the oracle's gain, P99 vs FCFS."""
+    """Mean and P99 JCT per trace and load, % of each oracle's cut, P99 vs FCFS."""
     have = {r["order"] for r in rows}
-    cols = [o for o, _, _ in ORDERS if o in have and o not in ("fcfs", "sjf_oracle")]
-    label = {o: lab for o, lab, _ in ORDERS}
-    head = ("| trace | load (req/s) | FCFS mean / P99 | " + " | ".join(f"{label[c]} mean / P99" for c in cols)
-            + " | oracle mean / P99 | oracle vs FCFS | % oracle gain " + " / ".join(label[c] for c in cols)
+    label = {o[0]: o[1] for o in ALL_ORDERS}
+    cols = [o[0] for o in ALL_ORDERS if o[0] in have and o[0] != "fcfs" and o[0] not in ORACLES]
+    oracles = [o for o in ORACLES if o in have]
+    head = ("| trace | load (req/s) | FCFS mean / P99 | "
+            + " | ".join(f"{label[c]} mean / P99" for c in cols + oracles)
+            + "".join(f" | % of {label[o]}'s cut: " + " / ".join(label[c] for c in cols) for o in oracles)
             + " | P99 ÷ FCFS " + " / ".join(label[c] for c in cols) + " |")
-    out = [head, "|" + "---|" * (6 + len(cols))]
+    out = [head, "|" + "---|" * (3 + len(cols) + 2 * len(oracles))]
     for key in dict.fromkeys((r["trace"], r["load"]) for r in rows):
         g = {r["order"]: r for r in rows if (r["trace"], r["load"]) == key}
-        f, o = g["fcfs"], g["sjf_oracle"]
+        f = g["fcfs"]
         out.append(f"| {key[0]} | {key[1]:g} ({f['rate']:.2f}) | {_cell(f)} | "
-                   + " | ".join(_cell(g[c]) for c in cols)
-                   + f" | {_cell(o)} | {100 * (o['mean_s'] / f['mean_s'] - 1):+.1f}% | "
-                   + " / ".join(_share(f, g[c], o) for c in cols) + " | "
-                   + " / ".join(f"{g[c]['p99_s'] / f['p99_s']:.2f}" for c in cols) + " |")
+                   + " | ".join(_cell(g.get(c)) + (f" ({100 * (g[c]['mean_s'] / f['mean_s'] - 1):+.0f}%)"
+                                                  if c in oracles else "") for c in cols + oracles)
+                   + "".join(" | " + " / ".join(_share(f, g.get(c), g[o]) for c in cols) for o in oracles) + " | "
+                   + " / ".join(f"{g[c]['p99_s'] / f['p99_s']:.2f}" if c in g else "—" for c in cols) + " |")
     return "\n".join(out)
 
 
-def _cell(r: dict) -> str:
-    return f"{r['mean_s']:.1f} / {r['p99_s']:.1f} s"
+def _cell(r: dict | None) -> str:
+    return "—" if r is None else f"{r['mean_s']:.1f} / {r['p99_s']:.1f} s"
 
 
-def _share(fcfs: dict, r: dict, oracle: dict) -> str:
+def _share(fcfs: dict, r: dict | None, oracle: dict) -> str:
     """% of the oracle's cut in mean JCT that `r` earns; n/a where the oracle cuts under 1%."""
+    if r is None:
+        return "—"
     cut = fcfs["mean_s"] - oracle["mean_s"]
     return f"{100 * (fcfs['mean_s'] - r['mean_s']) / cut:.0f}%" if cut > 0.01 * fcfs["mean_s"] else "n/a"
 
@@ -127,13 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m polyserve.simulator.sjf_experiment", description=__doc__)
     ap.add_argument("--trace", action="append", default=None,
                     help="trace spec (see polyserve simulate --trace), repeatable; default: the six of sjf.md")
+    ap.add_argument("--only", default="", help="of the default traces, those whose spec holds one of these (comma-separated)")
     ap.add_argument("--loads", default="0.7,0.8,0.9,1.0", help="fractions of one worker's saturation")
     ap.add_argument("--requests", type=int, default=4000, help="first N requests of each trace")
     ap.add_argument("--confusion", default=None, help="as polyserve simulate --confusion")
     ap.add_argument("--profile", default=str(profile_path(profiles.DEFAULT_SIM)))
     ap.add_argument("--window-factor", type=float, default=0.0,
                     help="ssjf: W = this x the recent mean JCT (0 = core.queue_order.WINDOW_FACTOR)")
-    ap.add_argument("--no-refine", action="store_true", help="leave out the SSJF (new) + refine runs")
+    ap.add_argument("--orders", default=",".join(o[0] for o in DEFAULT_ORDERS),
+                    help=f"which of {', '.join(o[0] for o in ALL_ORDERS)} to run (fcfs and one oracle needed)")
+    ap.add_argument("--tail-guard", type=float, default=DEFAULT_TAIL_GUARD,
+                    help="+ refine runs: the SizeRule tail guard quantile (0 = off)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="experiments-out/sjf")
     args = ap.parse_args(argv)
@@ -141,22 +168,29 @@ def main(argv: list[str] | None = None) -> int:
     perf, raw = load_perf(args.profile)
     ctx, ctx_src = context_limit(raw)
     prof, prof_src = profiled_prompt_tokens(raw)
-    global ORDERS
-    if args.no_refine:
-        ORDERS = tuple(o for o in ORDERS if o[0] != "ssjf_refine")
+    global ORDERS, TAIL_GUARD
+    TAIL_GUARD = args.tail_guard
+    want = set(args.orders.split(","))
+    ORDERS = tuple(o for o in ALL_ORDERS if o[0] in want)
+    if "fcfs" not in want or not want & set(ORACLES) or want - {o[0] for o in ALL_ORDERS}:
+        ap.error(f"--orders: names from {', '.join(o[0] for o in ALL_ORDERS)}, fcfs and an oracle among them")
     base = SimConfig(workers=1, context_limit=ctx, over_context="reject", profiled_prefill_tokens=prof, ssjf_window_factor=args.window_factor,
                      worker=WorkerConfig(kv_capacity=int(raw.get("kv_capacity_tokens", 0)),
                                          tp=int(raw.get("tensor_parallel", 1))))
     confusion, cname = resolve_confusion(args.confusion)
     loads = [float(x) for x in args.loads.split(",") if x.strip()]
-    traces = [(t, 0) for t in args.trace] if args.trace else default_traces()
+    traces = [(t, 0) for t in args.trace] if args.trace else \
+        [t for t in default_traces() if not args.only or any(k in t[0] for k in args.only.split(","))]
     rows: list[dict] = []
     for spec, c in traces:
         rows += run_trace(spec, c, perf, raw, base, loads, args.requests, confusion, cname, args.seed)
         print(table([r for r in rows if r["trace"] == rows[-1]["trace"]]).splitlines()[-1], flush=True)
     notes = [(f"SIMULATED. profile {raw.get('name')}; one worker, max batch {base.worker.max_batch}; "
               f"first {args.requests} requests per run; ssjf window factor "
-              f"{args.window_factor or qo.WINDOW_FACTOR:g}, input weight {qo.INPUT_WEIGHT:g}"),
+              f"{args.window_factor or qo.WINDOW_FACTOR:g}, input weight {qo.INPUT_WEIGHT:g}; + refine: preempt "
+              f"quantum {qo.PREEMPT_QUANTUM} steps, margin {qo.PREEMPT_MARGIN:g} W, paused KV kept, tail guard "
+              f"P{100 * TAIL_GUARD:g} of recent JCT, survival tables of {qo.REFINE_HISTORY} completions "
+              f"(prior {qo.REFINE_PRIOR:g}, from {qo.REFINE_MIN_SAMPLES})"),
              "predictor model: " + "; ".join(dict.fromkeys(r["predictor"] for r in rows)),
              (f"context limit {ctx} tokens ({ctx_src}; prompts over it rejected) unless the trace line says "
               f"otherwise; profiled prompts up to {prof} tokens ({prof_src})")]

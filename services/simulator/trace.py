@@ -39,6 +39,7 @@ class Trace:
     step_s: float | None = None  # synthetic traces: when the load step (or ramp) starts
     predicted_class: np.ndarray | None = None  # a real predictor's class per request (workloads.load_muserve)
     class_bounds: tuple[int, ...] | None = None  # what those classes mean (token bounds)
+    client: np.ndarray | None = None  # the sending client (tenant) per request, where the trace has one (ServeGen)
 
     def __len__(self) -> int:
         return int(self.arrival.size)
@@ -108,8 +109,9 @@ def window(trace: Trace, *, start_s: float = 0.0, end_s: float | None = None, ra
         if step < 0 or (duration_s is not None and step > duration_s) or (end_s is not None and trace.step_s >= end_s):
             step = None
     pc = trace.predicted_class[mask][keep] if trace.predicted_class is not None else None
+    cl = trace.client[mask][keep] if trace.client is not None else None
     return Trace(trace.name + suffix, arr[keep], trace.input_len[mask][keep], trace.output_len[mask][keep], step,
-                 pc, trace.class_bounds)
+                 pc, trace.class_bounds, cl)
 
 
 # ------------------------------------------------------------------ synthetic load steps

@@ -93,8 +93,8 @@ def load_servegen(spec: str, lengths: Trace | None, seed: int = 0) -> Trace:
     if not files:
         raise ValueError(f"servegen: no chunk-*-trace.csv under {folder}")
     rng = np.random.default_rng(seed)
-    t_all, i_all, o_all = [], [], []
-    for f in files:
+    t_all, i_all, o_all, c_all = [], [], [], []
+    for f_no, f in enumerate(files):
         ds_path = f.with_name(f.name.replace("-trace.csv", "-dataset.json"))
         ds = json.loads(ds_path.read_text()) if ds_path.exists() else None
         with open(f, newline="") as fh:
@@ -108,6 +108,7 @@ def load_servegen(spec: str, lengths: Trace | None, seed: int = 0) -> Trace:
                 if t.size == 0:
                     continue
                 t_all.append(t)
+                c_all.append(np.full(t.size, f_no, dtype=np.int64))
                 if ds:  # the dataset window (6 h) that holds this arrival window
                     key = max((k for k in ds if float(k) <= w0), key=float, default=min(ds, key=float))
                     i_all.append(_pmf_draw(rng, ds[key]["input_tokens"], t.size))
@@ -124,7 +125,8 @@ def load_servegen(spec: str, lengths: Trace | None, seed: int = 0) -> Trace:
     order = np.argsort(t, kind="stable")
     name = f"servegen-{folder.parent.name}-{folder.name}"
     return Trace(name, t[order] - t[order][0], np.concatenate(i_all).astype(np.int64)[order],
-                 np.maximum(1, np.concatenate(o_all).astype(np.int64)[order]))
+                 np.maximum(1, np.concatenate(o_all).astype(np.int64)[order]),
+                 client=np.concatenate(c_all)[order])
 
 
 def load_muserve(spec: str, lengths: Trace | None, seed: int = 0) -> Trace:

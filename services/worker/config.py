@@ -11,7 +11,7 @@ from polyserve.shared.settings import CommonSettings, SettingsError
 
 ENGINES = ("sim", "hf", "vllm", "encoder", "openai-http")
 LORA_COLD_START = ("cpu_assisted", "on_demand")
-SCHEDULING = ("fcfs", "priority", "ssjf", "ssjf_class")
+SCHEDULING = ("fcfs", "priority", "ssjf", "ssjf_class", "ssjf_refine")  # ssjf_refine: the sim engine only (preemptive)
 
 
 def new_worker_id() -> str:

@@ -151,3 +151,98 @@ def test_ssjf_reads_what_each_engine_keeps():
     assert wp.predicted_tokens_of(SimReq(Req(77), 10)) == 77 and wp.input_tokens_of(SimReq(Req(77), 10)) == 10
     assert wp.input_tokens_of(Req(5)) == 0
     assert wp.ORDER_KEYS["ssjf"](SimReq(Req(10), 8000, arrival=1.0)) > wp.ORDER_KEYS["ssjf"](Req(10, arrival=1.0))
+
+
+def test_remaining_estimator_learns_per_class_survival_from_completions():
+    est = wp.RemainingEstimator(min_samples=10)
+    assert est.remaining(1, predicted=200, generated=50) == 150  # no completions yet: the prediction
+    for k in range(100):  # class 0: all 10 tokens; class 1: half 100, half 1,000 tokens
+        est.observe(0, 10)
+        est.observe(1, 100 if k % 2 else 1000)
+    short = est.remaining(0, predicted=500, generated=0)
+    fresh = est.remaining(1, predicted=500, generated=0)
+    outlived = est.remaining(1, predicted=500, generated=150)
+    assert short < 100 < fresh < outlived  # class 0's table pulls it down; class 1: mean ~550
+    # past 100 tokens, only the 1,000-token half is left: ~850 to go (shrunk a little to the pool)
+    assert 750 < outlived < 860
+    # beyond every completion seen: taken as about to finish, so the longest are never paused
+    assert est.remaining(1, predicted=500, generated=5000) == 1.0
+
+
+def test_remaining_estimator_by_client_shrinks_towards_the_class():
+    est = wp.RemainingEstimator(min_samples=10, by_client=True)
+    for _ in range(200):
+        est.observe(2, 100, client="a")
+        est.observe(2, 2000, client="b")
+    est.observe(2, 5000, client="c")  # one sample: barely moves its client's estimate
+    a, b, c = (est.remaining(2, 0, 0, client=x) for x in "abc")
+    pooled = est.remaining(2, 0, 0)
+    assert a < 150 and b > 1900 and pooled < c < pooled + 0.25 * (5000 - pooled)
+    plain = wp.RemainingEstimator(min_samples=10)  # without by_client the client is ignored
+    for _ in range(200):
+        plain.observe(2, 100, client="a")
+        plain.observe(2, 2000, client="b")
+    assert plain.remaining(2, 0, 0, client="a") == plain.remaining(2, 0, 0, client="b")
+
+
+def test_preemptor_pairs_worst_running_with_best_waiting_and_keeps_a_quantum():
+    p = wp.Preemptor(quantum=16)
+    running = [((50.0, 0.0), 40, "long"), ((30.0, 0.0), 40, "mid"), ((99.0, 0.0), 3, "fresh"),
+               ((10.0, 0.0), 40, "short")]
+    # fresh has run 3 steps < quantum: never paused; long is worst, then mid
+    assert p.victims(running, [(5.0, 1.0), (20.0, 1.0), (40.0, 1.0)]) == ["long", "mid"]
+    assert p.victims(running, [(60.0, 1.0)]) == []  # the best waiting sorts behind every running one
+    assert p.victims([((None), 40, "x")], [(0.0, 0.0)]) == []  # no key: not a candidate
+    with pytest.raises(ValueError):
+        wp.Preemptor(quantum=0)
+
+
+def test_refined_keys_keep_the_starvation_bound():
+    rule = wp.SizeRule(window_s=100.0)
+    est = wp.RemainingEstimator(min_samples=5)
+    for k in range(50):
+        rule.key(Q(f"w{k}", float(k), predicted_tokens=10 * (k + 1)))
+        est.observe(-1, 10 * (k + 1))
+    r = Q("r", 1000.0, predicted_tokens=400)
+    for g in (0, 100, 300, 490, 10_000):
+        key = wp.refined_ssjf_key(rule, est, r, g)
+        assert r.arrival <= key[0] <= r.arrival + rule.window  # at most arrival + W, whatever it generated
+    assert wp.refined_ssjf_key(rule, est, r, 450) < wp.refined_ssjf_key(rule, est, r, 0)  # nearly done: sooner
+    assert wp.refined_ssjf_key(rule, est, r, 0, prefill_tokens=8000) > wp.refined_ssjf_key(rule, est, r, 0)
+    o = Q("o", 5.0, true_tokens=300)
+    assert wp.srpt_oracle_key(o, 200) == (100, 5.0)
+
+
+def test_client_of_reads_engine_fields():
+    assert wp.client_of(Q("x", 0.0)) is None
+
+    @dataclass
+    class R:
+        tenant: str = "acme"
+
+    @dataclass
+    class E:
+        req: R
+        arrival: float = 0.0
+
+    assert wp.client_of(E(R())) == "acme" and wp.client_of(E(R(tenant=""))) is None
+
+
+def test_tail_guard_is_a_quantile_of_recent_jcts_and_puts_overdue_requests_first(monkeypatch):
+    assert wp.SizeRule().guard() is None  # off by default (plain ssjf)
+    rule = wp.SizeRule(tail_guard=0.9)
+    for k in range(wp.GUARD_MIN - 1):
+        rule.observe(1.0)
+    assert rule.guard() is None  # not before GUARD_MIN completions
+    for k in range(1, 101):
+        rule.observe(float(k))
+    assert 85.0 <= rule.guard() <= 95.0
+    with pytest.raises(ValueError):
+        wp.SizeRule(tail_guard=1.0)
+    monkeypatch.setattr(wp, "REFINE_RULE", rule)
+    qs = [Q("big-old", 0.0, predicted_tokens=5000), Q("small", 99.0, predicted_tokens=5),
+          Q("big-older", -10.0, predicted_tokens=5000), Q("mid", 98.0, predicted_tokens=300)]
+    order = names(wp.speculative_sjf_refine(qs, now=100.0))
+    assert order[:2] == ["big-older", "big-old"]  # waited 110 and 100 s > the guard: first, in arrival order
+    assert names(wp.speculative_sjf_refine(qs, now=50.0)) == names(sorted(qs, key=rule.key))  # none overdue yet
+    assert wp.overdue(rule, qs[0], 100.0) and not wp.overdue(rule, qs[1], 100.0)

@@ -259,3 +259,49 @@ def test_policy_admission_is_head_of_line_and_orders_are_pure():
     assert policy.find_stop("hello world", ["wor", "lo"]) == 3
     assert core_perf.decode_ms(PERF, 10.0, 0) == 0.0 and core_perf.prefill_ms(PERF, 0) == 0.0
     assert core_perf.kv_demand(PERF, 10, 5, n=2) == 30
+
+
+async def test_ssjf_refine_pauses_a_long_request_for_a_short_one_and_resumes_it_without_a_prefill(monkeypatch):
+    """scheduling ssjf_refine, batch of 1: a short request arriving behind a long one that has run
+    past its quantum takes the slot; the long one keeps its KV and goes on where it stopped."""
+    monkeypatch.setattr(policy, "REFINE_RULE", policy.SizeRule(estimator=policy.RemainingEstimator()))
+    prompt = "one two three four five six seven eight nine ten"  # 13 tokens
+    async with engine(max_batch=1, order=policy.ORDERS["ssjf_refine"]) as e:
+        long = e.generate(EngineRequest("long", prompt, SamplingParams(max_tokens=400, seed=7),
+                                        predicted_tokens=400, length_class=3))
+        got = 0
+        while got < 20:  # past the 16-step quantum
+            ev = await long.__anext__()
+            got += ev.tokens
+        short = e.generate(EngineRequest("short", prompt, SamplingParams(max_tokens=3, seed=7),
+                                         predicted_tokens=3, length_class=0))
+        done: list[str] = []
+
+        async def run(name, stream):
+            out = await collect(stream)
+            done.append(name)
+            return out
+
+        (_, _, long_tokens, _), (_, _, short_tokens, _) = await asyncio.gather(run("long", long), run("short", short))
+        prefills = [it.size for it in e.iterations if it.kind == "prefill"]
+        assert e.load().kv_used == 0 and e.load().running == 0
+    assert done == ["short", "long"]
+    assert long_tokens[0] + got == 400 and short_tokens[0] == 3
+    assert prefills == [13, 13]  # the long request was not prefilled again
+    assert policy.REFINE_RULE.estimator.samples(None) == 2  # both completions taught the estimator
+
+
+async def test_ssjf_refine_does_not_pause_without_a_waiting_request_or_a_full_batch(monkeypatch):
+    monkeypatch.setattr(policy, "REFINE_RULE", policy.SizeRule(estimator=policy.RemainingEstimator()))
+    async with engine(max_batch=2, order=policy.ORDERS["ssjf_refine"]) as e:
+        a = e.generate(req("a", max_tokens=60))
+        b = e.generate(req("b", max_tokens=3))
+        await asyncio.gather(collect(a), collect(b))
+        assert [it.size for it in e.iterations if it.kind == "prefill"] == [26]
+    assert policy.Preemptor().quantum == policy.PREEMPT_QUANTUM
+
+
+def test_ssjf_refine_is_a_worker_setting_for_the_sim_engine():
+    e = make_engine(WorkerSettings(engine="sim", scheduling="ssjf_refine"))
+    assert e.order is policy.ORDERS["ssjf_refine"] and e.preemptor is not None
+    assert make_engine(WorkerSettings(engine="sim", scheduling="ssjf")).preemptor is None

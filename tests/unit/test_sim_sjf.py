@@ -18,7 +18,7 @@ from polyserve.simulator.cli import main as cli_main
 from polyserve.simulator.engine import WorkerConfig
 from polyserve.simulator.limits import context_limit, profiled_prompt_tokens
 from polyserve.simulator.predictor import META_ENV, LengthPredictor, resolve_confusion
-from polyserve.simulator.trace import from_requests, load_trace
+from polyserve.simulator.trace import Trace, from_requests, load_trace, window
 
 pytestmark = pytest.mark.unit
 
@@ -87,6 +87,11 @@ def test_predictor_model_is_the_artifacts_ood_confusion_or_a_named_fallback(tmp_
     assert m.shape == (5, 5) and name.startswith("FALLBACK") and "no 'ood_confusion'" in name
     with pytest.raises(ValueError, match="ood_confusion"):
         resolve_confusion(meta)  # named explicitly: must have the key
+    meta.write_text(json.dumps({"format": 1, "ood_confusion": None}))  # being re-recorded: not "measured"
+    m, name = resolve_confusion(None)
+    assert m.shape == (5, 5) and name.startswith("FALLBACK") and "measured" not in name
+    with pytest.raises(ValueError, match="ood_confusion"):
+        resolve_confusion(meta)
     # posterior tokens: E[true | predicted class], between the class means
     p = LengthPredictor("confusion", out, estimate="posterior", seed=3)
     tok, cls = p.precompute(out)
@@ -141,6 +146,8 @@ def test_mooncake_and_servegen_traces(tmp_path: Path):
     n_first = int((t.arrival < 600).sum())
     assert 900 < n_first < 1500 and (t.arrival[(t.arrival >= 600) & (t.arrival < 1200)].size == 0)
     assert set(t.input_len.tolist()) <= {100, 200} and set(t.output_len.tolist()) == {7}
+    assert t.client is not None and set(t.client.tolist()) == {0}  # the sending client travels with it
+    assert window(t, rate_scale=2.0).client.size == len(t)
     with pytest.raises(ValueError, match="no arrivals"):
         load_trace(f"servegen:{sg}:600:500")
 
@@ -173,4 +180,86 @@ def test_sjf_experiment_table(tmp_path: Path):
     text = (tmp_path / "o" / "results.txt").read_text()
     assert text.count("| t |") == 2 and "predictor model:" in text and "saturation" in text
     data = json.loads((tmp_path / "o" / "results.json").read_text())
-    assert {r["order"] for r in data["rows"]} == {"fcfs", "ssjf_class", "ssjf", "ssjf_refine", "sjf_oracle"}
+    # no client ids in a CSV trace: the by-client variant is left out (its runs would be + refine's)
+    assert {r["order"] for r in data["rows"]} == {"fcfs", "ssjf", "ssjf_refine", "sjf_oracle", "srpt_oracle"}
+    assert "% of oracle SRPT's cut" in text and "% of oracle SJF's cut" in text
+    with pytest.raises(SystemExit):
+        sjf_experiment.main(["--trace", str(p), "--orders", "ssjf,sjf_oracle", "--out", str(tmp_path / "x")])
+
+
+def _pause_run(order: str, **worker):
+    """max batch 1: a 400-token job (prompt 3,000) runs; a 5-token job arrives behind it."""
+    tr = from_requests([(0.0, 3000, 400), (1.0, 10, 5)])
+    cfg = cluster.SimConfig(workers=1, order=order, worker=WorkerConfig(max_batch=1, kv_capacity=10**6, **worker))
+    res = cluster.simulate(tr, PERF, cfg, predictor=LengthPredictor("oracle", tr.output_len))
+    return {r.idx: r for r in res.requests}, res
+
+
+def test_preemptive_srpt_pauses_the_long_job_and_resumes_it_without_a_prefill():
+    plain, _ = _pause_run("sjf_oracle")
+    paused, res = _pause_run("sjf_oracle", refine_preempt=True, preempt_quantum=4)
+    again, res_rc = _pause_run("sjf_oracle", refine_preempt=True, preempt_quantum=4, pause_kv=False)
+    assert plain[1].finish > plain[0].finish  # non-preemptive: the short job waits for all 400 tokens
+    # it waits only for the long job's 3 s prefill and one quantum, not its 400 tokens
+    assert paused[1].finish < paused[0].finish and paused[1].finish < 0.6 * plain[1].finish
+    assert paused[0].pauses == 1 and res.counters["refine_preemptions"] == 1
+    assert paused[0].finish > 0 and paused[0].first_token == plain[0].first_token
+    # kept KV: the long job's 3,000-token prompt is not prefilled again (k1 = 1 ms per token);
+    # recompute (pause_kv=False) pays prompt + generated once more
+    assert abs(paused[0].finish - plain[0].finish - (plain[1].finish - plain[0].finish)) < 0.5
+    assert again[0].finish - paused[0].finish > 3.0
+
+
+def test_paused_kv_is_freed_for_the_queue_and_every_request_finishes():
+    """KV for about two sequences: paused requests give their KV back to the queue's head and
+    re-prefill later; nothing is lost or double-counted."""
+    reqs = [(0.0, 500, 300), (0.0, 500, 300)] + [(2.0 + 0.01 * k, 400, 4) for k in range(6)]
+    tr = from_requests(reqs)
+    cfg = cluster.SimConfig(workers=1, order="sjf_oracle",
+                            worker=WorkerConfig(max_batch=2, kv_capacity=1700, refine_preempt=True, preempt_quantum=2))
+    c = cluster.Cluster(tr, PERF, cfg, predictor=LengthPredictor("oracle", tr.output_len))
+    res = c.run()
+    assert all(r.finish > 0 for r in res.requests)
+    assert res.counters["refine_preemptions"] >= 2 and res.counters["paused_kv_dropped"] >= 1
+    w = next(iter(c.workers.values()))  # the books balance once everything is done
+    assert not w.paused and w.kv_paused == 0 and w.S == 0 and w.b == 0 and not w.waiting and w.kv_used() == 0
+    shorts = [r.finish - r.arrival for r in res.requests if r.output_len == 4]
+    longs = [r.finish for r in res.requests if r.output_len == 300]
+    assert max(shorts) < min(longs)
+
+
+def test_refine_needs_a_size_order_and_client_ids_reach_the_estimator():
+    tr = from_requests([(0.0, 10, 5)])
+    with pytest.raises(ValueError, match="refine_preempt"):
+        cluster.simulate(tr, PERF, cluster.SimConfig(workers=1, order="fcfs",
+                                                     worker=WorkerConfig(refine_preempt=True)))
+    n = 200
+    rng = np.random.default_rng(0)
+    client = rng.integers(0, 2, size=n)
+    out = np.where(client == 0, 20, 800).astype(np.int64)
+    tr = Trace("c", np.arange(n) * 0.05, np.full(n, 50, dtype=np.int64), out, client=client)
+    cfg = cluster.SimConfig(workers=1, order="ssjf", worker=WorkerConfig(
+        max_batch=4, kv_capacity=10**6, refine_preempt=True, refine_by_client=True))
+    c = cluster.Cluster(tr, PERF, cfg, predictor=LengthPredictor("confusion", out, confusion=np.ones((5, 5)) / 5))
+    res = c.run()
+    est = next(iter(c.workers.values())).rule.estimator
+    assert {r.client for r in res.requests} == {0, 1} and est.by_client
+    assert est.remaining(-1, 0, 0, client=0) < 100 < 600 < est.remaining(-1, 0, 0, client=1)
+
+
+def test_tail_guard_serves_a_request_waiting_past_the_jct_quantile_first():
+    """Batch of 1 kept busy by short jobs that keep arriving: the long-prompt job sorts last under
+    ssjf until its window runs out; with the tail guard it goes as soon as it has waited longer
+    than the P90 of recent JCTs."""
+    warm = [(1.0 * k, 50, 5) for k in range(80)]  # 80 completions of ~0.1 s teach the guard
+    late = [(80.0, 3000, 5)] + [(79.99 + 0.08 * k, 50, 5) for k in range(400)]  # more than it can serve
+    tr = from_requests(warm + late)
+    out = {}
+    for guard in (0.0, 0.9):
+        cfg = cluster.SimConfig(workers=1, order="ssjf", ssjf_window_factor=1000.0, worker=WorkerConfig(
+            max_batch=1, kv_capacity=10**6, refine_preempt=True, tail_guard=guard))
+        res = cluster.simulate(tr, PERF, cfg, predictor=LengthPredictor("oracle", tr.output_len))
+        big = next(r for r in res.requests if r.input_len == 3000)
+        out[guard] = (big.finish - big.arrival, res.counters["tail_guard_promoted"])
+    assert out[0.0][1] == 0 and out[0.9][1] >= 1
+    assert out[0.9][0] < 0.5 * out[0.0][0]

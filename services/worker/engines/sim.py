@@ -133,6 +133,8 @@ class _Req:
     done: bool = False
     stops: list[str] = field(default_factory=list)  # params.stop without empty strings (set once, not per token)
     hold: int = 0  # chars that may start a stop string: held back until they cannot
+    paused: bool = False  # ssjf_refine: back in the queue, its KV still reserved (no prefill to resume)
+    ran_from: int = 0  # tokens it had when last (re)admitted
 
     @property
     def arrival(self) -> float:
@@ -165,6 +167,8 @@ class SimEngine(Engine):
         self.time_scale = time_scale
         self.max_input_len = max_input_len
         self.order = order
+        self.preemptor = policy.Preemptor() if order is policy.speculative_sjf_refine else None
+        self._decode_steps = 0
         self.sim_time_ms = 0.0  # modelled compute time so far, independent of time_scale
         self.iterations: deque[Iteration] = deque(maxlen=4096)
         self._waiting: list[_Req] = []
@@ -221,7 +225,7 @@ class SimEngine(Engine):
     def withdraw(self, request_id: str) -> bool:
         """Give back a waiting request (Aladdin Alg. 2 move); False once it has started."""
         r = self._requests.get(request_id)
-        if r is None or r.done or r not in self._waiting:
+        if r is None or r.done or r not in self._waiting or r.paused:
             return False
         self._drop(r)
         r.done = True
@@ -335,6 +339,8 @@ class SimEngine(Engine):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if self.preemptor is not None and self._decode_steps % self.preemptor.quantum == 0:
+                self._pause_for_shorter()
             new = self._admit_waiting()
             if new:
                 now = time.monotonic()
@@ -352,6 +358,7 @@ class SimEngine(Engine):
                 l_avg = sum(ctx) / len(ctx)
                 await self._spend(Iteration("decode", len(ctx), l_avg,
                                             core_perf.decode_ms(self.profile.perf, l_avg, len(ctx))))
+                self._decode_steps += 1
                 for r in old:
                     if not r.done:
                         self._step(r)
@@ -364,13 +371,35 @@ class SimEngine(Engine):
             return []
         ordered = self.order(self._waiting)
         running_seqs = sum(r.seqs for r in self._running)
-        k = policy.admit_count(ordered, running_seqs, self._kv_used, self.max_batch, self.kv_capacity)
+        held = [policy.Held(r.seqs, 0) if r.paused else r for r in ordered]  # a paused request's KV is reserved
+        k = policy.admit_count(held, running_seqs, self._kv_used, self.max_batch, self.kv_capacity)
         new = ordered[:k]
         for r in new:
             self._waiting.remove(r)
             self._running.append(r)
-            self._kv_used += r.kv_demand
-        return new
+            self._kv_used += 0 if r.paused else r.kv_demand
+            r.ran_from = len(r.token_times)
+        resumed = {id(r) for r in new if r.paused}
+        for r in new:
+            r.paused = False
+        return [r for r in new if id(r) not in resumed]  # resumed ones decode on, no prefill
+
+    def _pause_for_shorter(self) -> None:
+        """ssjf_refine, with a full batch: pause the running requests whose key now (remaining
+        length given what they generated, `queue_order.refined_ssjf_key`) sorts behind the best
+        waiting keys (`queue_order.Preemptor`); they keep their KV and resume where they were."""
+        if not self._waiting or sum(r.seqs for r in self._running) < self.max_batch:
+            return
+        rule = policy.REFINE_RULE
+        running = [(policy.refined_ssjf_key(rule, rule.estimator, r, max(c.generated for c in r.choices)),
+                    len(r.token_times) - r.ran_from, r) for r in self._running
+                   if r.prefilled and not r.done and not policy.overdue(rule, r.req, time.monotonic())]
+        heads = [rule.key(w) for w in self.order(self._waiting)[:len(running)]]
+        for r in self.preemptor.victims(running, heads, policy.PREEMPT_MARGIN * rule.window):
+            rule.rekey(r, next(k for k, _, x in running if x is r))
+            self._running.remove(r)
+            self._waiting.append(r)
+            r.paused = True
 
     async def _spend(self, it: Iteration) -> None:
         self.sim_time_ms += it.ms
@@ -432,6 +461,9 @@ class SimEngine(Engine):
         out = sum(c.generated for c in r.choices)
         stats = make_stats(r.input_tokens, out, r.req.arrival, r.start or time.monotonic(), r.token_times)
         policy.DEFAULT_RULE.observe(time.monotonic() - r.req.arrival)  # ssjf's window W follows the JCT
+        if self.preemptor is not None:  # ssjf_refine learns its window and lengths from completions
+            policy.REFINE_RULE.observe(time.monotonic() - r.req.arrival)
+            policy.REFINE_RULE.estimator.observe(r.req.length_class, max(c.generated for c in r.choices))
         if len(r.choices) > 1 and len(r.token_times) > 1:  # n sequences advance together: per-step ATGT
             stats = msgspec.structs.replace(stats, atgt_ms=stats.decode_ms / (len(r.token_times) - 1))
         r.events.put_nowait(Finished(stats))
@@ -442,6 +474,7 @@ class SimEngine(Engine):
             self._kv_used -= r.kv_demand
         elif r in self._waiting:
             self._waiting.remove(r)
+            self._kv_used -= r.kv_demand if r.paused else 0
         self._requests.pop(r.req.request_id, None)
         self._wake.set()  # freed capacity may admit a waiting request
 
