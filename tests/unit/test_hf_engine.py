@@ -346,3 +346,11 @@ async def test_ragged_and_padded_kv_give_the_same_greedy_tokens_and_ragged_atten
 async def test_unknown_kv_layout_is_a_clear_error():
     with pytest.raises(EngineError, match="kv_layout 'paged' is unknown"):
         HfEngine(settings(kv_layout="paged"))
+
+
+def test_preemptive_ssjf_refine_is_refused_by_the_hf_engine_with_why():
+    with pytest.raises(EngineError) as err:
+        HfEngine(types.SimpleNamespace(scheduling="ssjf_refine"))
+    assert err.value.status == 400 and "sim engine only" in str(err.value)
+    with pytest.raises(EngineError, match="is unknown"):
+        HfEngine(types.SimpleNamespace(scheduling="lifo"))

@@ -107,7 +107,9 @@ class HfEngine(Engine):
         self.random_arch = json.loads(arch) if isinstance(arch, str) else arch
         scheduling = getattr(settings, "scheduling", "fcfs") or "fcfs"
         if order is None and scheduling not in ORDERS:
-            raise EngineError(f"scheduling {scheduling!r} is unknown; choose one of {', '.join(ORDERS)}", 400)
+            why = ("is not offered by the hf engine (it pauses requests inside the batch: the sim engine only)"
+                   if scheduling in queue_order.ORDERS else "is unknown")
+            raise EngineError(f"scheduling {scheduling!r} {why}; choose one of {', '.join(ORDERS)}", 400)
         self.order: OrderKey = order or ORDERS[scheduling]
         self.kv_layout = getattr(settings, "kv_layout", "auto") or "auto"
         if self.kv_layout not in ("auto", *LAYOUTS):
