@@ -1,0 +1,113 @@
+"""Two probes behind the tables of docs/benchmarks/overhead.md (issue 15), on the cluster
+`polyserve bench overhead` starts (sim worker, zero compute, historical-mean predictor):
+
+* `split`: where one request's milliseconds go at concurrency 1: the client's clock around
+  each request against the timestamps of its request events (`admitted`, `dispatched`,
+  `first_token`, `completed`; one machine, one clock), p50 of each segment.
+* `spy OUT`: `py-spy record` of the gateway process while a closed-loop client drives json
+  requests (`--concurrency`, default 8); raw collapsed stacks in OUT.
+
+    python -m polyserve.bench.overhead_probe split [--requests 200]
+    python -m polyserve.bench.overhead_probe spy gateway.txt [--seconds 12]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+
+from polyserve.bench import overhead
+from polyserve.cli import launcher
+
+SEGMENTS = (("client send -> admitted", None, "admitted"), ("admitted -> dispatched", "admitted", "dispatched"),
+            ("dispatched -> first_token", "dispatched", "first_token"),
+            ("first_token -> completed", "first_token", "completed"), ("completed -> client has the body",
+                                                                         "completed", None))
+
+
+async def split(state: launcher.ClusterState, n: int, warmup: int = 20) -> dict[str, float]:
+    """p50 ms of each segment of `n` sequential json requests (after `warmup` more)."""
+    import nats
+
+    nc = await nats.connect(state.nats_url)
+    ts: dict[str, dict[str, float]] = {}
+
+    async def on_msg(msg) -> None:
+        ev = msgspec.json.decode(msg.data)
+        if isinstance(ev, dict) and "request_id" in ev:
+            ts.setdefault(ev["request_id"], {})[ev.get("event", "")] = ev.get("ts", 0.0)
+
+    await nc.subscribe(f"{state.prefix}.v1.events.request.>", cb=on_msg)
+    await nc.flush()
+    rows = []
+    async with httpx.AsyncClient(base_url=state.gateway_url, timeout=30) as client:
+        for i in range(n + warmup):
+            t0 = time.time()
+            r = await client.post("/v1/completions", json={"model": "bench-sim", "prompt": "hello there",
+                                                           "max_tokens": 16})
+            t1 = time.time()
+            if i >= warmup and r.status_code == 200:
+                rows.append((r.json()["id"], t0, t1))
+    await asyncio.sleep(1.0)  # the last events
+    await nc.close()
+    out: dict[str, list[float]] = {name: [] for name, _, _ in SEGMENTS}
+    out["total"] = []
+    for rid, t0, t1 in rows:
+        ev = ts.get(rid, {})
+        if not all(k in ev for k in ("admitted", "dispatched", "first_token", "completed")):
+            continue
+        for name, a, b in SEGMENTS:
+            out[name].append((t1 if b is None else ev[b]) - (t0 if a is None else ev[a]))
+        out["total"].append(t1 - t0)
+    return {name: round(statistics.median(v) * 1e3, 3) for name, v in out.items() if v}
+
+
+def spy(state: launcher.ClusterState, path: str, seconds: float, concurrency: int) -> None:
+    """py-spy of the gateway while json requests run at `concurrency`."""
+    exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    gateway = next(pid for name, pid in overhead._processes(state).items() if name.startswith("gateway"))
+    asyncio.run(overhead.drive(state.gateway_url, "bench-sim", False, 200, concurrency, 16))  # warm up
+    proc = subprocess.Popen([exe, "record", "-p", str(gateway), "-d", str(int(seconds)), "-r", "250", "-f", "raw",
+                             "--nonblocking", "-o", path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t = time.monotonic()
+    while time.monotonic() - t < seconds - 1:
+        asyncio.run(overhead.drive(state.gateway_url, "bench-sim", False, 300, concurrency, 16))
+    proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m polyserve.bench.overhead_probe", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    s = sub.add_parser("split", help="where a request's milliseconds go at concurrency 1")
+    s.add_argument("--requests", type=int, default=200)
+    p = sub.add_parser("spy", help="py-spy of the gateway under json load")
+    p.add_argument("out")
+    p.add_argument("--seconds", type=float, default=12.0)
+    p.add_argument("--concurrency", type=int, default=8)
+    args = ap.parse_args(argv)
+    spec = overhead._spec(argparse.Namespace(with_model=False), 1)
+    print(f"starting polyserve (sim engine, zero compute time) in {spec.run_dir} ...", flush=True)
+    state = launcher.up(spec, progress=lambda m: None)
+    try:
+        if args.what == "split":
+            for name, ms in asyncio.run(split(state, args.requests)).items():
+                print(f"{name:34s} p50 {ms:7.3f} ms")
+        else:
+            spy(state, args.out, args.seconds, args.concurrency)
+            print(f"wrote {args.out}")
+    finally:
+        launcher.down(spec.run_dir, progress=lambda m: None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
