@@ -228,17 +228,20 @@ def place_here(gs: GatewayState, req: DispatchRequest, policy: str) -> tuple[Pla
 
 
 async def place(gs: GatewayState, req: DispatchRequest, base: dict, after: asyncio.Future | None = None,
-                policy: str = "") -> Placement:
+                policy: str = "", here: Placement | None = None) -> Placement:
     """Where `req` runs: the gateway's own choice for a load-only `policy` (`place_here`), else
     the dispatcher's placement; publishes `dispatched`. A dispatcher that does not
     answer in time is asked once more (the queue group may pick another replica); when none
     answers (timeouts, or no dispatcher listening) the gateway places the request itself on the
     least-outstanding live worker from the heartbeats it follows (policy "local-fallback").
     With `after` (the prediction asked at the same time), `dispatched` waits for it, so the
-    events of a request keep their order: admitted, predicted, dispatched."""
+    events of a request keep their order: admitted, predicted, dispatched. `here`: the
+    gateway's own choice made already (`place_here`; a policy's state moves once per choice)."""
     t = time.monotonic()
-    here = place_here(gs, req, policy)
-    placement = here[0] if here else await _ask_dispatcher(gs, req)
+    if here is None:
+        mine = place_here(gs, req, policy)
+        here = mine[0] if mine else None
+    placement = here if here is not None else await _ask_dispatcher(gs, req)
     latency_ms = (time.monotonic() - t) * 1e3
     if after is not None:
         await asyncio.shield(after)  # the caller may cancel this wait, never the prediction under it

@@ -185,7 +185,7 @@ class RequestRun(Delivery):
             await admission.announce(self.gs, self._base(), here[0], 0.0)
             return here[0]
         try:
-            placement = await self._dispatch([], after=predicted)
+            placement = await self._dispatch([], after=predicted, here=here[0] if here else None)
         except BaseException:
             predicted.cancel()
             raise
@@ -226,9 +226,10 @@ class RequestRun(Delivery):
         self.gs.router.assign(self.request_id, placement.worker_id)
         self.placement = placement
 
-    async def _dispatch(self, excluded: list[str], after: asyncio.Future | None = None) -> Placement:
+    async def _dispatch(self, excluded: list[str], after: asyncio.Future | None = None,
+                        here: Placement | None = None) -> Placement:
         return await admission.place(self.gs, self._dispatch_request(excluded), self._base(), after,
-                                     self.deployment.policy)
+                                     self.deployment.policy, here)
 
     def _dispatch_request(self, excluded: list[str]) -> DispatchRequest:
         p, a = self.prediction, self.adapter

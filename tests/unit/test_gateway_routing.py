@@ -103,3 +103,36 @@ def test_a_request_waits_for_its_prediction_only_when_it_would_queue():
     gs2 = _state()
     asyncio.run(gs2.on_heartbeat(hb("a", running=0, waiting=1, max_batch=8)))
     assert admission.place_here(gs2, _req(), "least_outstanding")[1] is False  # a queue already
+
+
+def test_a_busy_worker_makes_the_request_wait_for_its_prediction_without_a_second_choice():
+    """round_robin on full workers: the choice `place_here` made is the one `place` uses (its
+    state moves once per request), and the request waits for its prediction (it will queue)."""
+    from polyserve.proto import Prediction
+
+    gs = _state()
+    for w in ("a", "b"):
+        asyncio.run(gs.on_heartbeat(hb(w, running=1, max_batch=1)))  # both full: each request queues
+    events: list = []
+
+    async def event(kind, ev, counted=False):
+        events.append((kind, ev))
+
+    gs.event = event
+
+    async def run() -> list[str]:
+        chosen = []
+        for i in range(4):
+            req = _req(request_id=f"r{i}")
+            here = admission.place_here(gs, req, "round_robin")
+            assert here is not None and here[1] is False
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(Prediction(request_id=req.request_id, model="m", length_class=1, tokens_estimate=9,
+                                       source="history"))
+            p = await admission.place(gs, req, {"request_id": req.request_id, "deployment": "d", "model": "m"},
+                                      after=done, policy="round_robin", here=here[0])
+            chosen.append(p.worker_id)
+        return chosen
+
+    assert asyncio.run(run()) == ["a", "b", "a", "b"]
+    assert [k for k, _ in events] == ["dispatched"] * 4
