@@ -36,7 +36,10 @@ def scenarios(cfg: faults.ChaosConfig | None = None) -> list[Scenario]:
         Scenario("nats-restart", "nats-server SIGKILL; the supervisor restarts it", faults.kill_nats),
         Scenario("redis-restart", "redis-server SIGKILL; the supervisor restarts it", faults.killer("redis-server")),
         Scenario("predictor-kill", "predictor SIGKILL; the supervisor restarts it", faults.killer("predictor")),
-        Scenario("dispatcher-kill", "dispatcher SIGKILL; the supervisor restarts it", faults.killer("dispatcher")),
+        # local_dispatch off: every request goes through the dispatcher (else the default policy is
+        # placed by the gateway and the fault would not be on any request's path)
+        Scenario("dispatcher-kill", "dispatcher SIGKILL; the supervisor restarts it (every request through it)",
+                 faults.killer("dispatcher"), env={"POLYSERVE_GATEWAY_LOCAL_DISPATCH": "false"}),
         Scenario("planner-kill", "planner SIGKILL; the supervisor restarts it", faults.killer("planner")),
         Scenario("gateway-term", "gateway SIGTERM under load (drain); the supervisor restarts it",
                  faults.killer("gateway", signal.SIGTERM)),
