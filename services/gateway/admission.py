@@ -214,12 +214,13 @@ async def predict(gs: GatewayState, req: PredictRequest, base: dict) -> Predicti
 def place_here(gs: GatewayState, req: DispatchRequest, policy: str) -> tuple[Placement, bool] | None:
     """The gateway's own placement of `req` (routing.py), and whether the chosen worker has a
     free batch slot (the request starts there at once); None when the dispatcher must decide:
-    `local_dispatch` off, a policy that reads more than worker load, a LoRA adapter, or no
-    fresh heartbeat of a worker that can take the request."""
+    `local_dispatch` off, a policy that reads more than worker load, a LoRA adapter, no
+    fresh heartbeat of a worker that can take the request, or a fleet not heard as usual
+    (`GatewayState.fleet_steady`: during and just after a NATS stall)."""
     if not gs.settings.local_dispatch or policy not in LOCAL_POLICIES or req.adapter:
         return None
     fits = candidates(gs.fresh_heartbeats(req.deployment), req.input_tokens, req.exclude)
-    if not fits:
+    if not fits or not gs.fleet_steady(fits[0].ttl_s):
         return None
     hb = gs.router.choose(policy, req.deployment, fits)
     free = hb.waiting == 0 and gs.router.load(hb) < max(1, hb.max_batch)

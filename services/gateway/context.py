@@ -60,6 +60,7 @@ class GatewayState:
         self._reconnects = (0, 0.0)  # (NATS reconnect count seen, monotonic when it changed)
         self._last_heartbeat = 0.0  # monotonic arrival of the last heartbeat of any worker
         self._silence_end = 0.0  # monotonic end of the last time no worker was heard (a NATS stall)
+        self._first_heard = 0.0  # monotonic arrival of the first heartbeat this gateway heard
         self._deps_seen: tuple[float, int, int] = (0.0, 0, 0)  # (monotonic, live dispatchers, workers) in Redis
         self._down: dict[str, tuple[float, str]] = {}  # worker -> (monotonic, reason)
         self._workers: dict[str, tuple[float, list[Heartbeat]]] = {}  # deployment -> (monotonic, live)
@@ -158,10 +159,20 @@ class GatewayState:
         now = time.monotonic()
         if now - self._last_heartbeat > hb.ttl_s / 2:  # nobody was heard: NATS (or this gateway) stalled
             self._silence_end = now
+            self._first_heard = self._first_heard or now  # the first heartbeat ends no stall
         self._last_heartbeat = now
         self._heartbeats[hb.worker_id] = (now, hb)
         self._down.pop(hb.worker_id, None)
         self.router.on_heartbeat(hb)
+
+    def fleet_steady(self, ttl: float) -> bool:
+        """Whether workers are heard as usual: some heartbeat within `ttl`/2 and none of the
+        fleet-wide silences (a NATS stall) ended within `ttl`. While they are not, the gateway
+        leaves placement to the dispatcher path (routing.py): a stall's aftermath (clients
+        reconnecting, nats-server working through the backlog) is no time to act on heartbeats."""
+        now = time.monotonic()
+        settled = self._silence_end == self._first_heard or now - self._silence_end > ttl
+        return now - self._last_heartbeat <= ttl / 2 and settled
 
     def fresh_heartbeats(self, dep_id: str | None = None) -> list[Heartbeat]:
         """The last heartbeat of each worker (of `dep_id`) heard from within its TTL."""

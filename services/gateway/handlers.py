@@ -139,25 +139,49 @@ class RequestRun(Delivery):
                                                n=self.params.n))
         admission.check_input(gs, self.deployment, self.input_tokens)
         await self._fresh_inbox()
-        first = await self._predict_and_place()
+        placement = await self._predict_and_place()
         excluded: list[str] = []
-        for attempt in range(s.dispatch_retries + 1):
-            if attempt:
-                self._place(await self._dispatch(excluded))
-                await self._fresh_inbox()
-            else:
-                self._place(first)
+        retries = 0
+        while True:
+            self._place(placement)
             try:
                 self._caps = await self._hand_to(self.placement, self._generate(self._inbox))
                 self._sent_at = time.monotonic()
                 return
             except BusError as exc:
-                if exc.code in (503, 504) and attempt < s.dispatch_retries:
-                    logger.warning("worker %s did not accept %s (%s); re-dispatching",
-                                   self.placement.worker_id, self.request_id, exc.description)
-                    excluded.append(self.placement.worker_id)
-                    continue
-                raise status_of(exc, f"worker {self.placement.worker_id}") from exc
+                # A silence of NATS itself (or of every worker, reconnecting after a NATS stall)
+                # is not the worker's fault: it costs no retry, else a stall longer than the
+                # retries' accept timeouts would use up every worker and fail the request (the
+                # dispatcher round trips used to slow the retries down enough to hide this).
+                # The worker is still excluded: the generate it may get late was cancelled.
+                nats_silent = exc.code == 504 and await self._waited_for_nats()
+                if exc.code not in (503, 504) or (not nats_silent and retries >= s.dispatch_retries):
+                    raise status_of(exc, f"worker {self.placement.worker_id}") from exc
+                retries += 0 if nats_silent else 1
+                logger.warning("worker %s did not accept %s (%s%s); re-dispatching", self.placement.worker_id,
+                               self.request_id, exc.description, "; NATS was silent" if nats_silent else "")
+                excluded.append(self.placement.worker_id)
+                placement = await self._dispatch(excluded)
+                await self._fresh_inbox()
+
+    async def _waited_for_nats(self) -> bool:
+        """After a worker did not answer: whether the silence was NATS's rather than the worker's
+        (the gateway's connection does not answer a ping, or no worker of the deployment was
+        heard within its TTL: the whole fleet is reconnecting after a NATS stall) and has ended
+        within `idle_timeout_s`. False at once when NATS answers and a worker was heard."""
+        gs, dep = self.gs, self.deployment.id
+
+        async def fine() -> bool:
+            return bool(gs.fresh_heartbeats(dep)) and await gs.bus_healthy(grace=0.0)
+
+        if await fine():
+            return False
+        deadline = time.monotonic() + gs.settings.idle_timeout_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+            if await fine():
+                return True
+        return False
 
     async def _predict_and_place(self) -> Placement:
         """The prediction, then the placement that uses it; or, when the deployment's policy

@@ -136,3 +136,17 @@ def test_a_busy_worker_makes_the_request_wait_for_its_prediction_without_a_secon
 
     assert asyncio.run(run()) == ["a", "b", "a", "b"]
     assert [k for k, _ in events] == ["dispatched"] * 4
+
+
+def test_after_a_fleet_wide_silence_placement_goes_the_dispatcher_path_for_a_ttl():
+    """A NATS stall (no worker heard for over ttl/2) and its aftermath: the gateway does not
+    place on heartbeats until the fleet has been heard as usual for a TTL again."""
+    gs = _state()
+    asyncio.run(gs.on_heartbeat(hb("a")))  # the first heartbeat ends no stall
+    assert admission.place_here(gs, _req(request_id="r1"), "least_outstanding") is not None
+    gs._last_heartbeat -= 10.0  # nobody heard for 10 s ...
+    assert admission.place_here(gs, _req(request_id="r2"), "least_outstanding") is None
+    asyncio.run(gs.on_heartbeat(hb("a")))  # ... then the fleet comes back: the stall just ended
+    assert admission.place_here(gs, _req(request_id="r3"), "least_outstanding") is None
+    gs._silence_end -= 10.0  # a TTL later
+    assert admission.place_here(gs, _req(request_id="r4"), "least_outstanding") is not None
