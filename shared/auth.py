@@ -87,8 +87,8 @@ class Secrets:
     def generate(cls) -> "Secrets":
         """A password per user, plus the internal ones: NATS cluster routes (ROUTE_USER), Redis
         replication (REPLICA_USER) and Sentinel's own connections to the data nodes (SENTINEL_USER)."""
-        return cls(nats={u: secrets.token_urlsafe(24) for u in (*USERS, ROUTE_USER)},
-                   redis={u: secrets.token_urlsafe(24) for u in (*USERS, REPLICA_USER, SENTINEL_USER)})
+        return cls(nats={u: token(24) for u in (*USERS, ROUTE_USER)},
+                   redis={u: token(24) for u in (*USERS, REPLICA_USER, SENTINEL_USER)})
 
     def save(self, path: Path) -> None:
         write_private(path, json.dumps(asdict(self), indent=2))
@@ -259,6 +259,16 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def token(nbytes: int) -> str:
+    """A URL-safe random secret of `nbytes` bytes that does not start with '-': a command line
+    reads `--api-key -WM...` as a missing value and an option (one key in 64 did; the compose
+    test failed on one)."""
+    while True:
+        value = secrets.token_urlsafe(nbytes)
+        if not value.startswith("-"):
+            return value
+
+
 def load_or_create_admin_key(path: Path, given: str | None = None) -> str:
     """The admin API key in `path` (0600): `given` when not None, else the one already
     there, else a new one. Kept across restarts so scripts that read it keep working."""
@@ -268,6 +278,6 @@ def load_or_create_admin_key(path: Path, given: str | None = None) -> str:
         if key:
             os.chmod(path, 0o600)
             return key
-    key = given if given is not None else secrets.token_urlsafe(32)
+    key = given if given is not None else token(32)
     write_private(path, key + "\n")
     return key

@@ -85,7 +85,7 @@ def write_compose_secrets(out: Path, prefix: str = "polyserve", nats_url: str = 
     they exist (an idempotent re-run), new ones with `rotate`."""
     out, sec = _secrets_dir(out, rotate)
     sec.save(out / "credentials.json")
-    admin = auth.load_or_create_admin_key(out / "admin.key", secrets.token_urlsafe(32) if rotate else None)
+    admin = auth.load_or_create_admin_key(out / "admin.key", auth.token(32) if rotate else None)
     for name, text in (("nats.conf", auth.nats_config(sec, prefix)), ("redis.conf", auth.redis_config(sec, prefix))):
         auth.write_private(out / name, text)
         os.chmod(out / name, 0o644)  # read by nats/redis in their containers; the folder keeps others out

@@ -125,3 +125,14 @@ def test_each_service_gets_only_its_own_credentials(tmp_path):
         assert (credentials.ADMIN_KEY_ENV in env) == (name == "gateway") and "leaked" not in json.dumps(env)
     key = (sdir / "admin.key").read_text().strip()
     assert auth.load_or_create_admin_key(sdir / "admin.key") == key  # kept across restarts
+
+
+def test_generated_secrets_never_start_with_a_dash(monkeypatch):
+    """A secret starting with '-' reads as an option on a command line (`--api-key -WM...`)."""
+    import secrets as _secrets
+
+    from polyserve.shared import auth
+
+    draws = iter(["-WMabc", "--x", "ok-key"])
+    monkeypatch.setattr(_secrets, "token_urlsafe", lambda n: next(draws))
+    assert auth.token(32) == "ok-key"
