@@ -54,6 +54,7 @@ class WorkerService(ServiceBase):
         self._heartbeat: asyncio.Task | None = None
         self._beating = False
         self._redis_ok = True
+        self._registering: asyncio.Future | None = None  # the Redis registration of the last beat
         self._delivery: list = []  # the replay and credit subscriptions
 
     # ---------------------------------------------------------------- lifecycle hooks
@@ -144,13 +145,23 @@ class WorkerService(ServiceBase):
             profile=profile_ref(s, self.engine.name), max_adapters=getattr(self.engine, "max_adapters", 0) or 0,
             resumable=self.engine.resumable)
 
-    async def beat(self) -> None:
-        """Publish one heartbeat and refresh the Redis registry; failures are logged, never raised."""
+    async def beat(self, wait_registry: bool = True) -> None:
+        """Publish one heartbeat and refresh the Redis registry; failures are logged, never raised.
+        The loop does not wait for Redis (`wait_registry=False`): a slow or stopped Redis must not
+        space the heartbeats out, or the gateway takes the gap for a NATS stall (it then places
+        through the dispatcher, which may need Redis itself). One registration at a time."""
         hb = self.heartbeat()
         try:
             await self.bus.publish(self.subjects.worker_event("heartbeat"), hb)
         except Exception as exc:
             logger.warning("worker %s: cannot publish heartbeat: %s", self.worker_id, exc)
+        if self._registering is not None and not self._registering.done():
+            return  # the last one still waits on Redis; this beat's state goes with the next
+        self._registering = asyncio.ensure_future(self._register(hb))
+        if wait_registry:
+            await self._registering
+
+    async def _register(self, hb: Heartbeat) -> None:
         try:
             await asyncio.wait_for(self.state.put_worker(hb), self.settings.heartbeat_interval_s * 2)
         except Exception as exc:  # Redis briefly down: keep serving, retry next beat
@@ -169,12 +180,14 @@ class WorkerService(ServiceBase):
             if not self._beating:
                 return
             try:
-                await self.beat()
+                await self.beat(wait_registry=False)
             except Exception:  # e.g. an engine whose load() failed: report, keep beating
                 logger.exception("worker %s: heartbeat failed", self.worker_id)
 
     async def _deregister(self, reason: str) -> None:
         s = self.settings
+        if self._registering is not None:  # a late registration must not re-add it after the removal
+            self._registering.cancel()
         try:
             await self.state.remove_worker(self.worker_id)
         except Exception as exc:
