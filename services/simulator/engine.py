@@ -288,13 +288,17 @@ class SimWorker:
                 done.append(r)
                 continue
             r.d0 = self.D
-            self.running[r.idx] = r
-            self.S += r.input_len + r.g0 - r.d0
-            self.rank_count[r.rank] = self.rank_count.get(r.rank, 0) + 1
-            self.sum_rank += r.rank
-            self._seq += 1
-            heapq.heappush(self._fin, (self.D + r.output_len - r.g0, self._seq, r))
+            self._join(r)
         return done
+
+    def _join(self, r: SimRequest) -> None:
+        """`r` (its `g0`, `d0` set) joins the decode set: the running sums and its finish event."""
+        self.running[r.idx] = r
+        self.S += r.input_len + r.g0 - r.d0
+        self.rank_count[r.rank] = self.rank_count.get(r.rank, 0) + 1
+        self.sum_rank += r.rank
+        self._seq += 1
+        heapq.heappush(self._fin, (self.D + r.output_len - r.g0, self._seq, r))
 
     # ------------------------------------------------------------------ internals
     def _admit(self) -> list[SimRequest]:
@@ -411,12 +415,7 @@ class SimWorker:
             self.kv_paused -= r.held_kv
         r.held_kv = 0
         r.g0, r.d0 = r.generated, self.D
-        self.running[r.idx] = r
-        self.S += r.input_len + r.g0 - r.d0
-        self.rank_count[r.rank] = self.rank_count.get(r.rank, 0) + 1
-        self.sum_rank += r.rank
-        self._seq += 1
-        heapq.heappush(self._fin, (self.D + r.output_len - r.g0, self._seq, r))
+        self._join(r)
 
     def _drop_paused(self, need: float) -> int:
         """Free paused requests' KV (the worst-keyed first) until `need` tokens are free; those
