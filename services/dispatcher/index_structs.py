@@ -212,8 +212,9 @@ class _Struct(abc.ABC):
         """(`LAZY` structures) `entry` was placed on the worker whose view, without it and
         any placement before it that this structure was told of, is `w`: as `update(old,
         new, entry)` with the new view, which the index has not built. (Aladdin's may
-        decline: False, nothing done.)"""
-        raise NotImplementedError
+        decline: False, nothing done.) The index calls it only on structures with `LAZY`
+        set, each of which defines it; any other has no way to update from the entry alone."""
+        raise TypeError(f"{type(self).__name__} is not LAZY: the index must build the new view and call update")
 
 
 # ------------------------------------------------------------------ simple keyed orders
