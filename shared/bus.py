@@ -11,6 +11,7 @@ import itertools
 import logging
 import os
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -37,6 +38,8 @@ _encoder = msgspec.json.Encoder()
 COALESCE_S = 0.002  # publish_soon's window: events reach subscribers at most this much later
 RECONNECT_WAIT_S = 0.25  # between tries of one server; the cluster's other nodes are tried at once
 RECONNECT_BUFFER_MB = 64  # what a connection holds while reconnecting (env POLYSERVE_NATS_RECONNECT_BUFFER_MB)
+PING_INTERVAL_S, MAX_OUTSTANDING_PINGS = 5, 2  # nats-py's stale-connection check: reconnect after ~10-15 s
+PING_WAIT_S = 60.0  # how long Bus.ping's one PING may stay unanswered: far beyond the stale check
 
 
 def split_urls(url: str) -> list[str]:
@@ -137,6 +140,7 @@ class Bus:
         self.outbox = durable.Outbox(nc, replicas)  # terminal events until JetStream has them
         self._durable: list[durable.DurableSubscription] = []
         self._retries: set[asyncio.Task] = set()  # durable consumers waiting for JetStream
+        self._ping: asyncio.Future | None = None  # Bus.ping's PING in flight
 
     @classmethod
     async def connect(cls, url: str, tracer: trace.Tracer, service: str, **kw: Any) -> "Bus":
@@ -156,8 +160,8 @@ class Bus:
         buffer_mb = float(os.environ.get("POLYSERVE_NATS_RECONNECT_BUFFER_MB", RECONNECT_BUFFER_MB))
         nc = await nats.connect(name=service, max_reconnect_attempts=-1, reconnect_time_wait=RECONNECT_WAIT_S,
                                 connect_timeout=2, inbox_prefix=f"_INBOX.{service}",
-                                pending_size=int(buffer_mb * 1024 * 1024), ping_interval=5,
-                                max_outstanding_pings=2, **opts)
+                                pending_size=int(buffer_mb * 1024 * 1024), ping_interval=PING_INTERVAL_S,
+                                max_outstanding_pings=MAX_OUTSTANDING_PINGS, **opts)
         return cls(nc, tracer, service, **kw)
 
     # ------------------------------------------------------------------ client side
@@ -333,6 +337,36 @@ class Bus:
             await self.nc.publish(m.reply, b"", headers={ERROR_CODE: str(code), ERROR_DESC: description[:500]})
         except Exception:
             logger.exception("could not send error reply")
+
+    # ------------------------------------------------------------------ health
+    async def ping(self, timeout: float) -> bool:
+        """Whether nats-server answers a PING within `timeout` seconds. One PING in flight at a
+        time, and it is never cancelled: nats-py's `flush(timeout)` cancels its PONG future
+        when it times out, and the late PONG (a paused or busy server answers eventually) then
+        raises InvalidStateError inside the client's read loop, which ends it. The connection
+        still says "connected" but reads nothing (no reply, heartbeat or token) until the
+        stale-connection check reconnects, 10-15 s later: a 5 s NATS stall cost the gateway
+        every request in flight (the chaos nats-pause scenario; tests/integration/test_bus.py).
+        So the PING waits up to PING_WAIT_S, beyond that check (a reconnect drops nats-py's
+        PONG futures, and a timeout on an orphaned one harms nothing); callers only stop
+        waiting for it."""
+        if self._ping is None or self._ping.done():
+            self._ping = asyncio.ensure_future(self.nc.flush(timeout=PING_WAIT_S))
+            self._ping.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning
+        ping = self._ping
+        done, _ = await asyncio.wait({ping}, timeout=timeout)
+        return bool(done) and not ping.cancelled() and ping.exception() is None
+
+    async def sync(self, timeout: float = 10.0) -> None:
+        """Wait until nats-server has what was written so far (subscriptions included); BusError
+        504 when it does not answer within `timeout` (`ping`: never nats-py's flush timeout).
+        A PING already in flight went out before the latest writes: its PONG is waited for
+        first, then a PING of this call's own answers."""
+        end = time.monotonic() + timeout
+        if self._ping is not None and not self._ping.done():
+            await asyncio.wait({self._ping}, timeout=timeout)
+        if not await self.ping(max(0.0, end - time.monotonic())):
+            raise BusError(504, f"nats-server did not answer a PING within {timeout:g}s")
 
     # ------------------------------------------------------------------ lifecycle
     async def stop_intake(self) -> None:

@@ -76,7 +76,7 @@ class ServiceBase:
         self.bus = await Bus.connect(self.settings.nats_url, self.tracer, self.name)
         self.state = State(connect(self.settings.redis_url), self.keys)
         await self.on_start()
-        await self.bus.nc.flush()
+        await self.bus.sync()
         await self.state.put_service(self._state_msg("ready"), self.settings.service_ttl_s)
         await self.bus.publish(self.subjects.service_event("ready"), self._state_msg("ready"))
         self.background(self._presence_loop(), "presence")

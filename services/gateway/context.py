@@ -188,7 +188,7 @@ class GatewayState:
     async def bus_healthy(self, grace: float) -> bool:
         """Whether NATS works now, so a missing heartbeat is the worker's fault: connected, not
         reconnected within `grace` seconds (heartbeats resume after a reconnect), and answering
-        a ping (a stopped nats-server does not). One probe at a time, cached for 0.5 s."""
+        a ping (a stopped nats-server does not). One probe at a time (Bus.ping), cached for 0.5 s."""
         nc = self.bus.nc if self.bus is not None else None
         if nc is None or not nc.is_connected:
             return False
@@ -200,11 +200,8 @@ class GatewayState:
             return False
         async with self._probe_lock:
             if time.monotonic() - self._probe[0] > 0.5:
-                try:
-                    await nc.flush(timeout=1)
-                    self._probe = (time.monotonic(), True)
-                except Exception:  # noqa: BLE001 - a timeout or a closed connection: not healthy
-                    self._probe = (time.monotonic(), False)
+                answered = await self.bus.ping(timeout=1.0)  # never nc.flush(timeout): see Bus.ping
+                self._probe = (time.monotonic(), answered)
             return self._probe[1]
 
     async def worker_lost(self, worker_id: str, since: float) -> str:

@@ -73,7 +73,7 @@ class WorkerService(ServiceBase):
         await self.bus.serve(self.subjects.withdraw(self.worker_id), Withdraw, self.handlers.withdraw)
         self.embed_handler = await serve_embeddings(self)  # encoder engines: <p>.v1.worker.<id>.embed
         await self.bus.listen(self.subjects.adapters(s.deployment), AdapterCommand, self.handlers.adapter_command)
-        await self.bus.nc.flush()  # subscribed before anyone is told where to send
+        await self.bus.sync()  # subscribed before anyone is told where to send
         await self.bus.publish(self.subjects.worker_event("up"), WorkerUp(
             worker_id=self.worker_id, deployment=s.deployment, model=s.model, engine=self.engine.name,
             gpu_id=s.gpu_id))

@@ -1,7 +1,13 @@
 
+import asyncio
+import os
+import signal
+import time
+
 import pytest
 
 from polyserve.proto import Prediction, PredictRequest
+from polyserve.shared import infra
 from polyserve.shared.bus import Bus, BusError
 from polyserve.shared.telemetry import make_tracer
 
@@ -49,3 +55,46 @@ async def test_request_reply_errors_and_trace_propagation(infra_servers, subject
     assert server_span.parent.span_id == client_span.context.span_id
     await server.close()
     await client.close()
+
+
+async def test_ping_through_a_paused_nats_server_keeps_the_connection_reading(tmp_path):
+    """A PING unanswered while nats-server is stopped (SIGSTOP) says "not healthy" in time and,
+    once the server runs again, the connection still delivers messages. nats-py's own
+    flush(timeout) cancels its PONG future on the timeout and the late PONG ends the client's
+    read loop (Bus.ping); the gateway's health probe did that during the chaos nats-pause
+    scenario and lost every request in flight."""
+    proc, url, _ = infra.start_nats(tmp_path / "nats")
+    tracer, _ = make_tracer("t")
+    sub = pub = None
+    try:
+        sub, pub = await Bus.connect(url, tracer, "sub"), await Bus.connect(url, tracer, "pub")
+        got: asyncio.Queue = asyncio.Queue()
+
+        async def on_msg(msg) -> None:
+            await got.put(msg.data)
+
+        await sub.nc.subscribe("t.paused", cb=on_msg)
+        await sub.sync(timeout=5)
+        assert await sub.ping(timeout=2)
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            t = time.monotonic()
+            assert not await sub.ping(timeout=0.3)  # the stopped server does not answer
+            assert not await sub.ping(timeout=0.3)  # the same PING, still waited for
+            assert time.monotonic() - t < 2.0
+            await asyncio.sleep(1.0)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        assert await sub.ping(timeout=5)  # the late PONG answers the PING in flight
+        for i in range(3):
+            await pub.nc.publish("t.paused", str(i).encode())
+        await pub.sync(timeout=5)
+        # the reading side of the connection survived the late PONG
+        assert [await asyncio.wait_for(got.get(), 3) for _ in range(3)] == [b"0", b"1", b"2"]
+        assert sub.nc.stats.get("reconnects", 0) == 0
+    finally:
+        for bus in (sub, pub):
+            if bus is not None:
+                await bus.close()
+        proc.kill()
+        proc.wait(10)
