@@ -132,6 +132,9 @@ class GenerateRequest(Msg, kw_only=True):
     # False: the client gets one body at the end, so the worker may merge a choice's chunks
     # (WorkerSettings.merge_ms); True (and from an older gateway): a chunk per engine delta.
     stream: bool = True
+    # The tenant of the API key that sent it ("" without keys): `ssjf_refine` keeps its length
+    # tables per client too (a client's requests look alike: docs/experiments/sjf.md).
+    tenant: str = ""
 
 
 class Resume(Msg, kw_only=True):

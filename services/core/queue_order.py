@@ -387,9 +387,10 @@ def oracle_sjf(waiting: Sequence[Q]) -> list[Q]:
     return sorted(waiting, key=oracle_key)
 
 
-REFINE_RULE = SizeRule(estimator=RemainingEstimator(), tail_guard=TAIL_GUARD)
+REFINE_RULE = SizeRule(estimator=RemainingEstimator(by_client=True), tail_guard=TAIL_GUARD)
 """The rule behind ORDERS["ssjf_refine"] in a live worker: ssjf with waiting requests sized by
-E[L | predicted class] from the worker's own completions; the engine feeds
+E[L | client, predicted class] from the worker's own completions (the client: the API key's
+tenant, `GenerateRequest.tenant`; requests without one use the class tables alone); the engine feeds
 `REFINE_RULE.observe(jct)` and `REFINE_RULE.estimator.observe(...)` and pauses running
 requests with a `Preemptor` (the `sim` engine does; the key of a paused request is set with
 `SizeRule.rekey`)."""

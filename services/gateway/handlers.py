@@ -35,7 +35,7 @@ from polyserve.proto import (
 )
 from polyserve.shared.bus import BusError, decode, error_of
 
-from . import admission
+from . import admission, tenancy
 from .context import GatewayState
 from .delivery import Delivery, WorkerDied
 from .errors import GatewayError, status_of
@@ -97,6 +97,7 @@ class RequestRun(Delivery):
     _last_rx: float = 0.0  # monotonic time the last chunk arrived
     _probed: float = 0.0  # monotonic time of the last liveness probe
     _fresh: bool = False  # moved to a new worker that has sent nothing yet (its first-token limit)
+    tenant: str = field(default_factory=tenancy.current_tenant)  # the API key's tenant; "" without keys
 
     def _ms(self) -> float:
         return (time.monotonic() - self.t0) * 1e3
@@ -271,7 +272,8 @@ class RequestRun(Delivery):
                                adapter_path=a.path if a else "", priority=admission.fair_priority(self.priority),
                                predicted_tokens=p.tokens_estimate if p else 0,
                                length_class=p.length_class if p else -1,
-                               window=self.gs.settings.stream_window, resume=resume, stream=self.stream)
+                               window=self.gs.settings.stream_window, resume=resume, stream=self.stream,
+                               tenant=self.tenant)
 
     async def _next(self, first: bool) -> TokenChunk:
         """The next chunk in `seq` order. Chunks that overtook a missing one are held and

@@ -43,6 +43,12 @@ def current() -> Ticket | None:
     return _TICKET.get()
 
 
+def current_tenant() -> str:
+    """The tenant of the request being served, "" without an API key."""
+    t = _TICKET.get()
+    return t.record.tenant if t is not None and t.record is not None else ""
+
+
 def enter(ticket: Ticket) -> contextvars.Token:
     return _TICKET.set(ticket)
 

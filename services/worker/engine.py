@@ -50,6 +50,7 @@ class EngineRequest:
     # already ends with it (the engine just generates on); engines that shape their first
     # token (the sim's leading space) look here.
     continuation: str = ""
+    tenant: str = ""  # who sent it (GenerateRequest.tenant): queue_order.client_of reads it
 
 
 @dataclass

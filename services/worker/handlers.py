@@ -185,7 +185,7 @@ class WorkerHandlers:
         ereq = EngineRequest(request_id=req.request_id, prompt=prompt, params=params,
                              adapter=req.adapter, priority=req.priority,
                              predicted_tokens=max(0, req.predicted_tokens - (req.resume.tokens if cont else 0)),
-                             length_class=req.length_class, continuation=cont)
+                             length_class=req.length_class, continuation=cont, tenant=req.tenant)
         try:
             # Engines admit either in the generate() call (sim) or, as async
             # generators, before the first suspension of their first __anext__;

@@ -13,6 +13,7 @@ import pytest
 
 from polyserve.gateway.config import GatewaySettings
 from polyserve.gateway.service import GatewayService
+from polyserve.proto import GenerateRequest
 from tests.helpers import running
 
 pytestmark = pytest.mark.integration
@@ -120,7 +121,13 @@ async def test_revocation_reaches_every_gateway_within_key_cache_s(plane, make_s
                 await c2.models.list()
 
 
-async def test_usage_is_counted_per_key_in_redis_and_per_tenant_in_metrics(plane):
+async def test_usage_is_counted_per_key_in_redis_and_per_tenant_in_metrics(plane, bus, subjects):
+    tenants: list[str] = []  # what the worker is told: the key's tenant (ssjf_refine's client tables)
+
+    async def on_generate(req: GenerateRequest) -> None:
+        tenants.append(req.tenant)
+
+    await bus.listen(subjects.generate("w-test"), GenerateRequest, on_generate)
     async with plane(client_keys="on", admin_api_key=ADMIN) as p:
         made = await make_key(p.url, tenant="counted")
         c = client_for(p.url, made["key"])
@@ -149,6 +156,7 @@ async def test_usage_is_counted_per_key_in_redis_and_per_tenant_in_metrics(plane
                       if ln.startswith('polyserve_tenant_tokens_total{kind="completion",tenant="counted"}')]
         assert prompt and completion
         assert float(prompt[0].split()[-1]) + float(completion[0].split()[-1]) == total
+        assert tenants == ["counted"] * 4
 
 
 async def test_metrics_and_docs_are_admin_only_when_keys_are_on(plane):

@@ -305,3 +305,38 @@ def test_ssjf_refine_is_a_worker_setting_for_the_sim_engine():
     e = make_engine(WorkerSettings(engine="sim", scheduling="ssjf_refine"))
     assert e.order is policy.ORDERS["ssjf_refine"] and e.preemptor is not None
     assert make_engine(WorkerSettings(engine="sim", scheduling="ssjf")).preemptor is None
+
+
+async def test_ssjf_refine_orders_a_queue_by_what_each_client_sent_before(monkeypatch):
+    """The live rule keeps its length tables per client too (EngineRequest.tenant, from the API
+    key): two requests alike in every other way (same class, same prediction) queue behind a
+    running one; the one of the client whose requests ran short is sized short and starts
+    first. Without client tables the two are sized alike."""
+    est = policy.RemainingEstimator(min_samples=4, by_client=True)
+    monkeypatch.setattr(policy, "REFINE_RULE", policy.SizeRule(estimator=est))
+
+    def ask(rid, tenant, max_tokens):
+        return EngineRequest(rid, "one two three", SamplingParams(max_tokens=max_tokens, seed=7),
+                             predicted_tokens=50, length_class=1, tenant=tenant)
+
+    async with engine(max_batch=1, order=policy.ORDERS["ssjf_refine"]) as e:
+        for i in range(40):  # history: tenant "slow" ran 120 tokens, "quick" 4 (tables rebuild every 32)
+            await collect(e.generate(ask(f"s{i}", "slow", 120)))
+            await collect(e.generate(ask(f"q{i}", "quick", 4)))
+        slow, quick = ask("slow", "slow", 120), ask("quick", "quick", 4)
+        assert est.remaining(1, 50, 0, "slow") > 1.5 * est.remaining(1, 50, 0, "quick")  # shrunk towards the pool
+        pooled = policy.SizeRule(estimator=est)
+        est.by_client = False  # the same history without client tables: one size for both
+        assert pooled.size(slow) == pooled.size(quick)
+        est.by_client = True
+        first = e.generate(ask("first", "", 40))
+        await first.__anext__()  # running: the next two queue behind it, "slow" first
+        started: list[str] = []  # by first token: which queued request got the slot first
+
+        async def run(name, stream):
+            async for ev in stream:
+                if isinstance(ev, Delta) and name not in started:
+                    started.append(name)
+
+        await asyncio.gather(run("first", first), run("slow", e.generate(slow)), run("quick", e.generate(quick)))
+    assert started[1:] == ["quick", "slow"]
