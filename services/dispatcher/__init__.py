@@ -6,3 +6,9 @@ aladdin/caraserve and per-deployment worker indexes. `handlers` feed it events a
 for decisions with the deployment's policy, a pure function from `policy.POLICIES`
 (the data policies see is in `views`).
 """
+
+from polyserve.dispatcher import native as _native
+
+# The compiled build of the hot modules when a fresh one is there, else pure Python
+# (`native`; before any of them is imported).
+_native.install(__path__[0])

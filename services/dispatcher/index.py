@@ -171,7 +171,7 @@ class WorkerIndex:
         if s is None:
             if len(self._aladdin) >= MAX_ALADDIN_CONFIGS:
                 return None
-            s = self._aladdin[key] = self._fill(_Aladdin(cfg))
+            s = self._aladdin[key] = self._fill(_Aladdin(cfg))  # type: ignore[assignment]
         return s
 
     def _all_structs(self) -> list[_Struct]:
@@ -228,8 +228,8 @@ class WorkerIndex:
         for s in al.values():  # (first: with one structure, it may decline, nothing done yet)
             if not s.placed_from(w, entry):
                 return False
-        for s in self._structs.values():
-            s.placed_from(w, entry)
+        for t in self._structs.values():
+            t.placed_from(w, entry)
         pend = self._pending.get(w.worker_id)
         if pend is None:
             self._pending[w.worker_id] = [entry]
@@ -397,7 +397,7 @@ def fast_aladdin(index: WorkerIndex, request: RequestView, state: PolicyState, r
                 continue  # fails a constraint for sure: no need to run `check`
             if need_in <= key[5] and need_w <= key[6] and need_t <= key[7]:
                 return Decision(key[1], state)  # passes every constraint for sure
-            if not AL.check(index.get(key[1]), request, cfg):
+            if not AL.check(index.get(key[1]), request, cfg):  # type: ignore[arg-type]
                 return Decision(key[1], state)
     # none fits: where it does the least harm (the pure policy's fallback, over every view)
     return Decision(AL.fallback(index.views(), request, cfg), state, scale_out=True)
@@ -411,7 +411,7 @@ def fast_caraserve(index: WorkerIndex, request: RequestView, state: PolicyState,
     best = s.best(request, cfg, need, True)
     if best is None:  # no candidate: every worker competes (pure rank_aware does the same)
         best = s.best(request, cfg, need, False)
-    return Decision(best[2], state, scale_out=best[3])
+    return Decision(best[2], state, scale_out=best[3])  # type: ignore[index]
 
 
 def make_fast_arlo_mlq(lam: float = AR.DEFAULT_LAMBDA, alpha: float = AR.DEFAULT_ALPHA,

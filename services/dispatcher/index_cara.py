@@ -29,6 +29,7 @@
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from typing import Any
 
 from polyserve.core.perf import BGMV, LORA_DEFAULTS, MBGMV
 from polyserve.dispatcher import policy_caraserve as CS
@@ -44,6 +45,14 @@ class _CaraGroup:
 
     __slots__ = ("b", "bound", "bounded", "empty_costs", "filed", "free", "gid", "holders", "k2", "kernel", "lora_extra", "members",
                  "mx", "ordered", "perf", "sig", "sm")
+
+    sig: tuple
+    perf: Any
+    kernel: str
+    b: int
+    mx: int
+    sm: int
+    k2: float
 
     def __init__(self, gid: int, ordered: bool, bounded: bool):
         self.gid = gid
@@ -74,6 +83,7 @@ def _batch_sums(w: WorkerView, prev: tuple | None, added) -> tuple | None:
     O(1), else in one pass. Integers, so `sums[0] / b` is `_batch_state`'s mean context
     exactly; before, every placement re-summed all of the worker's requests."""
     if prev is not None and added is not None:
+        tot: int; b: int; mx: int; sm: int; rank: int  # noqa: E702  (for mypyc, `native`)
         tot, b, mx, sm = prev
         rank = added.rank
         return tot + added.input_tokens + added.generated, b + 1, mx if mx >= rank else rank, sm + rank
@@ -105,6 +115,8 @@ def _cara_signature(w: WorkerView, sums: tuple | None = None, fit: tuple | None 
         fit = _fit_of(w.perf or CS._LORA_ONLY, w.kernel)
     if sums is None and w.requests:
         sums = _batch_sums(w, None, None)
+    b: int; ctx: float; mx: int; sm: int  # noqa: E702  (for mypyc, `native`: unboxed arithmetic)
+    k2: float; c2: float; c3: float; alpha: float; beta: float; mbgmv: bool; bounded: bool; order: int  # noqa: E702
     if sums is not None:
         b, mx, sm = sums[1], sums[2], sums[3]
         ctx = sums[0] / b
@@ -135,6 +147,9 @@ def _cara_cost(state: tuple, n_in: int, rank: int, slo: float, penalty: float) -
     time after (`policy_caraserve.step_ms` → `WorkerPerf.decode_ms` + `lora_ms`, four calls)
     is written out here from the coefficients in `state`: a decision evaluates ~3 workers,
     and those calls were a third of its time (docs/benchmarks/dispatch.md, fourth round)."""
+    # (declared for mypyc, `native`: unboxed arithmetic; no cost in CPython)
+    k2: float; c2: float; c3: float; alpha: float; beta: float; mbgmv: bool  # noqa: E702
+    b: int; ctx: float; mx: int; sm: int; t0: float  # noqa: E702
     k2, c2, c3, alpha, beta, mbgmv, b, ctx, mx, sm, t0 = state[:11]
     b1 = b + 1
     ctx1 = (ctx * b + n_in) / b1
@@ -180,6 +195,7 @@ class _Cara(_Struct):
     def _file(self, g: _CaraGroup) -> None:
         """Refile `g` after an update touched it, when its bound, its adapters (a narrow
         group) or whether it has a slot-free member changed."""
+        now: tuple | None
         if not g.members:
             now = None
         elif len(g.holders) > NARROW:
@@ -210,7 +226,7 @@ class _Cara(_Struct):
     def _rebound(self, g: _CaraGroup) -> None:
         bounds = self.bounds
         if g.members:
-            bound = -_INF
+            bound: float | None = -_INF
             if g.bounded and g.ordered:  # the cost depends on the group and the context only
                 ctx = g.members[0][0]
                 bound = g.empty_costs.get(ctx)
@@ -233,8 +249,8 @@ class _Cara(_Struct):
         if old is not None:
             self._take_out(old.worker_id)
         if new is None:
-            self.state.pop(old.worker_id, None)
-            self.sums.pop(old.worker_id, None)
+            self.state.pop(old.worker_id, None)  # type: ignore[union-attr]
+            self.sums.pop(old.worker_id, None)  # type: ignore[union-attr]
             return
         wid = new.worker_id
         sums = _batch_sums(new, self.sums.get(wid) if old is not None and old.requests else None, added)
@@ -251,11 +267,12 @@ class _Cara(_Struct):
         wid = w.worker_id
         prev = self.sums.get(wid)
         self._take_out(wid)
-        sums = self.sums[wid] = _batch_sums(w, (0, 0, 0, 0) if prev is None else prev, entry)
+        sums = self.sums[wid] = _batch_sums(w, (0, 0, 0, 0) if prev is None else prev, entry)  # type: ignore[assignment]
         self._put_in(w, sums)
 
     def _take_out(self, wid: str) -> None:
         """Remove the worker from its group's lists."""
+        g: _CaraGroup
         g, mkey, free, adapters = self.where.pop(wid)
         first = g.members[0]
         m = g.members
@@ -318,7 +335,7 @@ class _Cara(_Struct):
             # With per-worker online fits most groups are single workers: visit only those
             # that hold the adapter or have a free slot (and the wide ones), not every group
             # whose bound is below the best cost. A group may come twice: evaluated twice.
-            sources = (self.wide, self.by_adapter.get(adapter, ()), self.narrow_free)
+            sources: tuple = (self.wide, self.by_adapter.get(adapter, ()), self.narrow_free)
         else:
             sources = (self.bounds,)
         best = None
@@ -335,6 +352,8 @@ class _Cara(_Struct):
         slo, penalty = cfg.atgt_slo_ms, cfg.penalty
         some = adapter is not None and candidates_only
         best_cost = _INF if best is None else best[0]
+        bound: float
+        g: _CaraGroup  # (declared for mypyc: native attribute reads)
         for bound, _, g in entries:
             if bound > best_cost:
                 break

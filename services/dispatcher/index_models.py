@@ -43,6 +43,8 @@ class _Consts:
         self.perf = perf  # (held: the cache is keyed by its id)
         self.theta, self.gamma = cfg.theta, cfg.gamma
         self.banked, self.ttft_ok = cfg.slack == "banked", cfg.ttft_slo_ms >= 0
+        self.h: float
+        self.j: float
         self.h, self.j = (perf.base.h, perf.base.j) if perf is not None else (1.0, 0.0)
         self.b_lim = self.ctx_lim = 0.0
         if perf is None:
@@ -237,9 +239,9 @@ class _Aladdin(_Struct):
 
     def update(self, old: WorkerView | None, new: WorkerView | None, added=None) -> None:
         if new is None:
-            self.norms.pop(old.worker_id, None)
-            self.live.discard(old.worker_id)
-            self.aggs.pop(old.worker_id, None)
+            self.norms.pop(old.worker_id, None)  # type: ignore[union-attr]
+            self.live.discard(old.worker_id)  # type: ignore[union-attr]
+            self.aggs.pop(old.worker_id, None)  # type: ignore[union-attr]
             return
         wid, cfg = new.worker_id, self.cfg
         if added is not None and old is not None and self.placed_from(old, added):

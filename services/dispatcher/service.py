@@ -5,6 +5,7 @@ import asyncio
 import logging
 from typing import Any
 
+from polyserve.dispatcher import native
 from polyserve.dispatcher.config import DispatcherSettings
 from polyserve.dispatcher.handlers import DispatchHandlers
 from polyserve.dispatcher.liveview import LiveView
@@ -43,6 +44,7 @@ class DispatcherService(ServiceBase):
     async def on_start(self) -> None:
         """Listen to worker and request events, seed the worker view from Redis, then serve."""
         s = self.settings
+        logger.info("dispatcher: %s", native.describe())  # which build decides (compiled or pure Python)
         deployments = DeploymentCache(self.state, ttl_s=s.deployment_cache_s, timeout_s=s.redis_timeout_s,
                                       retry_s=s.redis_retry_s)
         self.handlers = h = DispatchHandlers(s, self.view, deployments, self.subjects, publish=self.bus.publish)
