@@ -1,15 +1,17 @@
 """The benchmark clients users point at vLLM, run against `polyserve up --engine sim`:
 scripts/client-compat installs guidellm, NVIDIA's aiperf and the Kubernetes SIG's
-inference-perf each into a venv of its own under build/client-compat/ (reused while the pinned
-versions match), runs each for 200 streamed requests on /v1/chat/completions and again on
-/v1/completions with synthetic prompts and a local tokenizer, and fails on any error of a
+inference-perf each into a venv of its own under build/client-compat/ (with uv, side by side,
+while `polyserve up` starts; reused while the pinned versions match), runs them side by side
+(each client's two endpoint runs too), 200 streamed requests on /v1/chat/completions and 200
+on /v1/completions with synthetic prompts and a local tokenizer, and fails on any error of a
 required client (guidellm, aiperf; inference-perf is reported). See the script's header and
 docs/openai-compatibility.md, "Benchmark clients".
 
 Bounded: the script gets CLIENT_COMPAT_TIMEOUT_S (default 900 s; on the project's 2-core
-machine about 3.5 min cold (venvs removed, pip cache warm), and 1.5 min with the venvs
-reused). Skipped, with the script's reason, only where a required client cannot be installed
-because pip cannot reach the package index (the script prints SKIPPED and exits 0), or when
+machine about 1.5 min cold (venvs removed, uv cache empty), of which ~20 s installing; the
+rest is the clients' runs, CPU-bound, so it varies with the machine's load). Skipped, with
+the script's reason, only where a required client cannot be installed because pip cannot
+reach the package index (the script prints SKIPPED and exits 0), or when
 POLYSERVE_CLIENT_COMPAT=0 (a developer's quick run; CI leaves it on).
 """
 from __future__ import annotations

@@ -2,10 +2,11 @@
 compose.yaml (+ infra/compose-test/compose.test.yaml) with Docker, drives it with the openai
 client, checks NATS events and a trace, and takes it down leaving nothing (see the script).
 
-Bounded: the script gets COMPOSE_TEST_TIMEOUT_S (default 900 s; about 5.5 min cold on the
-project's 2-core machine, 3.5 min with the base image cached). Skipped, with the script's
-reason, only where Docker cannot run here (the script prints SKIPPED and exits 0), or when
-POLYSERVE_COMPOSE_TEST=0 (a developer's quick run; CI leaves it on).
+Bounded: the script gets COMPOSE_TEST_TIMEOUT_S (default 900 s; on the project's 2-core
+machine about 2.5 min with the base image cached and no polyserve image (the image build, with
+uv, ~100 s of it), about 1 min more where the base image must be debootstrapped). Skipped,
+with the script's reason, only where Docker cannot run here (the script prints SKIPPED and
+exits 0), or when POLYSERVE_COMPOSE_TEST=0 (a developer's quick run; CI leaves it on).
 """
 from __future__ import annotations
 
