@@ -138,9 +138,21 @@ async def test_dead_or_silent_predictor_costs_no_request(plane, bus, subjects):
         sub = await bus.nc.subscribe(subjects.predict, cb=black_hole)
         await bus.nc.flush()
         loop = asyncio.get_running_loop()
+        stall = [0.0]  # the longest this loop (every service of the plane runs on it) could not run
+
+        async def watch() -> None:
+            while True:
+                t0 = loop.time()
+                await asyncio.sleep(0.005)
+                stall[0] = max(stall[0], loop.time() - t0 - 0.005)
+
+        watcher = asyncio.ensure_future(watch())
         t = loop.time()
-        silent = await asyncio.gather(*(p.client.completions.create(model=MODEL, prompt=f"silent {i}", max_tokens=3)
-                                        for i in range(5)))
+        try:
+            silent = await asyncio.gather(*(p.client.completions.create(model=MODEL, prompt=f"silent {i}",
+                                                                        max_tokens=3) for i in range(5)))
+        finally:
+            watcher.cancel()
         assert loop.time() - t < 2.0
         await sub.unsubscribe()
     for c, cap in [(dead, 500)] + [(c, 3) for c in silent]:
@@ -150,7 +162,10 @@ async def test_dead_or_silent_predictor_costs_no_request(plane, bus, subjects):
             assert (ev.source, ev.tokens_estimate) == ("local-prior", 129)
         else:  # the gateway's own history once 5 requests completed (these do not wait for it)
             assert ev.source in ("local-prior", "local-history") and ev.tokens_estimate <= cap, ev
-        assert ev.latency_ms < 50 + 250, ev.latency_ms  # the budget plus a margin for a busy 2-core box
+        # the budget plus a margin, plus any stall of the loop meanwhile (CI once saw 458 ms
+        # here: a pause of the whole process on a busy 2-core box, not a late budget)
+        limit = 50 + 150 + (1e3 * stall[0] if c is not dead else 0)
+        assert ev.latency_ms < limit, (ev.latency_ms, f"loop stalled up to {1e3 * stall[0]:.0f} ms")
         await wait_for(lambda c=c: of(events, c.id, "completed"), what="completed event")
 
 
