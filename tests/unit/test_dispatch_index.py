@@ -16,6 +16,7 @@ from polyserve.core.perf import BGMV, MBGMV, PerfModel, WorkerPerf
 from polyserve.dispatcher import index as ix
 from polyserve.dispatcher import index_cara as ixc
 from polyserve.dispatcher import index_models as ixm
+from polyserve.dispatcher import native
 from polyserve.dispatcher import policy as p
 
 pytestmark = pytest.mark.unit
@@ -176,7 +177,10 @@ def test_aladdin_fallback_twin_on_clusters_where_nothing_fits(monkeypatch):
     monkeypatch.setattr(ix.AL, "fallback", counting)
     compared = sum(run_equivalence("aladdin", seed, steps=80, atgt_slo_ms=30.0) for seed in range(4))
     compared += sum(run_equivalence("aladdin", seed, steps=80, same=PERFS[1], atgt_slo_ms=29.0) for seed in range(4))
-    assert compared > 400 and calls["fallback"] > 2 * 200  # pure and fast each call it
+    assert compared > 400
+    if native.is_native():  # compiled modules call each other directly: the patch above is not seen
+        return
+    assert calls["fallback"] > 2 * 200  # pure and fast each call it
     assert calls["not_emptiest"] > 2 * 60
 
 
