@@ -235,22 +235,30 @@ def start_supervisor(state: ClusterState, env: dict[str, str]) -> int:
     return proc.pid
 
 
-def _ensure_deployment(r: redis.Redis, keys: Keys, spec: ClusterSpec, engine: str, model: str) -> None:
+def _ensure_deployment(r: redis.Redis, keys: Keys, spec: ClusterSpec, engine: str, model: str) -> str:
+    """The deployment of `model` (created unless Redis has it); its id."""
     dep_id = "".join(c if c.isalnum() or c in "-_" else "-" for c in model)[:64]
     if r.exists(keys.deployment(dep_id)):
-        return
+        return dep_id
     dep = Deployment(id=dep_id, model=model, engine=engine, policy=spec.policy,
                      scaler=ScalerPolicy(type=spec.scaler, min_replicas=spec.min_replicas,
                                          max_replicas=spec.max_replicas, threshold_ms=spec.threshold_ms))
     r.set(keys.deployment(dep_id), msgspec.json.encode(dep))
     r.sadd(keys.deployments, dep_id)
+    return dep_id
 
 
-def _live(r: redis.Redis, keys: Keys) -> tuple[set[str], int, int]:
-    """(live service names, live workers, live gateway instances) in the Redis registry."""
+def _live(r: redis.Redis, keys: Keys, deployment: str = "") -> tuple[set[str], int, int]:
+    """(live service names, live workers (of `deployment` when given), live gateway instances)
+    in the Redis registry."""
     now = time.time()
     names = [m.decode().split(":", 1)[0] for m in r.zrangebyscore(keys.services, now, "+inf")]
-    workers = r.zcount(keys.workers, now, "+inf")
+    if deployment:
+        ids = [m.decode() for m in r.zrangebyscore(keys.workers, now, "+inf")]
+        raws = r.mget([keys.worker(i) for i in ids]) if ids else []
+        workers = sum(1 for x in raws if x and msgspec.json.decode(x).get("deployment") == deployment)
+    else:
+        workers = r.zcount(keys.workers, now, "+inf")
     return set(names), workers, names.count("gateway")
 
 
@@ -308,16 +316,17 @@ def up(spec: ClusterSpec, progress=print) -> ClusterState:
         wait_redis(r, 10.0)
         if desired is not None:
             apply_config(redis_url, spec.prefix, desired)
+        dep_id = ""  # with a config file, any worker; else one of the deployment of `model`
         if desired is None or not desired.deployments:
-            _ensure_deployment(r, keys, spec, engine, model)
+            dep_id = _ensure_deployment(r, keys, spec, engine, model)
         env = _service_env(state, spec, port)
         for svc in SERVICES:
             for name in replica_names(svc, spec):
                 pids[name] = spawn_service(svc, env, run_dir, name if svc in REPLICATED else "").pid
                 state.save()
         progress(f"started {', '.join(SERVICE_NAMES.get(s, s) for s in SERVICES)}; waiting for them and a "
-                 f"{engine} worker to report ready")
-        wait_ready(r, keys, state, spec.ready_timeout_s, progress, gateways=spec.gateways)
+                 f"{engine} worker{f' of {dep_id}' if dep_id else ''} to report ready")
+        wait_ready(r, keys, state, spec.ready_timeout_s, progress, gateways=spec.gateways, deployment=dep_id)
         if spec.supervise:
             start_supervisor(state, env)
         return state
@@ -385,7 +394,9 @@ def wait_redis(r: redis.Redis, timeout: float) -> None:
 
 
 def wait_ready(r: redis.Redis, keys: Keys, state: ClusterState, timeout: float, progress=print,
-               gateways: int = 1) -> None:
+               gateways: int = 1, deployment: str = "") -> None:
+    """Until every service, `gateways` gateways and a worker (of `deployment` when given: a run
+    folder may keep other deployments, whose workers can be ready first) are in the registry."""
     want = {SERVICE_NAMES.get(s, s) for s in SERVICES}
     deadline = time.monotonic() + timeout
     seen: set[str] = set()
@@ -394,7 +405,7 @@ def wait_ready(r: redis.Redis, keys: Keys, state: ClusterState, timeout: float, 
             if not infra.pid_alive(pid):
                 log = Path(state.run_dir, "logs", f"{name if name.startswith(REPLICATED) else module_of(name)}.log")
                 raise LaunchError(f"{name} exited during start-up; see {log}")
-        services, workers, live_gateways = _live(r, keys)
+        services, workers, live_gateways = _live(r, keys, deployment)
         for name in sorted((services & want) - seen):
             progress(f"  {name} ready")
         seen |= services & want
@@ -402,7 +413,8 @@ def wait_ready(r: redis.Redis, keys: Keys, state: ClusterState, timeout: float, 
             progress(f"  worker ready ({workers})")
             return
         time.sleep(0.2)
-    missing = sorted(want - seen) + ([] if _live(r, keys)[1] else ["worker"])
+    worker = f"a worker of {deployment}" if deployment else "worker"
+    missing = sorted(want - seen) + ([] if _live(r, keys, deployment)[1] else [worker])
     raise LaunchError(f"not ready within {timeout:.0f}s: {', '.join(missing)}; logs in {state.run_dir}/logs")
 
 
