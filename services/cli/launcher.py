@@ -248,15 +248,20 @@ def _ensure_deployment(r: redis.Redis, keys: Keys, spec: ClusterSpec, engine: st
     return dep_id
 
 
+def live_json(r: redis.Redis, index: str, key_of) -> list[dict]:
+    """The live entries of a Redis registry index (members scored with their expiry), as JSON."""
+    members = [m.decode() for m in r.zrangebyscore(index, time.time(), "+inf")]
+    raws = r.mget([key_of(m) for m in members]) if members else []
+    return [json.loads(x) for x in raws if x]
+
+
 def _live(r: redis.Redis, keys: Keys, deployment: str = "") -> tuple[set[str], int, int]:
     """(live service names, live workers (of `deployment` when given), live gateway instances)
     in the Redis registry."""
     now = time.time()
     names = [m.decode().split(":", 1)[0] for m in r.zrangebyscore(keys.services, now, "+inf")]
     if deployment:
-        ids = [m.decode() for m in r.zrangebyscore(keys.workers, now, "+inf")]
-        raws = r.mget([keys.worker(i) for i in ids]) if ids else []
-        workers = sum(1 for x in raws if x and msgspec.json.decode(x).get("deployment") == deployment)
+        workers = sum(1 for w in live_json(r, keys.workers, keys.worker) if w.get("deployment") == deployment)
     else:
         workers = r.zcount(keys.workers, now, "+inf")
     return set(names), workers, names.count("gateway")

@@ -2,32 +2,24 @@
 from __future__ import annotations
 
 import json
-import time
 
-import redis
 from rich.console import Console
 from rich.table import Table
 
-from polyserve.cli.launcher import ClusterState
+from polyserve.cli.launcher import ClusterState, live_json
 from polyserve.proto import Keys
 from polyserve.shared import infra
 from polyserve.shared.auth import redact
 from polyserve.shared.state import connect_sync
 
 
-def _live_json(r: redis.Redis, index: str, key_of) -> list[dict]:
-    members = [m.decode() for m in r.zrangebyscore(index, time.time(), "+inf")]
-    raws = r.mget([key_of(m) for m in members]) if members else []
-    return [json.loads(x) for x in raws if x]
-
-
 def cluster_status(state: ClusterState) -> dict:
     """A JSON-able snapshot: processes, services, workers, GPUs (agents + latest telemetry)."""
     keys = Keys(state.prefix)
     r = connect_sync(state.redis_url)  # redis:// or redis+sentinel:// (shared/state.py)
-    services = _live_json(r, keys.services, lambda m: keys.service(*m.split(":", 1)))
-    workers = _live_json(r, keys.workers, keys.worker)
-    agents = _live_json(r, keys.agents, keys.agent)
+    services = live_json(r, keys.services, lambda m: keys.service(*m.split(":", 1)))
+    workers = live_json(r, keys.workers, keys.worker)
+    agents = live_json(r, keys.agents, keys.agent)
     for agent in agents:
         raw = r.get(keys.gpu(agent["gpu_id"]))
         agent["telemetry"] = json.loads(raw) if raw else None
