@@ -11,7 +11,8 @@ from polyserve.shared.settings import CommonSettings, SettingsError
 
 ENGINES = ("sim", "hf", "vllm", "encoder", "openai-http")
 LORA_COLD_START = ("cpu_assisted", "on_demand")
-SCHEDULING = ("fcfs", "priority", "ssjf", "ssjf_class", "ssjf_refine")  # ssjf_refine: the sim engine only (preemptive)
+# ssjf_refine (preemptive: pauses running requests, their KV kept): the sim and hf engines
+SCHEDULING = ("fcfs", "priority", "ssjf", "ssjf_class", "ssjf_refine")
 
 
 def new_worker_id() -> str:

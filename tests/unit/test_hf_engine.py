@@ -36,9 +36,11 @@ class Result:
         self.stats = None
 
 
-async def collect(engine, rid, prompt, adapter=None, on_delta=None, priority=0, **params) -> Result:
+async def collect(engine, rid, prompt, adapter=None, on_delta=None, priority=0, predicted_tokens=0, length_class=-1,
+                  tenant="", **params) -> Result:
     res = Result()
-    req = EngineRequest(rid, prompt, SamplingParams(**params), adapter=adapter, priority=priority)
+    req = EngineRequest(rid, prompt, SamplingParams(**params), adapter=adapter, priority=priority,
+                        predicted_tokens=predicted_tokens, length_class=length_class, tenant=tenant)
     async for ev in engine.generate(req):
         if isinstance(ev, Delta):
             res.deltas += 1
@@ -348,9 +350,150 @@ async def test_unknown_kv_layout_is_a_clear_error():
         HfEngine(settings(kv_layout="paged"))
 
 
-def test_preemptive_ssjf_refine_is_refused_by_the_hf_engine_with_why():
-    with pytest.raises(EngineError) as err:
-        HfEngine(types.SimpleNamespace(scheduling="ssjf_refine"))
-    assert err.value.status == 400 and "sim engine only" in str(err.value)
-    with pytest.raises(EngineError, match="is unknown"):
+def test_ssjf_refine_is_offered_and_unknown_orders_are_refused():
+    assert HfEngine(types.SimpleNamespace(scheduling="ssjf_refine")).preemptor is not None
+    assert HfEngine(types.SimpleNamespace(scheduling="ssjf")).preemptor is None
+    with pytest.raises(EngineError, match="is unknown; choose one of .*ssjf_class, ssjf_refine") as err:
         HfEngine(types.SimpleNamespace(scheduling="lifo"))
+    assert err.value.status == 400
+
+
+# ------------------------------------------------------------------ ssjf_refine: pause keeping the KV
+LONG = dict(max_tokens=64, temperature=0, predicted_tokens=64, length_class=3)
+SHORT = dict(max_tokens=3, temperature=0, predicted_tokens=3, length_class=0)
+
+
+def _fresh_rule(monkeypatch):
+    """A fresh live rule (no window, no length tables from other runs): before any completion its
+    sizes are the predictions and W is WINDOW_S."""
+    from polyserve.core import queue_order as policy
+    rule = policy.SizeRule(estimator=policy.RemainingEstimator(by_client=True))
+    monkeypatch.setattr(policy, "REFINE_RULE", rule)
+    return rule
+
+
+@pytest.fixture
+def fresh_refine_rule(monkeypatch):
+    return _fresh_rule(monkeypatch)
+
+
+def _count(eng, name: str) -> list[int]:
+    """Count calls of the engine batch's method `name` (they run in the step thread)."""
+    calls = [0]
+    method = getattr(eng._batch, name)
+
+    def counted(*args):
+        calls[0] += 1
+        return method(*args)
+    setattr(eng._batch, name, counted)
+    return calls
+
+
+async def _overtake(eng, longs: dict[str, tuple[str, dict]]) -> tuple[list[str], list[tuple[int, int, int]]]:
+    """The `longs` ({id: (prompt, params)}) fill the batch; once the first has run past the
+    Preemptor's quantum a short request arrives. Returns the order they finished in and, at each
+    delta of the short one, the engine's (running, waiting, kv_used)."""
+    done: list[str] = []
+    seen: list[tuple[int, int, int]] = []
+    going = asyncio.Event()
+
+    async def run(rid, prompt, on_delta=None, **kw):
+        res = await collect(eng, rid, prompt, on_delta=on_delta, **kw)
+        done.append(rid)
+        return res
+
+    def past_quantum(res: Result):
+        if res.tokens[0] >= 20:
+            going.set()
+    tasks = [asyncio.create_task(run(rid, prompt, past_quantum if i == 0 else None, **kw))
+             for i, (rid, (prompt, kw)) in enumerate(longs.items())]
+    await asyncio.wait_for(going.wait(), 20)
+    assert eng.load().running == len(longs) and eng.load().waiting == 0
+    await asyncio.gather(run("short", "quick one", lambda res: seen.append(astuple(eng.load())), **SHORT), *tasks)
+    return done, seen
+
+
+def astuple(load) -> tuple[int, int, int]:
+    return load.running, load.waiting, load.kv_used
+
+
+@pytest.mark.parametrize("layout", ["ragged", "padded"])
+async def test_ssjf_refine_pauses_keeping_kv_and_the_greedy_output_is_unchanged(layout, monkeypatch):
+    """Batch of 2: a short request arriving behind a long one and a neighbour (a longer prompt, so
+    padded, the long one's rows are left-padded) takes the long one's row; the long one leaves the
+    batch with its KV, resumes next to the neighbour with no prefill, and the greedy tokens of both
+    are exactly those of the same requests run alone; the KV reservations stay exact throughout."""
+    from polyserve.worker.engines import hf_batch
+    ids: dict[str, list[int]] = {}
+    accept = hf_batch.Row.accept
+
+    def recording(row, token):
+        ids.setdefault(row.owner.req.request_id, []).append(token)
+        return accept(row, token)
+    monkeypatch.setattr(hf_batch.Row, "accept", recording)
+    longs = {"long": ("tell me a long story", {**LONG, "tenant": "acme"}),  # predicted longer: the one paused
+             "neighbour": ("the quick brown fox jumps over the lazy dog " * 3, {**LONG, "predicted_tokens": 16,
+                                                                                "length_class": 1})}
+    eng = HfEngine(settings(max_batch=2, scheduling="ssjf_refine", kv_layout=layout))
+    await eng.start()
+    try:
+        assert eng._batch.layout == layout
+        _fresh_rule(monkeypatch)  # the process's own rule is left as it was
+        for rid, (prompt, kw) in longs.items():
+            await collect(eng, f"alone-{rid}", prompt, **kw)
+        rule = _fresh_rule(monkeypatch)  # after the runs alone, which moved W
+        pauses, resumes, prefills = _count(eng, "pause"), _count(eng, "resume"), _count(eng, "prefill")
+        done, seen = await _overtake(eng, longs)
+        assert done[0] == "short" and pauses == resumes == [1]
+        assert prefills == [3], "the paused request must not be prefilled again"
+        for rid in longs:
+            assert ids[rid] == ids[f"alone-{rid}"] and len(ids[rid]) == 64, f"{rid}: greedy tokens changed"
+        kv = {rid: eng.count_tokens(prompt) + kw["max_tokens"] for rid, (prompt, kw) in longs.items()}
+        # while the short one runs, the long one is paused (waiting) and keeps its reservation
+        assert seen[0] == (2, 1, kv["long"] + kv["neighbour"] + eng.count_tokens("quick one") + 3), seen
+        assert astuple(eng.load()) == (0, 0, 0) and not eng._batch.rows
+        est = rule.estimator  # completions teach the tables, the client's too
+        assert est.samples(None) == 3 and est.samples(("client", "acme")) == 1 and est.samples(("class", 0)) == 1
+    finally:
+        await eng.stop()
+
+
+@pytest.mark.parametrize("scheduling", ["fcfs", "ssjf_refine"])
+async def test_a_short_request_behind_a_full_batch_of_long_ones_finishes_first_only_under_ssjf_refine(
+        scheduling, fresh_refine_rule):
+    eng = HfEngine(settings(max_batch=2, scheduling=scheduling))
+    await eng.start()
+    try:
+        done, _ = await _overtake(eng, {f"long{i}": (f"tell me a long story number {i}", LONG) for i in range(2)})
+        assert eng.load().kv_used == 0 and eng.load().running == eng.load().waiting == 0
+    finally:
+        await eng.stop()
+    if scheduling == "ssjf_refine":
+        assert done[0] == "short"
+    else:
+        assert done.index("short") > 0
+
+
+async def test_a_paused_request_cancelled_frees_its_kv_and_is_not_withdrawn(fresh_refine_rule):
+    eng = HfEngine(settings(max_batch=1, scheduling="ssjf_refine"))
+    await eng.start()
+    try:
+        started = asyncio.Event()
+        long = asyncio.create_task(collect(eng, "long", "tell me a long story", on_delta=lambda r: started.set()
+                                           if r.tokens[0] >= 20 else None, **{**LONG, "max_tokens": 200}))
+        await asyncio.wait_for(started.wait(), 20)
+        long_kv, short_kv = eng.count_tokens("tell me a long story") + 200, eng.count_tokens("quick one") + 10
+        seen: list = []
+
+        def at_first_token(res: Result):  # the short request took the row: the long one is paused now
+            if not seen:
+                seen.append((eng._known["long"].paused is not None, eng.load().kv_used, eng.withdraw("long"),
+                             eng.cancel("long"), astuple(eng.load())))
+        await collect(eng, "short", "quick one", on_delta=at_first_token, **{**SHORT, "max_tokens": 10})
+        # paused with its reservation; not given back (it has streamed output); cancelled, its KV is freed
+        assert seen == [(True, long_kv + short_kv, False, True, (1, 0, short_kv))]
+        res = await asyncio.wait_for(long, 10)
+        assert res.finish == {0: "cancelled"} and 20 <= res.tokens[0] < 200
+        assert astuple(eng.load()) == (0, 0, 0) and not eng._batch.rows
+    finally:
+        await eng.stop()

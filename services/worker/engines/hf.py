@@ -12,16 +12,26 @@ Admission (`generate`'s first `__anext__`): a full waiting queue is EngineOverlo
 (429); an input over `max_input_len`, or a request whose KV reservation could never
 fit, is a 400; an unknown adapter is a 404 naming the loaded ones.
 
+Scheduling `ssjf_refine` (as in the `sim` engine, with the same `queue_order` pieces): the
+waiting queue is ordered by `speculative_sjf_refine` (sizes from the survival tables of this
+worker's completions, per client and class; a tail guard), and every `PREEMPT_QUANTUM` decode
+steps, with the batch full, a `Preemptor` picks running requests whose refined key sorts far
+enough behind the best waiting ones: each is paused (`Batch.pause`: its rows leave the batch
+with their KV, no recomputation), goes back to the queue under its refined key and, once
+admitted again, rejoins the batch with that KV (`Batch.resume`, no prefill) and decodes on
+exactly where it stopped (greedy output token for token the same as without the pause).
+
 LoRA adapters (tiers, background copies, CPU-assisted cold start, prefetch) are managed
 by `hf_lora.AdapterManager`; the loop calls it between steps under the engine lock.
 
 Withdraw (Aladdin Alg. 2 moves): a request still in the waiting queue can be given back
 (`withdraw`); its stream ends with `Withdrawn` and the worker asks the gateway to send it
-elsewhere. Once prefilled it runs here to the end.
+elsewhere. Once prefilled (a paused one included) it runs here to the end.
 
 KV accounting: a running request reserves `n * (input + max_tokens)` tokens of the
-`kv_capacity_tokens` budget from admission until it ends; `load().kv_used` reports
-those reservations, so capacity - used is exactly what the next admission may take.
+`kv_capacity_tokens` budget from admission until it ends, paused or not (a paused request
+keeps its KV, and its adapter pinned); `load().kv_used` reports those reservations, so
+capacity - used is exactly what the next admission may take.
 """
 from __future__ import annotations
 
@@ -54,15 +64,18 @@ from polyserve.worker.engine import (
     relay,
 )
 from polyserve.worker.engines import hf_grammar
-from polyserve.worker.engines.hf_batch import LAYOUTS, Batch, Row
+from polyserve.worker.engines.hf_batch import LAYOUTS, Batch, Paused, Row
 from polyserve.worker.engines.hf_lora import COLD_START, AdapterManager  # noqa: F401 (COLD_START re-exported)
 from polyserve.worker.lora_cache import HOST
 
 logger = logging.getLogger(__name__)
 
 OrderKey = Callable[[EngineRequest], Any]
-# Queue orders as sort keys (fcfs, priority, ssjf): the same code the sim engine and the simulator use.
+# Queue orders as sort keys (fcfs, priority, ssjf, ssjf_class): the same code the sim engine and the
+# simulator use. ssjf_refine is not a static key (paused requests are re-keyed, overdue ones promoted):
+# the engine orders its queue with `queue_order.speculative_sjf_refine` and pauses with a `Preemptor`.
 ORDERS: dict[str, OrderKey] = {k: v for k, v in queue_order.ORDER_KEYS.items() if k != "sjf_oracle"}
+REFINE = "ssjf_refine"
 
 
 class _Active:
@@ -81,6 +94,18 @@ class _Active:
         self.out_tokens = 0
         self.cancelled = False
         self.done = False
+        self.paused: Paused | None = None  # ssjf_refine: back in the queue, its rows and KV set aside
+        self.ran_from = 0  # decode steps it had when last (re)admitted (the Preemptor's quantum)
+
+    # what `queue_order`'s ssjf_refine reads of a queued request (the rest it finds on `req`)
+    arrival = property(lambda self: self.req.arrival)
+    priority = property(lambda self: self.req.priority)
+    input_tokens = property(lambda self: len(self.ids))  # ssjf's prompt term (a prefill's cost)
+
+    @property
+    def generated(self) -> int:
+        """Tokens the longest choice has produced so far."""
+        return max((r.n_out for r in self.rows), default=0)
 
 
 class HfEngine(Engine):
@@ -106,11 +131,13 @@ class HfEngine(Engine):
         arch = getattr(settings, "random_arch", None) or None  # dict or JSON: a bigger random model
         self.random_arch = json.loads(arch) if isinstance(arch, str) else arch
         scheduling = getattr(settings, "scheduling", "fcfs") or "fcfs"
-        if order is None and scheduling not in ORDERS:
-            why = ("is not offered by the hf engine (it pauses requests inside the batch: the sim engine only)"
-                   if scheduling in queue_order.ORDERS else "is unknown")
-            raise EngineError(f"scheduling {scheduling!r} {why}; choose one of {', '.join(ORDERS)}", 400)
-        self.order: OrderKey = order or ORDERS[scheduling]
+        if order is None and scheduling not in (*ORDERS, REFINE):
+            raise EngineError(f"scheduling {scheduling!r} is unknown; choose one of {', '.join((*ORDERS, REFINE))}",
+                              400)
+        self.order: OrderKey = order or ORDERS.get(scheduling, ORDERS["fcfs"])  # ssjf_refine: unused, see _ordered
+        # ssjf_refine: orders the queue itself (see _ordered) and pauses running requests for shorter ones
+        self.preemptor = queue_order.Preemptor() if order is None and scheduling == REFINE else None
+        self._decode_steps = 0
         self.kv_layout = getattr(settings, "kv_layout", "auto") or "auto"
         if self.kv_layout not in ("auto", *LAYOUTS):
             raise EngineError(f"kv_layout {self.kv_layout!r} is unknown; choose auto, {', '.join(LAYOUTS)}", 400)
@@ -168,8 +195,10 @@ class HfEngine(Engine):
         self.loras.stop()
 
     def set_order(self, order: OrderKey) -> None:
-        """Change the waiting queue's order (e.g. shortest-predicted-first with aging)."""
+        """Change the waiting queue's order (e.g. shortest-predicted-first with aging); a static key
+        replaces ssjf_refine and its pauses (requests paused now still resume)."""
         self.order = order
+        self.preemptor = None
 
     # ----------------------------------------------------------------- requests
     async def generate(self, req: EngineRequest) -> AsyncIterator[Delta | Finished]:
@@ -217,9 +246,9 @@ class HfEngine(Engine):
 
     def withdraw(self, request_id: str) -> bool:
         """Give back a request still in the waiting queue (Aladdin Alg. 2 move): its stream ends with
-        `Withdrawn` and no output. False once it is prefilled (running), over, or unknown."""
+        `Withdrawn` and no output. False once it is prefilled (running or paused), over, or unknown."""
         act = self._known.get(request_id)
-        if act is None or act.done or act not in self._waiting:
+        if act is None or act.done or act not in self._waiting or act.paused is not None:
             return False
         self._release(act)
         act.queue.put_nowait(Withdrawn(request_id))
@@ -281,7 +310,7 @@ class HfEngine(Engine):
 
     def _fail_waiting_for(self, name: str, exc: EngineError) -> None:
         """Adapter `name` could not reach the device: fail the requests waiting for it."""
-        for act in [a for a in self._waiting if a.req.adapter == name]:
+        for act in [a for a in self._waiting if a.req.adapter == name and a.paused is None]:  # paused: pinned
             self._fail(act, exc)
 
     # the adapter state under its former engine attributes (bench_lora, tests)
@@ -320,9 +349,12 @@ class HfEngine(Engine):
                 continue
             try:
                 async with self._lock:
+                    if self.preemptor is not None and self._decode_steps % self.preemptor.quantum == 0:
+                        await self._pause_for_shorter()
                     await self._admit_waiting()
                     if self._batch.rows:
                         self._dispatch(await asyncio.to_thread(self._batch.decode))
+                        self._decode_steps += 1
                     elif self._running:  # cannot happen; never spin on requests that have no rows
                         for act in list(self._running.values()):
                             self._fail(act, EngineError("request lost its batch rows", 500))
@@ -340,17 +372,64 @@ class HfEngine(Engine):
 
     def _expire_waiting(self) -> None:
         now = time.monotonic()
-        for act in [a for a in self._waiting if now - a.req.arrival > self.queue_timeout_s]:
+        for act in [a for a in self._waiting if a.paused is None and now - a.req.arrival > self.queue_timeout_s]:
             self._fail(act, EngineOverloaded(f"waited over {self.queue_timeout_s:.0f} s in the queue"))
 
+    def _ordered(self) -> list[_Active]:
+        """The waiting requests in queue order (ties: arrival at this engine)."""
+        by_seq = sorted(self._waiting, key=lambda a: a.seq)
+        if self.preemptor is not None:  # on the _Active: the prompt term, and a paused request's refined key
+            return queue_order.speculative_sjf_refine(by_seq)
+        return sorted(by_seq, key=lambda a: self.order(a.req))
+
+    def _could_start(self, act: _Active) -> bool:
+        """A waiting request that would be admitted now were a batch row free: paused (its KV is
+        kept), or its adapter usable and its KV reservation within the budget."""
+        return act.paused is not None or (self.loras.ready(act.req.adapter) is not None
+                                          and self._kv_reserved + act.reserve <= self.kv_capacity)
+
+    async def _pause_for_shorter(self) -> None:
+        """ssjf_refine, with a full batch: pause the running requests whose key now (remaining length
+        given what they generated, `queue_order.refined_ssjf_key`) sorts behind the best waiting keys
+        (`queue_order.Preemptor`), as the sim engine does. A paused request keeps its KV rows (set aside
+        by `Batch.pause`), its reservation and its adapter pin, and goes back to the queue under that key.
+        Only waiting requests that could take the freed rows count: pausing frees rows, not KV."""
+        if not self._waiting or self._rows_in_use() < self.max_batch:
+            return
+        rule, now = queue_order.REFINE_RULE, time.monotonic()
+        running = [(queue_order.refined_ssjf_key(rule, rule.estimator, a, a.generated),
+                    len(a.step_times) - a.ran_from, a) for a in self._running.values()
+                   if not a.done and not queue_order.overdue(rule, a, now)]
+        heads = [rule.key(w) for w in self._ordered() if self._could_start(w)][:len(running)]
+        for act in self.preemptor.victims(running, heads, queue_order.PREEMPT_MARGIN * rule.window):
+            if act.done:  # cancelled while an earlier victim's rows were being set aside
+                continue
+            rule.rekey(act, next(k for k, _, a in running if a is act))
+            held = await asyncio.to_thread(self._batch.pause, act)
+            if act.done:  # cancelled while its own were: _release already freed it
+                continue
+            del self._running[act.req.request_id]
+            act.paused = held
+            self._waiting.append(act)
+
     async def _admit_waiting(self) -> None:
-        """Move waiting requests into the batch (queue order; stop at the first that does not fit)."""
+        """Move waiting requests into the batch (queue order; stop at the first that does not fit).
+        A paused request rejoins with its own KV: no prefill, no new reservation."""
         self._expire_waiting()
         prefilled = 0  # prompt tokens this iteration: bounds the pause that prefills add to running decodes
-        self._waiting.sort(key=lambda a: (self.order(a.req), a.seq))
+        self._waiting = self._ordered()
         i = 0
         while i < len(self._waiting) and not self._stopping:
             act = self._waiting[i]
+            if act.paused is not None:
+                if self._rows_in_use() + act.req.params.n > self.max_batch:
+                    return
+                self._waiting.pop(i)
+                held, act.paused = act.paused, None
+                self._running[act.req.request_id] = act  # its reservation and adapter pin were kept
+                act.ran_from = len(act.step_times)
+                await asyncio.to_thread(self._batch.resume, held)
+                continue
             how = self.loras.ready(act.req.adapter)
             if how is None:  # on_demand (or no host copy yet): wait for the device copy, let others pass
                 i += 1
@@ -403,7 +482,13 @@ class HfEngine(Engine):
         self._release(act)
         start = act.start if act.start is not None else time.monotonic()
         stats = make_stats(len(act.ids), len(act.step_times), act.req.arrival, start, act.step_times)
-        queue_order.DEFAULT_RULE.observe(time.monotonic() - act.req.arrival)  # ssjf's window W follows the JCT
+        jct = time.monotonic() - act.req.arrival
+        queue_order.DEFAULT_RULE.observe(jct)  # ssjf's window W follows the JCT
+        if self.preemptor is not None and not act.cancelled:  # ssjf_refine learns W and lengths from completions
+            # (a cancelled request's length is not its natural one: it would bias the remaining-length tables)
+            queue_order.REFINE_RULE.observe(jct)
+            queue_order.REFINE_RULE.estimator.observe(act.req.length_class, act.generated,
+                                                      queue_order.client_of(act.req))
         act.queue.put_nowait(Finished(stats=msgspec.structs.replace(stats, output_tokens=act.out_tokens)))
 
     def _fail(self, act: _Active, exc: EngineError) -> None:
@@ -416,9 +501,12 @@ class HfEngine(Engine):
     def _release(self, act: _Active) -> None:
         act.done = True
         self._known.pop(act.req.request_id, None)
-        if self._running.pop(act.req.request_id, None) is not None:
+        held = self._running.pop(act.req.request_id, None) is not None
+        if act in self._waiting:
+            self._waiting.remove(act)
+            held = act.paused is not None  # a paused request holds its reservation and adapter pin
+            act.paused = None  # its set-aside KV is freed with it
+        if held:
             self._kv_reserved -= act.reserve
             if act.req.adapter:
                 self.loras.unpin(act.req.adapter)
-        elif act in self._waiting:
-            self._waiting.remove(act)

@@ -30,6 +30,13 @@ How the batch works (all of it runs in a worker thread, never on the event loop)
   layout attends over exactly the real ones.
 * Rows that finish or whose request is cancelled are dropped before the next step:
   the KV of a finished request is freed at once.
+* Pause (`pause`/`resume`, the engine's ssjf_refine preemption): a request's rows leave
+  the batch with their KV and rejoin later exactly where they stopped, with no prefill.
+  Ragged: the rows' own buffers are set aside as they are (nothing copied). Padded: a
+  row's real tokens are the rightmost `pos` columns of the left-padded cache (joins
+  left-pad, steps append on the right), so those columns are cut out, and `resume`
+  left-pads them back in like a freshly prefilled row (`_merge`). Either way the next
+  step feeds the row's pending token at its true position, as if it had never left.
 * Multi-LoRA: with a PEFT model every forward gets `adapter_names` (one per row,
   `"__base__"` for the base model) — PEFT's mixed-adapter batch inference, which
   applies each adapter's A/B to its own sub-batch inside every LoRA layer.
@@ -257,6 +264,16 @@ def use_ragged_attention(model) -> bool:
     return True
 
 
+class Paused:
+    """One request's rows out of the batch with their KV (`Batch.pause`): ragged, each row's
+    `RowKV`; padded, per layer the rows' keys and values ([rows, kv_heads, pos, head_dim])."""
+
+    __slots__ = ("rows", "kv")
+
+    def __init__(self, rows: list[Row], kv: list):
+        self.rows, self.kv = rows, kv
+
+
 class Batch:
     """The rows being decoded and their KV. Not thread-safe: one caller at a time.
 
@@ -361,14 +378,18 @@ class Batch:
         """Drop finished and cancelled rows (and, padded, the padding no row needs); returns rows dropped."""
         keep = [i for i, r in enumerate(self.rows) if not r.gone]
         dropped = len(self.rows) - len(keep)
-        if not dropped:
-            return 0
+        if dropped:
+            self._keep(keep)
+        return dropped
+
+    def _keep(self, keep: list[int]) -> None:
+        """Keep only the rows at indices `keep` (and, padded, trim the padding no kept row needs)."""
         if not keep:
             self.clear()
-            return dropped
+            return
         if self.layout == "ragged":  # a row's buffers are its own: nothing else to copy
             self.rows, self.kv = [self.rows[i] for i in keep], [self.kv[i] for i in keep]
-            return dropped
+            return
         idx = torch.tensor(keep, device=self.device)
         mask = self.mask.index_select(0, idx)
         lead = int((mask.cumsum(dim=1) == 0).sum(dim=1).min())  # columns that are padding in every row
@@ -376,7 +397,32 @@ class Batch:
         self.cache = _make_cache([(k.index_select(0, idx)[:, :, lead:], v.index_select(0, idx)[:, :, lead:])
                                   for k, v in _kv(self.cache)])
         self.rows = [self.rows[i] for i in keep]
-        return dropped
+
+    @torch.inference_mode()
+    def pause(self, owner) -> Paused:
+        """Take `owner`'s live rows out of the batch with their KV (see the module docstring);
+        `resume` puts them back. The rows of one request always hold the same number of tokens."""
+        take = [i for i, r in enumerate(self.rows) if r.owner is owner and not r.gone]
+        if not take:
+            raise ValueError("pause: the request has no live rows in the batch")
+        rows = [self.rows[i] for i in take]
+        if self.layout == "ragged":
+            held = Paused(rows, [self.kv[i] for i in take])
+        else:
+            length, idx = rows[0].pos, torch.tensor(take, device=self.device)
+            # sliced before the select: one copy, of the real columns only
+            held = Paused(rows, [(k[:, :, -length:].index_select(0, idx), v[:, :, -length:].index_select(0, idx))
+                                 for k, v in _kv(self.cache)])
+        self._keep([i for i, r in enumerate(self.rows) if r.owner is not owner])
+        return held
+
+    @torch.inference_mode()
+    def resume(self, held: Paused) -> None:
+        """Put paused rows back into the batch, KV and all: their next decode goes on where they stopped."""
+        if self.layout == "ragged":
+            self.rows, self.kv = self.rows + held.rows, self.kv + held.kv
+        else:
+            self._merge(held.rows, held.kv, held.rows[0].pos)
 
     @torch.inference_mode()
     def decode(self) -> list[tuple[Row, Delta]]:
