@@ -51,6 +51,18 @@ class Prediction(Msg, kw_only=True):
     num_classes: int = 5
 
 
+class PredictBatch(Msg, kw_only=True):
+    """Several PredictRequests in one message: the gateway's predictions that nothing waits
+    for (a request already running on a free batch slot), gathered over `predict_batch_ms`."""
+    items: list[PredictRequest]
+
+
+class Predictions(Msg, kw_only=True):
+    """The answers to a PredictBatch, in its order; an item the predictor refused is absent
+    (the gateway answers it locally, as for a prediction past its budget)."""
+    items: list[Prediction]
+
+
 # --------------------------------------------------------------------- dispatcher
 class DispatchRequest(Msg, kw_only=True):
     request_id: str
@@ -406,7 +418,7 @@ class EncoderProfile(Msg, kw_only=True):
 
 
 ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
-    PredictRequest, Prediction, DispatchRequest, Placement, SamplingParams, GenerateRequest,
+    PredictRequest, Prediction, PredictBatch, Predictions, DispatchRequest, Placement, SamplingParams, GenerateRequest,
     GenerateAccepted, RequestStats, TokenChunk, CancelRequest, Admitted, Predicted, Dispatched,
     FirstToken, Completed, Failed, AdapterInfo, Heartbeat, WorkerUp, WorkerDown, ServiceState,
     ScaleDecision, GpuTelemetry, StartWorker, StopWorker, AgentReply, ScalerPolicy, Deployment,

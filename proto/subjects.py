@@ -17,6 +17,11 @@ class Subjects:
         return f"{self.prefix}.v1.predict"
 
     @property
+    def predict_batch(self) -> str:
+        """PredictBatch -> Predictions: the gateway's predictions nobody waits for, gathered."""
+        return f"{self.prefix}.v1.predict_batch"
+
+    @property
     def dispatch(self) -> str:
         return f"{self.prefix}.v1.dispatch"
 

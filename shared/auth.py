@@ -44,10 +44,10 @@ def nats_permissions(prefix: str) -> dict[str, dict]:
     # replay: a stream's chunks again (a seq gap); credit: flow control of slow readers (issue 13)
     worker = [f"{p}.worker.*.{verb}" for verb in ("generate", "cancel", "withdraw", "embed", "replay", "credit")]
     perms = {
-        "gateway": {"pub": [f"{p}.predict", f"{p}.dispatch", *[s for s in worker if not s.endswith("withdraw")],
+        "gateway": {"pub": [f"{p}.predict", f"{p}.predict_batch", f"{p}.dispatch", *[s for s in worker if not s.endswith("withdraw")],
                             f"{p}.adapters.*", f"{p}.events.request.>", service_state],
                     "sub": [*events]},
-        "predictor": {"pub": [service_state], "sub": [f"{p}.predict", *events]},
+        "predictor": {"pub": [service_state], "sub": [f"{p}.predict", f"{p}.predict_batch", *events]},
         "dispatcher": {"pub": [f"{p}.worker.*.withdraw", f"{p}.events.plan.signal.*", service_state],
                        "sub": [f"{p}.dispatch", *events]},
         "planner": {"pub": [f"{p}.agent.*.start", f"{p}.agent.*.stop", f"{p}.events.plan.scale.*",

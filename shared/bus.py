@@ -24,6 +24,7 @@ from nats.aio.msg import Msg as NatsMsg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from opentelemetry import propagate, trace
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from polyserve.shared import durable
@@ -139,8 +140,13 @@ class Bus:
         self._replicas = replicas
         self.outbox = durable.Outbox(nc, replicas)  # terminal events until JetStream has them
         self._durable: list[durable.DurableSubscription] = []
+        self._shared: dict[tuple[str, str], durable.DurableSubscription] = {}  # by (subject, queue)
         self._retries: set[asyncio.Task] = set()  # durable consumers waiting for JetStream
         self._ping: asyncio.Future | None = None  # Bus.ping's PING in flight
+        # A tracer that samples nothing (no exporter: telemetry._sampler) records no server span
+        # whatever the caller sent, so `serve` makes none: a span, a context extract and attach
+        # per request answered were ~4% of a worker's CPU per request (py-spy, issue 15).
+        self.records_spans = getattr(tracer, "sampler", None) is not ALWAYS_OFF
 
     @classmethod
     async def connect(cls, url: str, tracer: trace.Tracer, service: str, **kw: Any) -> "Bus":
@@ -278,15 +284,23 @@ class Bus:
                 logger.exception("event handler for %s failed", m.subject)
 
         if durable.prefix_of(subject) is not None:
+            shared = self._shared.get((subject, queue))
+            if shared is not None:
+                # One JetStream consumer per (subject, queue group) on this connection, whatever
+                # the number of handlers (the gpu-agent has two for `completed`): each consumer
+                # costs a delivery and an ack per event in nats-server and here (issue 15).
+                shared.add(on_msg)
+                return
             sub = durable.DurableSubscription(self.nc, subject, self.service, queue, on_msg,
                                               self.nc._inbox_prefix.decode(), self._replicas)
+            self._shared[(subject, queue)] = sub
             if await sub.start():
                 self._durable.append(sub)
                 return
             # JetStream not answering (a cluster electing its leaders, or JetStream off): core
             # NATS meanwhile, the consumer as soon as JetStream answers
             logger.warning("%s: %s over core NATS until JetStream answers", self.service, subject)
-            core = await self.nc.subscribe(subject, queue=queue, cb=sub.dedupe(on_msg))
+            core = await self.nc.subscribe(subject, queue=queue, cb=sub.dedupe(sub.handle))
             self._subs.append(core)
 
             async def switch() -> None:
@@ -308,27 +322,36 @@ class Bus:
         task.add_done_callback(self._tasks.discard)
 
     async def _answer(self, m: NatsMsg, req_type: type, handler: Handler, subject: str) -> None:
-        ctx = propagate.extract(m.headers or {})
         async with self._sem:
+            if not self.records_spans:
+                await self._handle(m, req_type, handler, subject, None)
+                return
+            ctx = propagate.extract(m.headers or {})
             with self.tracer.start_as_current_span(f"{self.service} {subject.rsplit('.', 1)[-1]}",
                                                    context=ctx, kind=SpanKind.SERVER) as span:
-                try:
-                    req = decode(m.data, req_type)
-                    result = await handler(req)
-                    if m.reply:
-                        await self.nc.publish(m.reply, encode(result))
-                except BusError as exc:
-                    span.set_status(Status(StatusCode.ERROR, exc.description))
-                    await self._reply_error(m, exc.code, exc.description)
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    self.errors += 1
-                    await self._reply_error(m, 400, f"invalid {req_type.__name__}: {exc}")
-                except Exception as exc:
-                    self.errors += 1
-                    span.record_exception(exc)
-                    span.set_status(Status(StatusCode.ERROR, str(exc)))
-                    logger.exception("handler for %s failed", subject)
-                    await self._reply_error(m, 500, f"{type(exc).__name__}: {exc}")
+                await self._handle(m, req_type, handler, subject, span)
+
+    async def _handle(self, m: NatsMsg, req_type: type, handler: Handler, subject: str, span: Any) -> None:
+        """Decode, run `handler`, reply with its result or the error (`span`: None when not traced)."""
+        try:
+            req = decode(m.data, req_type)
+            result = await handler(req)
+            if m.reply:
+                await self.nc.publish(m.reply, encode(result))
+        except BusError as exc:
+            if span is not None:
+                span.set_status(Status(StatusCode.ERROR, exc.description))
+            await self._reply_error(m, exc.code, exc.description)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.errors += 1
+            await self._reply_error(m, 400, f"invalid {req_type.__name__}: {exc}")
+        except Exception as exc:
+            self.errors += 1
+            if span is not None:
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, str(exc)))
+            logger.exception("handler for %s failed", subject)
+            await self._reply_error(m, 500, f"{type(exc).__name__}: {exc}")
 
     async def _reply_error(self, m: NatsMsg, code: int, description: str) -> None:
         if not m.reply:
@@ -382,6 +405,7 @@ class Bus:
         for dsub in self._durable:
             await dsub.close(delete=True)
         self._durable.clear()
+        self._shared.clear()
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait for in-flight handlers; True when all finished in time."""

@@ -214,7 +214,8 @@ class DurableSubscription:
 
     def __init__(self, nc: NATS, subject: str, service: str, queue: str, handler: Handler,
                  inbox_prefix: str, replicas: int):
-        self.nc, self.subject, self.handler = nc, subject, handler
+        self.nc, self.subject = nc, subject
+        self.handlers = [handler]  # every handler sees every event, in order (`add`)
         self.prefix = prefix_of(subject) or ""
         self.stream = stream_name(self.prefix)
         kind = subject.rsplit(".", 1)[-1]
@@ -249,6 +250,15 @@ class DurableSubscription:
                 return False
         self._sub = await self.nc.subscribe(self.deliver, queue=self.queue, cb=self._on_msg)
         return True
+
+    def add(self, handler: Handler) -> None:
+        """Another handler of the same events, on this consumer (no second consumer)."""
+        self.handlers.append(handler)
+
+    async def handle(self, m: NatsMsg) -> None:
+        """Every handler, in the order they were added (each logs its own failures)."""
+        for handler in self.handlers:
+            await handler(m)
 
     def seen(self, mid: str) -> bool:
         """Whether `mid` was handled already (a redelivery after a lost ack, or a re-publish)."""
@@ -288,7 +298,7 @@ class DurableSubscription:
             self.duplicates += 1
         else:
             try:
-                await self.handler(m)
+                await self.handle(m)
             except Exception:  # noqa: BLE001 - the handler logs; ack anyway so it is not redelivered forever
                 logger.exception("durable event handler for %s failed", self.subject)
         try:

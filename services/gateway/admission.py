@@ -9,6 +9,7 @@ embeddings), after the endpoint validated its body:
 3. `check_input()`: 400 naming the limit for a prompt longer than any live worker takes.
 4. `predict()`: the predictor's output-length hint, clamped to the request's max_tokens
    (completions; an embedding produces no tokens); a hint, answered locally past its budget.
+   `predict_later()`: the same for a request that does not wait for it, asked in a batch.
 5. `place()`: the gateway's own placement for the load-only policies (routing.py), else the
    dispatcher's, with its `dispatched` event; a second try, then a local least-outstanding
    placement when no dispatcher answers.
@@ -206,6 +207,22 @@ async def predict(gs: GatewayState, req: PredictRequest, base: dict) -> Predicti
         p = local_prediction(gs, req)
         gs.metrics.fallbacks.labels("predict").inc()
         logger.debug("predictor: %s; local estimate %d (%s)", exc.description, p.tokens_estimate, p.source)
+    await gs.event("predicted", Predicted(**base, length_class=p.length_class, tokens_estimate=p.tokens_estimate,
+                                          source=p.source, latency_ms=(time.monotonic() - t) * 1e3))
+    return p
+
+
+async def predict_later(gs: GatewayState, req: PredictRequest, base: dict) -> Prediction:
+    """As `predict`, for a request that does not wait for its prediction (it already runs on a
+    free batch slot): asked with others in one message after up to `predict_batch_ms`
+    (predict_batch.py), or at once when that is 0. `predicted` says how long it took in all."""
+    if gs.settings.predict_batch_ms <= 0:
+        return await predict(gs, req, base)
+    t = time.monotonic()
+    p = await gs.predictions.ask(req)
+    if p is None:
+        p = local_prediction(gs, req)
+        gs.metrics.fallbacks.labels("predict").inc()
     await gs.event("predicted", Predicted(**base, length_class=p.length_class, tokens_estimate=p.tokens_estimate,
                                           source=p.source, latency_ms=(time.monotonic() - t) * 1e3))
     return p

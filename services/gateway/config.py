@@ -15,6 +15,10 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     # The prediction is a hint: past this budget the gateway answers it locally (history, else the
     # 129-token prior; Predicted.source "local-history" / "local-prior"); it never fails a request.
     predict_timeout_s: float = 0.05
+    # A request placed on a free batch slot starts at once and does not wait for its prediction;
+    # those predictions are gathered for up to this long and asked in one message (PredictBatch:
+    # two NATS messages per batch instead of per request). 0 = each asked at once.
+    predict_batch_ms: float = 10.0
     # Per try: a timeout is retried once (the queue group may pick another dispatcher replica),
     # then the gateway places locally (least outstanding from the heartbeats; policy "local-fallback").
     dispatch_timeout_s: float = 0.5
@@ -83,6 +87,9 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
             raise SettingsError("max_inflight and max_tokens_limit must be >= 1")
         if min(self.predict_timeout_s, self.dispatch_timeout_s, self.idle_timeout_s, self.gap_wait_s) <= 0:
             raise SettingsError("predict_timeout_s, dispatch_timeout_s, idle_timeout_s and gap_wait_s must be > 0")
+        if not 0 <= self.predict_batch_ms <= 1000:
+            raise SettingsError(f"predict_batch_ms must be within 0..1000 (milliseconds the gateway gathers "
+                                f"predictions nothing waits for; 0 = none), got {self.predict_batch_ms}")
         if self.liveness_probe_s <= 0 or self.max_migrations < 0 or self.stream_window < 0:
             raise SettingsError("liveness_probe_s must be > 0, max_migrations and stream_window >= 0")
         self._validate_edges()

@@ -27,6 +27,7 @@ from .errors import GatewayError
 from .fairness import Fairness
 from .keys import KeyStore
 from .metrics import Metrics
+from .predict_batch import PredictBatcher
 from .ratelimit import Limiter
 from .routing import LocalRouter
 
@@ -69,6 +70,7 @@ class GatewayState:
         self.fairness = Fairness()  # VTC queues per deployment (fairness.py)
         self._keystore: KeyStore | None = None
         self._limiter: Limiter | None = None
+        self._predictions: PredictBatcher | None = None
 
     # ---------------------------------------------------------------- client keys (issue 14)
     @property
@@ -84,6 +86,13 @@ class GatewayState:
         if self._limiter is None:
             self._limiter = Limiter(self.state.r, self.settings.prefix)
         return self._limiter
+
+    @property
+    def predictions(self) -> PredictBatcher:
+        """Predictions nothing waits for, asked in batches (predict_batch.py)."""
+        if self._predictions is None:
+            self._predictions = PredictBatcher(self, self.settings.predict_batch_ms / 1e3)
+        return self._predictions
 
     # ---------------------------------------------------------------- helpers
     def spawn(self, coro) -> None:

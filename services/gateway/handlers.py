@@ -191,24 +191,25 @@ class RequestRun(Delivery):
         gateway places the request itself on a worker with a free batch slot (routing.py), it
         does not wait for the prediction at all: the request starts at once, so its place in
         the worker's queue, the only thing the hint orders, cannot matter. It then carries the
-        gateway's own estimate, and the predictor's answer (asked all the same) is recorded
-        when it comes, before the request's terminal event."""
+        gateway's own estimate, and the predictor's answer (asked all the same, in a batch
+        with others: predict_batch.py) is recorded when it comes, before the request's
+        terminal event."""
         # max_tokens is per sequence (each of the n choices stops there); the predictor
         # clamps its estimate to it, so the gateway passes the estimate on as it is.
         ask = PredictRequest(request_id=self.request_id, model=self.deployment.model, prompt=self.prompt,
                              input_tokens=self.input_tokens, max_tokens=self.params.max_tokens)
-        predicting = admission.predict(self.gs, ask, self._base())
         if self.deployment.policy in admission.USES_PREDICTION:
-            self.prediction = await predicting
+            self.prediction = await admission.predict(self.gs, ask, self._base())
             return await self._dispatch([])
-        predicted = asyncio.ensure_future(predicting)
         here = admission.place_here(self.gs, self._dispatch_request([]), self.deployment.policy)
         if here is not None and here[1]:
             self.prediction = admission.local_prediction(self.gs, ask)
-            self._predicting = predicted
-            predicted.add_done_callback(self._took_prediction)
+            # asked with others in one message (predict_batch.py): nothing waits for it
+            self._predicting = asyncio.ensure_future(admission.predict_later(self.gs, ask, self._base()))
+            self._predicting.add_done_callback(self._took_prediction)
             await admission.announce(self.gs, self._base(), here[0], 0.0)
             return here[0]
+        predicted = asyncio.ensure_future(admission.predict(self.gs, ask, self._base()))
         try:
             placement = await self._dispatch([], after=predicted, here=here[0] if here else None)
         except BaseException:

@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 from polyserve.core.model_names import canonical
 from polyserve.predictor import policy
 from polyserve.predictor.config import PredictorSettings
-from polyserve.proto import Completed, Keys, Prediction, PredictRequest
+from polyserve.proto import Completed, Keys, PredictBatch, Prediction, Predictions, PredictRequest
 from polyserve.shared.bus import BusError
 
 logger = logging.getLogger(__name__)
@@ -287,6 +287,17 @@ class PredictHandlers:
                      est.source, est.bucket, est.samples)
         return Prediction(request_id=req.request_id, model=req.model, length_class=est.length_class,
                           tokens_estimate=est.tokens, source=est.source, num_classes=est.num_classes)
+
+    async def predict_batch(self, batch: PredictBatch) -> Predictions:
+        """Answer every item of `batch` (concurrently: the proxy model batches them); an item
+        refused as invalid is left out, and the gateway answers it locally."""
+        answers = await asyncio.gather(*(self.predict(r) for r in batch.items), return_exceptions=True)
+        for req, a in zip(batch.items, answers):
+            if isinstance(a, BaseException) and not isinstance(a, BusError):
+                raise a
+            if isinstance(a, BusError):
+                logger.warning("predict %s (batched): %s", req.request_id, a.description)
+        return Predictions(items=[a for a in answers if isinstance(a, Prediction)])
 
     async def on_completed(self, ev: Completed) -> None:
         """Learn the true output length of a finished request."""

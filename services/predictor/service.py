@@ -1,4 +1,5 @@
-"""The predictor service: `polyserve.v1.predict` plus learning from `completed` events.
+"""The predictor service: `polyserve.v1.predict` (and `predict_batch`, several in one message)
+plus learning from `completed` events.
 
 Sources, best first: the semantic cache (`cache`), µ-Serve's proxy model
 (`model`), Aladdin's historical mean (`history`), the prior (`prior`). The proxy
@@ -16,7 +17,7 @@ from typing import Any
 
 from polyserve.predictor.config import PredictorSettings
 from polyserve.predictor.handlers import LengthStats, PredictHandlers
-from polyserve.proto import Completed, PredictRequest
+from polyserve.proto import Completed, PredictBatch, PredictRequest
 from polyserve.shared.lifecycle import ServiceBase
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class PredictorService(ServiceBase):
         self.runner = self._make_runner()
         self.handlers = PredictHandlers(s, self.stats, self.runner)
         await self.bus.serve(self.subjects.predict, PredictRequest, self.handlers.predict, queue=QUEUE)
+        await self.bus.serve(self.subjects.predict_batch, PredictBatch, self.handlers.predict_batch, queue=QUEUE)
         # A queue group: with several predictors sharing the Redis statistics,
         # each completed request must be counted once, by one of them.
         await self.bus.listen(self.subjects.event("completed"), Completed, self.handlers.on_completed,

@@ -286,7 +286,10 @@ class WorkerHandlers:
         reasons: dict[int, str] = {}
         stats: RequestStats | None = None
         error: str | None = None
-        with self.tracer.start_as_current_span("worker generate") as span:
+        # no span at all when this worker's tracer records none (as Bus.serve: issue 15)
+        spanned = self.tracer.start_as_current_span("worker generate") if self.bus.records_spans else \
+            contextlib.nullcontext(trace.INVALID_SPAN)
+        with spanned as span:
             span.set_attribute("polyserve.request_id", req.request_id)
             span.set_attribute("polyserve.worker_id", self.worker_id)
             span.set_attribute("polyserve.simulated", simulated)

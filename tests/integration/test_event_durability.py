@@ -145,3 +145,39 @@ async def test_listener_uses_core_nats_until_jetstream_answers_then_switches():
         import shutil
 
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+async def test_two_handlers_of_one_subject_share_one_consumer():
+    """Two handlers of `completed` on one connection (the gpu-agent's service and its MIAD
+    loop) get every event from one JetStream consumer: one delivery and one ack per event in
+    nats-server, not one per handler (issue 15). A queue group keeps a consumer of its own."""
+    run_dir = Path(tempfile.mkdtemp(prefix="ps-evh-", dir="/tmp"))
+    proc, url, _ = infra.start_nats(run_dir / "nats")
+    subjects = Subjects(f"evh{os.getpid()}")
+    tracer, _ = make_tracer("t")
+    pub, agent = await Bus.connect(url, tracer, "gateway"), await Bus.connect(url, tracer, "gpu-agent")
+    seen: dict[str, list[str]] = {"a": [], "b": [], "q": []}
+
+    def on(key: str):
+        async def handler(ev) -> None:
+            seen[key].append(ev.request_id)
+        return handler
+
+    try:
+        await agent.listen(subjects.event("completed"), Completed, on("a"))
+        await agent.listen(subjects.event("completed"), Completed, on("b"))
+        await agent.listen(subjects.event("completed"), Completed, on("q"), queue="learn")
+        assert len(agent._durable) == 2, "one consumer for the two plain handlers, one for the queue group"
+        for i in range(50):
+            await pub.publish(subjects.event("completed"), _event(i * 10)[1])
+        want = [f"r{i * 10}" for i in range(50)]
+        assert await _until(lambda: all(v == want for v in seen.values()), 10), seen
+        info = await agent.nc.jsm().consumer_info(agent._durable[0].stream, agent._durable[0].consumer)
+        assert info.delivered.stream_seq >= 50 and info.num_ack_pending == 0
+    finally:
+        for b in (pub, agent):
+            await b.close()
+        infra.stop_pid(proc.pid)
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -51,7 +51,10 @@ async def test_metrics_for_the_dashboards(plane, bus, subjects):
 
         async def ready():
             s = await scrape(p.url)
-            return value(s, "polyserve_scale_decisions_total", deployment="dash-dep", direction="up") and \
+            # a request's series follow its `completed` event, which may come after its response
+            # (a prediction asked in a batch is waited for first: gateway/predict_batch.py)
+            return value(s, "polyserve_atgt_seconds_count", deployment=MODEL) and \
+                value(s, "polyserve_scale_decisions_total", deployment="dash-dep", direction="up") and \
                 value(s, "polyserve_gpu_energy_per_output_token_joules", gpu_id="g-dash") is not None and \
                 value(s, "polyserve_workers", deployment="dash-dep")
         await wait_for(ready, what="fleet metrics on /metrics")

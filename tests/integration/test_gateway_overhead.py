@@ -96,3 +96,34 @@ async def test_coalesced_events_arrive_in_order(bus, subjects):
                                                               input_tokens=i, max_tokens=1, stream=False, n=1))
     await wait_for(lambda: len(got) == 5, what="five coalesced events")
     assert [e.request_id for e in got] == [f"r{i}" for i in range(5)]
+
+
+async def test_a_predictor_without_batches_is_asked_one_by_one(plane, bus, subjects):
+    """Predictions nobody waits for go in batches (predict_batch.py); a predictor that serves
+    only `predict` (an older version during a rolling upgrade) is then asked item by item, and
+    each request's `predicted` and `completed` carry its answer, not the gateway's estimate."""
+    from polyserve.proto import Completed, Prediction, PredictRequest
+
+    asked: list[str] = []
+    done: list[Completed] = []
+
+    async def old_predictor(req: PredictRequest) -> Prediction:
+        asked.append(req.request_id)
+        return Prediction(request_id=req.request_id, model=req.model, length_class=1, tokens_estimate=7,
+                          source="history")
+
+    async def on_completed(ev: Completed):
+        done.append(ev)
+
+    await bus.serve(subjects.predict, PredictRequest, old_predictor)
+    await bus.listen(subjects.event("completed"), Completed, on_completed)
+    await bus.nc.flush()
+    async with plane(with_predictor=False) as p:
+        await wait_for(lambda: p.gateway.gs.fresh_heartbeats(MODEL), what="the worker's heartbeat")
+        out = await asyncio.gather(*(p.client.completions.create(model=MODEL, prompt=f"q{i}", max_tokens=9)
+                                     for i in range(3)))
+        ids = {c.id for c in out}
+        await wait_for(lambda: ids <= {e.request_id for e in done}, what="three completed events")
+        assert p.gateway.gs.predictions.batches >= 1  # asked as a batch first: nobody served it
+    assert ids <= set(asked)
+    assert all(e.predicted_tokens == 7 for e in done if e.request_id in ids)

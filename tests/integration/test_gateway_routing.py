@@ -13,7 +13,8 @@ from polyserve.gateway.config import GatewaySettings
 from polyserve.gateway.service import GatewayService
 from polyserve.predictor.config import PredictorSettings
 from polyserve.predictor.service import PredictorService
-from polyserve.proto import AnyEvent, Deployment, DispatchRequest, GenerateRequest
+from polyserve.proto import AnyEvent, Deployment, DispatchRequest, GenerateRequest, PredictBatch
+from polyserve.shared.bus import decode
 from polyserve.worker.config import WorkerSettings
 from polyserve.worker.service import WorkerService
 from tests.helpers import assert_lifecycle, running, wait_for
@@ -40,11 +41,17 @@ async def test_least_outstanding_is_placed_in_the_gateway_and_spread(make_settin
         await bus.listen(subjects.generate(wid), GenerateRequest, on_generate)
     await bus.listen(f"{subjects.prefix}.v1.events.>", AnyEvent, on_event)
     headers: list = []
+    batches: list[PredictBatch] = []
 
     async def on_raw(msg):
         headers.append(msg.headers)
 
+    async def on_batch(msg):
+        headers.append(msg.headers)
+        batches.append(decode(msg.data, PredictBatch))
+
     await bus.nc.subscribe(subjects.predict, cb=on_raw)
+    await bus.nc.subscribe(subjects.predict_batch, cb=on_batch)
     await bus.nc.subscribe(subjects.generate("w-a"), cb=on_raw)
     await bus.nc.flush()
 
@@ -70,8 +77,12 @@ async def test_least_outstanding_is_placed_in_the_gateway_and_spread(make_settin
         await wait_for(lambda: sum(1 for e in events if type(e).__struct_config__.tag == "completed"
                                    and e.request_id in ids) == 6, what="six completed events")
     assert asked == []  # no dispatcher round trip
+    # each started on a free slot: their predictions, which nothing waited for, went in batches
+    # (predict_batch.py), fewer messages than requests, every request's in one of them
+    assert sorted(r.request_id for b in batches for r in b.items) == sorted(ids)
+    assert len(batches) < 6, [len(b.items) for b in batches]
     # nothing exports spans here (sampling off): no trace headers on the requests' messages
-    assert len(headers) >= 9 and not any(headers), headers[:3]
+    assert len(headers) >= 3 + len(batches) and not any(headers), headers[:3]
     for rid in ids:
         mine = [e for e in events if getattr(e, "request_id", None) == rid]
         assert_lifecycle([type(e).__struct_config__.tag for e in mine])

@@ -11,7 +11,7 @@ from polyserve.predictor.config import PredictorSettings
 from polyserve.predictor.handlers import SOURCE_MODEL, PredictHandlers
 from polyserve.predictor.proxy.labels import ModelClasses
 from polyserve.predictor.proxy.runtime import ModelResult
-from polyserve.proto import PredictRequest
+from polyserve.proto import PredictBatch, PredictRequest
 from polyserve.shared.settings import load
 
 pytestmark = pytest.mark.unit
@@ -39,3 +39,13 @@ async def test_model_answer_is_clamped_to_max_tokens_and_reclassed():
     assert await ask(0) == (SOURCE_MODEL, 384, 3)  # 0: no cap known
     assert await ask(1000) == (SOURCE_MODEL, 384, 3)
     assert await ask(50) == (SOURCE_MODEL, 50, 1)  # the class of 50 tokens, not the model's class 3
+
+
+async def test_a_batch_is_answered_in_order_and_an_invalid_item_is_left_out():
+    """PredictBatch (the gateway's predictions nobody waits for): each item as `predict` answers
+    it, in order; one it refuses (negative input_tokens) is absent and the rest still come."""
+    h = PredictHandlers(load(PredictorSettings, "predictor", environ={}), stats=None, runner=_Runner())
+    items = [PredictRequest(request_id=f"q{i}", model="m", prompt="tell me", input_tokens=3 if i != 1 else -1,
+                            max_tokens=50 if i == 2 else 0) for i in range(4)]
+    out = await h.predict_batch(PredictBatch(items=items))
+    assert [(p.request_id, p.tokens_estimate) for p in out.items] == [("q0", 384), ("q2", 50), ("q3", 384)]
