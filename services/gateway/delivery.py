@@ -53,6 +53,17 @@ logger = logging.getLogger(__name__)
 NO_RESPONDERS = "503"  # the Status header nats-server sends to a reply subject when nobody listens
 
 
+async def next_message(queue: asyncio.Queue, timeout: float):
+    """The next message of a stream's inbox; TimeoutError after `timeout` seconds. One queued
+    already is taken at once. `asyncio.timeout`, not `wait_for`: in Python 3.11 `wait_for` wraps
+    the get in a Task of its own (a task, a waiter future and their callbacks per call, on
+    every chunk the gateway waits for; issue 15)."""
+    if not queue.empty():
+        return queue.get_nowait()
+    async with asyncio.timeout(timeout):
+        return await queue.get()
+
+
 class WorkerDied(Exception):
     """The worker of a stream is gone (or no longer has the stream); `reason` says how we know."""
 
@@ -122,9 +133,8 @@ class Delivery:
         early: list[TokenChunk] = []
         while True:
             try:
-                msg = self._queue.get_nowait() if not self._queue.empty() else \
-                    await asyncio.wait_for(self._queue.get(), timeout=max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
+                msg = await next_message(self._queue, max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
                 if early:
                     return self._accepted(early, GenerateAccepted(
                         request_id=self.request_id, worker_id=placement.worker_id, replay=True,

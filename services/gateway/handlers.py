@@ -37,7 +37,7 @@ from polyserve.shared.bus import BusError, decode, error_of
 
 from . import admission, tenancy
 from .context import GatewayState
-from .delivery import Delivery, WorkerDied
+from .delivery import Delivery, WorkerDied, next_message
 from .errors import GatewayError, status_of
 from .policy import InvalidRequest, estimate_tokens
 
@@ -296,10 +296,8 @@ class RequestRun(Delivery):
                 await self._fill_gap()
                 continue
             try:
-                # a chunk already queued needs no wait_for (a task and a timer per chunk otherwise)
-                msg = self._queue.get_nowait() if not self._queue.empty() else \
-                    await asyncio.wait_for(self._queue.get(), timeout=0.25)
-            except asyncio.TimeoutError:
+                msg = await next_message(self._queue, 0.25)
+            except TimeoutError:
                 await self._quiet(deadline, limit, first)
                 continue
             err = error_of(msg)

@@ -119,11 +119,17 @@ async def test_a_predictor_without_batches_is_asked_one_by_one(plane, bus, subje
     await bus.listen(subjects.event("completed"), Completed, on_completed)
     await bus.nc.flush()
     async with plane(with_predictor=False) as p:
-        await wait_for(lambda: p.gateway.gs.fresh_heartbeats(MODEL), what="the worker's heartbeat")
+        gs = p.gateway.gs
+        # the batcher itself: a batch first (nobody serves it), then each item alone
+        got = await asyncio.gather(*(gs.predictions.ask(PredictRequest(request_id=f"b{i}", model=MODEL,
+                                                                       input_tokens=3)) for i in range(3)))
+        assert gs.predictions.batches == 1 and [g.request_id for g in got] == ["b0", "b1", "b2"]
+        assert {g.tokens_estimate for g in got} == {7} and {"b0", "b1", "b2"} <= set(asked)
+        # requests, whether they waited for their prediction or not: the predictor's answer is recorded
+        await wait_for(lambda: gs.fresh_heartbeats(MODEL), what="the worker's heartbeat")
         out = await asyncio.gather(*(p.client.completions.create(model=MODEL, prompt=f"q{i}", max_tokens=9)
                                      for i in range(3)))
         ids = {c.id for c in out}
         await wait_for(lambda: ids <= {e.request_id for e in done}, what="three completed events")
-        assert p.gateway.gs.predictions.batches >= 1  # asked as a batch first: nobody served it
     assert ids <= set(asked)
     assert all(e.predicted_tokens == 7 for e in done if e.request_id in ids)
