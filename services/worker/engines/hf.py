@@ -12,14 +12,7 @@ Admission (`generate`'s first `__anext__`): a full waiting queue is EngineOverlo
 (429); an input over `max_input_len`, or a request whose KV reservation could never
 fit, is a 400; an unknown adapter is a 404 naming the loaded ones.
 
-Scheduling `ssjf_refine` (as in the `sim` engine, with the same `queue_order` pieces): the
-waiting queue is ordered by `speculative_sjf_refine` (sizes from the survival tables of this
-worker's completions, per client and class; a tail guard), and every `PREEMPT_QUANTUM` decode
-steps, with the batch full, a `Preemptor` picks running requests whose refined key sorts far
-enough behind the best waiting ones: each is paused (`Batch.pause`: its rows leave the batch
-with their KV, no recomputation), goes back to the queue under its refined key and, once
-admitted again, rejoins the batch with that KV (`Batch.resume`, no prefill) and decodes on
-exactly where it stopped (greedy output token for token the same as without the pause).
+Scheduling `ssjf_refine` (queue order and pauses with the KV kept): `hf_refine.Refine`.
 
 LoRA adapters (tiers, background copies, CPU-assisted cold start, prefetch) are managed
 by `hf_lora.AdapterManager`; the loop calls it between steps under the engine lock.
@@ -66,6 +59,7 @@ from polyserve.worker.engine import (
 from polyserve.worker.engines import hf_grammar
 from polyserve.worker.engines.hf_batch import LAYOUTS, Batch, Paused, Row
 from polyserve.worker.engines.hf_lora import COLD_START, AdapterManager  # noqa: F401 (COLD_START re-exported)
+from polyserve.worker.engines.hf_refine import Refine
 from polyserve.worker.lora_cache import HOST
 
 logger = logging.getLogger(__name__)
@@ -108,7 +102,7 @@ class _Active:
         return max((r.n_out for r in self.rows), default=0)
 
 
-class HfEngine(Engine):
+class HfEngine(Refine, Engine):
     """Serves a Hugging Face causal LM (or the small random Llama) with PEFT adapters."""
 
     name = "hf"
@@ -374,43 +368,6 @@ class HfEngine(Engine):
         now = time.monotonic()
         for act in [a for a in self._waiting if a.paused is None and now - a.req.arrival > self.queue_timeout_s]:
             self._fail(act, EngineOverloaded(f"waited over {self.queue_timeout_s:.0f} s in the queue"))
-
-    def _ordered(self) -> list[_Active]:
-        """The waiting requests in queue order (ties: arrival at this engine)."""
-        by_seq = sorted(self._waiting, key=lambda a: a.seq)
-        if self.preemptor is not None:  # on the _Active: the prompt term, and a paused request's refined key
-            return queue_order.speculative_sjf_refine(by_seq)
-        return sorted(by_seq, key=lambda a: self.order(a.req))
-
-    def _could_start(self, act: _Active) -> bool:
-        """A waiting request that would be admitted now were a batch row free: paused (its KV is
-        kept), or its adapter usable and its KV reservation within the budget."""
-        return act.paused is not None or (self.loras.ready(act.req.adapter) is not None
-                                          and self._kv_reserved + act.reserve <= self.kv_capacity)
-
-    async def _pause_for_shorter(self) -> None:
-        """ssjf_refine, with a full batch: pause the running requests whose key now (remaining length
-        given what they generated, `queue_order.refined_ssjf_key`) sorts behind the best waiting keys
-        (`queue_order.Preemptor`), as the sim engine does. A paused request keeps its KV rows (set aside
-        by `Batch.pause`), its reservation and its adapter pin, and goes back to the queue under that key.
-        Only waiting requests that could take the freed rows count: pausing frees rows, not KV."""
-        if not self._waiting or self._rows_in_use() < self.max_batch:
-            return
-        rule, now = queue_order.REFINE_RULE, time.monotonic()
-        running = [(queue_order.refined_ssjf_key(rule, rule.estimator, a, a.generated),
-                    len(a.step_times) - a.ran_from, a) for a in self._running.values()
-                   if not a.done and not queue_order.overdue(rule, a, now)]
-        heads = [rule.key(w) for w in self._ordered() if self._could_start(w)][:len(running)]
-        for act in self.preemptor.victims(running, heads, queue_order.PREEMPT_MARGIN * rule.window):
-            if act.done:  # cancelled while an earlier victim's rows were being set aside
-                continue
-            rule.rekey(act, next(k for k, _, a in running if a is act))
-            held = await asyncio.to_thread(self._batch.pause, act)
-            if act.done:  # cancelled while its own were: _release already freed it
-                continue
-            del self._running[act.req.request_id]
-            act.paused = held
-            self._waiting.append(act)
 
     async def _admit_waiting(self) -> None:
         """Move waiting requests into the batch (queue order; stop at the first that does not fit).
