@@ -47,12 +47,16 @@ class DispatchHandlers:
     """`polyserve.v1.dispatch`, the worker/request event listeners and re-balancing."""
 
     def __init__(self, settings: DispatcherSettings, view: LiveView, deployments: DeploymentCache,
-                 subjects: Subjects, publish: Publish | None = None):
+                 subjects: Subjects, publish: Publish | None = None,
+                 on_model_policy: Callable[[], Awaitable[None]] | None = None):
         self.settings = settings
         self.view = view
         self.deployments = deployments
         self.subjects = subjects
         self.publish = publish
+        # run once, at this replica's first aladdin/caraserve placement, before its reply
+        # (service.py: that is when `first_token` events start to matter here)
+        self.on_model_policy = on_model_policy
         self.rejected: dict[int, int] = {}  # by status code
 
     # ---------------------------------------------------------------- dispatch
@@ -66,6 +70,9 @@ class DispatchHandlers:
 
     async def _dispatch(self, req: DispatchRequest) -> Placement:
         dep = await self._deployment(req)
+        if dep.policy in MODEL_POLICIES and self.on_model_policy is not None:
+            hook, self.on_model_policy = self.on_model_policy, None
+            await hook()
         choice = self.view.decide(dep, req)
         if dep.policy not in MODEL_POLICIES:
             self.view.record(dep, choice)  # cheap (~6-11 µs): deferring it costs more CPU than it saves

@@ -47,7 +47,8 @@ class DispatcherService(ServiceBase):
         logger.info("dispatcher: %s", native.describe())  # which build decides (compiled or pure Python)
         deployments = DeploymentCache(self.state, ttl_s=s.deployment_cache_s, timeout_s=s.redis_timeout_s,
                                       retry_s=s.redis_retry_s)
-        self.handlers = h = DispatchHandlers(s, self.view, deployments, self.subjects, publish=self.bus.publish)
+        self.handlers = h = DispatchHandlers(s, self.view, deployments, self.subjects, publish=self.bus.publish,
+                                             on_model_policy=self._follow_first_tokens)
         # Events first, so nothing between the Redis seed and serving is missed.
         # No queue group: every dispatcher needs every heartbeat and every outcome.
         await self.bus.listen(self.subjects.worker_event("heartbeat"), Heartbeat, h.on_heartbeat)
@@ -57,13 +58,21 @@ class DispatcherService(ServiceBase):
         await self.bus.listen(self.subjects.event("dispatched"), Dispatched, h.on_dispatched)
         await self.bus.listen(self.subjects.event("completed"), Completed, h.on_finished)
         await self.bus.listen(self.subjects.event("failed"), Failed, h.on_finished)
-        await self.bus.listen(self.subjects.event("first_token"), FirstToken, h.on_first_token)
         await self._seed()
         await self.bus.serve(self.subjects.dispatch, DispatchRequest, h.dispatch, queue=QUEUE)
         self.background(self._sweep_loop(), "sweep")
         self.background(self._fits_loop(), "fits")
         if s.rebalance_s > 0:
             self.background(self._rebalance_loop(), "rebalance")
+
+    async def _follow_first_tokens(self) -> None:
+        """Listen to `first_token` from now on. It only moves an aladdin/caraserve book entry of
+        this replica's own placements (`LiveView.first_token`), so a dispatcher starts listening
+        at its first such placement: one delivery and an index refresh per request fewer while
+        it serves load-only policies (issue 15; the gateway places those itself). The SUB goes
+        out on this connection before the placement's reply, so nats-server has it before the
+        gateway can publish that request's `first_token`."""
+        await self.bus.listen(self.subjects.event("first_token"), FirstToken, self.handlers.on_first_token)
 
     async def _seed(self) -> None:
         """Start from the workers registered in Redis; heartbeats take over from there."""

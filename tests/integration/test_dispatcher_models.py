@@ -192,3 +192,27 @@ async def test_withdrawn_request_moves_to_another_worker_and_completes(plane, ma
                        for e in events)
             assert p.worker.handlers.withdrawn == 1
         await asyncio.wait_for(first, 30)
+
+
+async def test_first_token_is_followed_from_the_first_model_placement_on(make_settings, bus, subjects, state):
+    """`first_token` only moves a model-book entry (aladdin/caraserve) of the replica's own
+    placements: a dispatcher serving load-only policies does not listen to it (one delivery and
+    index refresh per request fewer, issue 15); its first aladdin placement subscribes, before
+    the reply, and that request's `first_token` then reaches the book."""
+    def following() -> bool:
+        return any(s.subject == subjects.event("first_token") for s in svc.bus._subs)
+
+    await state.put_deployment(Deployment(id="d", model="m", policy="least_outstanding"))
+    await state.put_deployment(Deployment(id="a", model="m", policy="aladdin"))
+    svc = DispatcherService(make_settings(DispatcherSettings, "dispatcher", rebalance_s=0))
+    async with running(svc):
+        await start_workers(bus, subjects, svc, "w1", profile=PROFILE, max_batch=4, kv_capacity=100_000)
+        await start_workers(bus, subjects, svc, "w2", dep="a", profile=PROFILE, max_batch=4, kv_capacity=100_000)
+        await dispatch(bus, subjects, rid="plain", predicted_tokens=50)
+        assert not following()
+        placed = await dispatch(bus, subjects, rid="modelled", dep="a", predicted_tokens=50)
+        assert following() and placed.worker_id == "w2"
+        await bus.publish(subjects.event("first_token"), FirstToken(request_id="modelled", worker_id=placed.worker_id,
+                                                                     ttft_ms=5))
+        await wait_for(lambda: any(r.started for r in svc.view.models.requests.requests(
+            placed.worker_id, svc.view.models.clock(), None)), what="the first token in the book")
