@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -38,6 +39,7 @@ class WorkerRegistry:
         self._down: dict[str, tuple[float, float]] = {}  # worker_id -> (down event ts, forget at)
         self._expiries: list[tuple[float, str]] = []  # heap; stale entries dropped lazily
         self._heard = 0.0  # monotonic arrival of the last live heartbeat of any worker
+        self._ttl_floor = math.inf  # the smallest TTL any heartbeat carried: a lower bound of the live ones'
 
     def heartbeat(self, hb: Heartbeat, *, seeded: bool = False) -> bool:
         """Record a heartbeat; False when it predates a WorkerDown of that worker.
@@ -50,6 +52,7 @@ class WorkerRegistry:
             if hb.ts <= down[0]:
                 return False
             del self._down[hb.worker_id]
+        self._ttl_floor = min(self._ttl_floor, hb.ttl_s)
         if not seeded:
             self._after_silence(hb.ttl_s)
         ttl = hb.ttl_s if not seeded else max(0.0, hb.ts + hb.ttl_s - self.wall())
@@ -76,8 +79,14 @@ class WorkerRegistry:
         """Two or more workers heard before, and none for half a TTL (at most MAX_SILENCE_S ago):
         a NATS stall. A lone worker falling silent is that worker's own fault."""
         now = self.clock() if now is None else now
+        gap = now - self._heard
+        # Every heartbeat asks (`_after_silence`): while they flow the gap is far under any TTL, and
+        # the bound answers without the scan of every worker (at 1,200 workers heartbeating each
+        # second, the scan per heartbeat was 1.4 M steps a second of the dispatcher's one loop).
+        if len(self._workers) < 2 or self._heard <= 0 or not self._ttl_floor / 2 < gap <= MAX_SILENCE_S:
+            return False
         ttl = min((w.hb.ttl_s for w in self._workers.values()), default=0.0)
-        return len(self._workers) >= 2 and self._heard > 0 and ttl / 2 < now - self._heard <= MAX_SILENCE_S
+        return ttl / 2 < gap
 
     def any_expired(self) -> bool:
         """Whether some worker's TTL has run out and the sweep has not removed it yet."""

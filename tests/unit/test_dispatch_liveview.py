@@ -319,3 +319,31 @@ def test_a_retry_on_the_same_worker_is_counted_once(policy_name):
         assert place(view, dep, req("r0")).worker.worker_id == "w1"
     v = view._indexes["d"].index.get("w1")
     assert v.outstanding == 1 and len(v.requests) == (1 if policy_name == "aladdin" else 0)
+
+
+def test_registry_takes_a_fleet_wide_silence_for_a_nats_stall_by_the_smallest_live_ttl():
+    """`silent()`: two or more workers heard, none for half the smallest live TTL. Every heartbeat
+    asks it; while heartbeats flow a bound answers without a scan of every worker, and the scan
+    still decides once the gap is long enough (here after the short-TTL worker left)."""
+    now = [100.0]
+    reg = WorkerRegistry(clock=lambda: now[0], wall=lambda: now[0])
+
+    def beat(wid: str, ttl: float) -> Heartbeat:
+        return Heartbeat(worker_id=wid, deployment="d", model="m", engine="sim", ttl_s=ttl, ts=now[0])
+
+    reg.heartbeat(beat("w1", 2.0))
+    now[0] += 1.5
+    assert not reg.silent(), "one worker falling silent is its own fault"
+    reg.heartbeat(beat("w2", 10.0))
+    now[0] += 0.9
+    assert not reg.silent()
+    now[0] += 0.2  # 1.1 s: past half the smallest TTL (2 s)
+    assert reg.silent()
+    reg.down(WorkerDown(worker_id="w1", reason="test", ts=now[0]))
+    reg.heartbeat(beat("w3", 10.0))
+    now[0] += 3.0  # 3 s: under half of the 10 s TTLs now live
+    assert not reg.silent()
+    now[0] += 2.5
+    assert reg.silent()
+    now[0] += 40.0  # beyond MAX_SILENCE_S: not a stall any more
+    assert not reg.silent()
