@@ -145,45 +145,82 @@ class OnlineLinearFit:
     window: int = 200  # observations in the error report
     n: int = 0
 
+    # Plain Python lists, not numpy: the models have 2-3 coefficients, and numpy's per-call
+    # overhead made one observation ~40 µs (an outer product, a scaled 3x3 solve), on every
+    # `completed` event of an aladdin/caraserve deployment in the dispatcher's one loop (issue 15).
     def __post_init__(self) -> None:
         d = len(self.prior)
-        self._theta = np.asarray(self.prior, dtype=float)
-        self._a = np.zeros((d, d))
-        self._b = np.zeros(d)
+        self._theta = [float(c) for c in self.prior]
+        self._a = [[0.0] * d for _ in range(d)]
+        self._b = [0.0] * d
         w = self.prior_weight / max(1, len(self.anchors))
         for x in self.anchors:
-            xv = np.asarray(x, dtype=float)
-            self._a += w * np.outer(xv, xv)
-            self._b += w * xv * float(np.dot(self._theta, xv))
+            xv = [float(v) for v in x]
+            self._add(xv, self.predict(xv), w)
         self._errs: deque[float] = deque(maxlen=self.window)
         self._sq: deque[tuple[float, float]] = deque(maxlen=self.window)
 
     def predict(self, x: Sequence[float]) -> float:
         """The current fit at `x`."""
-        return float(np.dot(self._theta, x))
+        out = 0.0
+        for t, v in zip(self._theta, x):
+            out += t * v
+        return out
+
+    def _add(self, x: list[float], y: float, weight: float) -> None:
+        """The normal equations gain `weight` × (x xᵀ, x y)."""
+        for i, xi in enumerate(x):
+            row, wx = self._a[i], weight * xi
+            for j, xj in enumerate(x):
+                row[j] += wx * xj
+            self._b[i] += wx * y
 
     def observe(self, x: Sequence[float], y: float, weight: float = 1.0) -> float:
         """Add one observation; returns the relative error the fit made on it before updating."""
-        xv = np.asarray(x, dtype=float)
-        pred = float(np.dot(self._theta, xv))
+        xv = [float(v) for v in x]
+        pred = self.predict(xv)
         rel = abs(pred - y) / max(abs(y), 1e-9)
         self._errs.append(rel)
         self._sq.append((pred, float(y)))
-        self._a *= self.decay
-        self._b *= self.decay
-        self._a += weight * np.outer(xv, xv)
-        self._b += weight * xv * y
+        k = self.decay
+        self._a = [[v * k for v in row] for row in self._a]
+        self._b = [v * k for v in self._b]
+        self._add(xv, float(y), weight)
         self.n += 1
         self._solve()
         return rel
 
     def _solve(self) -> None:
-        # Column scaling keeps the normal equations well conditioned (x spans 1 .. 1e6).
-        d = 1.0 / np.sqrt(np.maximum(np.diag(self._a), 1e-300))
-        try:
-            self._theta = d * np.linalg.solve(self._a * np.outer(d, d), self._b * d)
-        except np.linalg.LinAlgError:  # singular: keep the last coefficients
-            pass
+        """θ from the normal equations: column scaling keeps them well conditioned (x spans 1 ..
+        1e6), then a Cholesky solve (they are symmetric positive definite: the prior's anchors
+        span every coefficient, and decay only shrinks them); not positive definite in floating
+        point: keep the last coefficients, as numpy's solve did on a singular system."""
+        a, b, d = self._a, self._b, len(self._b)
+        s = [1.0 / math.sqrt(max(a[i][i], 1e-300)) for i in range(d)]
+        low = [[0.0] * d for _ in range(d)]  # L of M = L Lᵀ, M = diag(s) A diag(s)
+        z = [0.0] * d
+        for i in range(d):
+            ai, si, li = a[i], s[i], low[i]
+            for j in range(i + 1):
+                lj, v = low[j], ai[j] * si * s[j]
+                for k in range(j):
+                    v -= li[k] * lj[k]
+                if i == j:
+                    if v <= 0.0:
+                        return
+                    li[i] = math.sqrt(v)
+                else:
+                    li[j] = v / lj[j]
+            v = b[i] * si  # forward: L y = diag(s) b
+            for k in range(i):
+                v -= li[k] * z[k]
+            z[i] = v / li[i]
+        for i in range(d - 1, -1, -1):  # back: Lᵀ z = y
+            v = z[i]
+            for k in range(i + 1, d):
+                v -= low[k][i] * z[k]
+            z[i] = v / low[i][i]
+        self._theta = [s[i] * z[i] for i in range(d)]
 
     @property
     def coef(self) -> list[float]:
