@@ -7,8 +7,13 @@
 * `spy OUT`: `py-spy record` of the gateway process while a closed-loop client drives json
   requests (`--concurrency`, default 8); raw collapsed stacks in OUT.
 
+* `msgs`: NATS messages per request by connection (service): what each published and was
+  delivered, from nats-server's `/connz` counters before and after `--requests` sequential json
+  requests (a busy loop of nothing else: heartbeats and telemetry add ~0.01 per request).
+
     python -m polyserve.bench.overhead_probe split [--requests 200]
     python -m polyserve.bench.overhead_probe spy gateway.txt [--seconds 12]
+    python -m polyserve.bench.overhead_probe msgs [--requests 300]
 """
 from __future__ import annotations
 
@@ -70,6 +75,34 @@ async def split(state: launcher.ClusterState, n: int, warmup: int = 20) -> dict[
     return {name: round(statistics.median(v) * 1e3, 3) for name, v in out.items() if v}
 
 
+def _connz(state: launcher.ClusterState) -> dict[str, tuple[int, int]]:
+    """(messages published, messages delivered) per connection name, summed over its connections."""
+    url = f"http://127.0.0.1:{state.nats_monitor_port}/connz?limit=4096"
+    out: dict[str, tuple[int, int]] = {}
+    for c in httpx.get(url, timeout=5).json().get("connections", []):
+        name = c.get("name") or str(c.get("cid"))
+        pub, got = out.get(name, (0, 0))
+        out[name] = (pub + c.get("in_msgs", 0), got + c.get("out_msgs", 0))
+    return out
+
+
+async def messages(state: launcher.ClusterState, n: int, warmup: int = 20) -> dict[str, tuple[float, float]]:
+    """Per service: NATS messages it published and was delivered, per request, over `n` sequential
+    json requests (after `warmup` more)."""
+    body = {"model": "bench-sim", "prompt": "hello there", "max_tokens": 16}
+    async with httpx.AsyncClient(base_url=state.gateway_url, timeout=30) as client:
+        for _ in range(warmup):
+            await client.post("/v1/completions", json=body)
+        await asyncio.sleep(1.0)  # the warm-up's events and predictions
+        before = _connz(state)
+        for _ in range(n):
+            (await client.post("/v1/completions", json=body)).raise_for_status()
+        await asyncio.sleep(0.5)  # this run's last events, acks and predictions
+        after = _connz(state)
+    return {name: ((pub - before.get(name, (0, 0))[0]) / n, (got - before.get(name, (0, 0))[1]) / n)
+            for name, (pub, got) in sorted(after.items())}
+
+
 def spy(state: launcher.ClusterState, path: str, seconds: float, concurrency: int) -> None:
     """py-spy of the gateway while json requests run at `concurrency`."""
     exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
@@ -89,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="what", required=True)
     s = sub.add_parser("split", help="where a request's milliseconds go at concurrency 1")
     s.add_argument("--requests", type=int, default=200)
+    m = sub.add_parser("msgs", help="NATS messages per request, by service")
+    m.add_argument("--requests", type=int, default=300)
     p = sub.add_parser("spy", help="py-spy of the gateway under json load")
     p.add_argument("out")
     p.add_argument("--seconds", type=float, default=12.0)
@@ -101,6 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.what == "split":
             for name, ms in asyncio.run(split(state, args.requests)).items():
                 print(f"{name:34s} p50 {ms:7.3f} ms")
+        elif args.what == "msgs":
+            rows = asyncio.run(messages(state, args.requests))
+            print(f"{'connection':24s} published  delivered  (NATS messages per request)")
+            for name, (pub, got) in rows.items():
+                print(f"{name:24s} {pub:9.2f}  {got:9.2f}")
+            print(f"{'all':24s} {sum(p for p, _ in rows.values()):9.2f}  {sum(g for _, g in rows.values()):9.2f}")
         else:
             spy(state, args.out, args.seconds, args.concurrency)
             print(f"wrote {args.out}")
