@@ -402,6 +402,24 @@ def overdue(rule: SizeRule, r: Queued, now: float) -> bool:
     return g is not None and now - r.arrival > g
 
 
+def refine_pauses(preemptor: Preemptor, running: Sequence[tuple[Q, int, int]], heads: Sequence[object],
+                  now: float | None = None) -> list[Q]:
+    """ssjf_refine's pauses in a live engine (the sim and hf engines): `running` as (request,
+    tokens it generated, decode steps since it was (re)admitted), `heads` the waiting requests
+    in queue order that could take a freed place. Requests past the tail guard are never paused.
+    Returns the requests to pause, each re-keyed under its refined key (`SizeRule.rekey`) for the
+    queue it goes back to; the engine sets them aside."""
+    rule = REFINE_RULE
+    now = time.monotonic() if now is None else now
+    keyed = [(refined_ssjf_key(rule, rule.estimator, r, generated), steps, r) for r, generated, steps in running
+             if not overdue(rule, r, now)]
+    keys = [rule.key(w) for w in heads[:len(keyed)]]
+    victims = preemptor.victims(keyed, keys, PREEMPT_MARGIN * rule.window)
+    for r in victims:
+        rule.rekey(r, next(k for k, _, x in keyed if x is r))
+    return victims
+
+
 def speculative_sjf_refine(waiting: Sequence[Q], now: float | None = None) -> list[Q]:
     """`ssjf` on refined sizes (`REFINE_RULE`), overdue requests (`overdue`) first in arrival
     order; the engine adds the preemption. `now` on the clock of `arrival` (time.monotonic)."""

@@ -204,9 +204,18 @@ async def predict(gs: GatewayState, req: PredictRequest, base: dict) -> Predicti
         p = await gs.bus.request(gs.subjects.predict, req, Prediction, timeout=gs.settings.predict_timeout_s,
                                  span_name="predict")
     except BusError as exc:
+        logger.debug("predictor: %s; a local estimate", exc.description)
+        p = None
+    return await _predicted(gs, req, base, p, t)
+
+
+async def _predicted(gs: GatewayState, req: PredictRequest, base: dict, p: Prediction | None,
+                     t: float) -> Prediction:
+    """`p`, else (the predictor gave none in time) the local estimate; publishes `predicted`
+    with the time since `t`."""
+    if p is None:
         p = local_prediction(gs, req)
         gs.metrics.fallbacks.labels("predict").inc()
-        logger.debug("predictor: %s; local estimate %d (%s)", exc.description, p.tokens_estimate, p.source)
     await gs.event("predicted", Predicted(**base, length_class=p.length_class, tokens_estimate=p.tokens_estimate,
                                           source=p.source, latency_ms=(time.monotonic() - t) * 1e3))
     return p
@@ -219,13 +228,7 @@ async def predict_later(gs: GatewayState, req: PredictRequest, base: dict) -> Pr
     if gs.settings.predict_batch_ms <= 0:
         return await predict(gs, req, base)
     t = time.monotonic()
-    p = await gs.predictions.ask(req)
-    if p is None:
-        p = local_prediction(gs, req)
-        gs.metrics.fallbacks.labels("predict").inc()
-    await gs.event("predicted", Predicted(**base, length_class=p.length_class, tokens_estimate=p.tokens_estimate,
-                                          source=p.source, latency_ms=(time.monotonic() - t) * 1e3))
-    return p
+    return await _predicted(gs, req, base, await gs.predictions.ask(req), t)
 
 
 def place_here(gs: GatewayState, req: DispatchRequest, policy: str) -> tuple[Placement, bool] | None:

@@ -12,7 +12,6 @@ for token the same as without the pause).
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 from polyserve.core import queue_order
@@ -46,15 +45,11 @@ class Refine:
         Only waiting requests that could take the freed rows count: pausing frees rows, not KV."""
         if not self._waiting or self._rows_in_use() < self.max_batch:
             return
-        rule, now = queue_order.REFINE_RULE, time.monotonic()
-        running = [(queue_order.refined_ssjf_key(rule, rule.estimator, a, a.generated),
-                    len(a.step_times) - a.ran_from, a) for a in self._running.values()
-                   if not a.done and not queue_order.overdue(rule, a, now)]
-        heads = [rule.key(w) for w in self._ordered() if self._could_start(w)][:len(running)]
-        for act in self.preemptor.victims(running, heads, queue_order.PREEMPT_MARGIN * rule.window):
+        running = [(a, a.generated, len(a.step_times) - a.ran_from) for a in self._running.values() if not a.done]
+        heads = [w for w in self._ordered() if self._could_start(w)]
+        for act in queue_order.refine_pauses(self.preemptor, running, heads):
             if act.done:  # cancelled while an earlier victim's rows were being set aside
                 continue
-            rule.rekey(act, next(k for k, _, a in running if a is act))
             held = await asyncio.to_thread(self._batch.pause, act)
             if act.done:  # cancelled while its own were: _release already freed it
                 continue

@@ -390,13 +390,9 @@ class SimEngine(Engine):
         waiting keys (`queue_order.Preemptor`); they keep their KV and resume where they were."""
         if not self._waiting or sum(r.seqs for r in self._running) < self.max_batch:
             return
-        rule = policy.REFINE_RULE
-        running = [(policy.refined_ssjf_key(rule, rule.estimator, r, max(c.generated for c in r.choices)),
-                    len(r.token_times) - r.ran_from, r) for r in self._running
-                   if r.prefilled and not r.done and not policy.overdue(rule, r.req, time.monotonic())]
-        heads = [rule.key(w) for w in self.order(self._waiting)[:len(running)]]
-        for r in self.preemptor.victims(running, heads, policy.PREEMPT_MARGIN * rule.window):
-            rule.rekey(r, next(k for k, _, x in running if x is r))
+        running = [(r, max(c.generated for c in r.choices), len(r.token_times) - r.ran_from)
+                   for r in self._running if r.prefilled and not r.done]
+        for r in policy.refine_pauses(self.preemptor, running, self.order(self._waiting)):
             self._running.remove(r)
             self._waiting.append(r)
             r.paused = True
