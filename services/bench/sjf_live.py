@@ -8,10 +8,19 @@ from the shipped predictor's measured out-of-distribution confusion (as the simu
 `--predictor confusion`); Poisson arrivals at each `--loads` fraction of the engine's measured
 capacity (all requests queued at once under FCFS: requests / makespan). Orders: `fcfs`, `ssjf`,
 `ssjf_refine` (with its pauses) and `oracle` (shortest true length first, non-preemptive; what
-SSJF is measured against, µ-Serve §4.3). Each run is a process of its own: the live rules keep
-what they learned in module state (`core.queue_order`), and a run must not inherit another's.
+SSJF is measured against, µ-Serve §4.3); `ssjf_true` is the ssjf rule fed the true length as
+its prediction (what the rule earns with a perfect predictor; the rest of ssjf's gap is the
+predictor's). Each run is a process of its own: the live rules keep what they learned in module
+state (`core.queue_order`), and a run must not inherit another's.
 
-    polyserve bench sjf-live [--requests 200] [--loads 0.8 1.0] [--max-batch 4] [--json out.json]
+One run per cell is not a measurement near saturation: the same seed and order gave mean JCTs
+1.66 s and 2.18 s in two runs at load 1.0 (the queue's length random-walks there, and which long
+requests share the 4 slots depends on timing), so `--repeats R` runs R workloads (seeds `--seed`,
+`--seed`+1, ...; each with its own capacity measurement; the orders rotated between repeats) and
+reports per cell the mean over repeats, the share of the oracle's cut from those means with the
+range of the per-repeat shares, and P99 over all repeats' requests pooled.
+
+    polyserve bench sjf-live [--requests 200] [--loads 0.8 1.0] [--repeats 1] [--max-batch 4] [--json out.json]
 """
 from __future__ import annotations
 
@@ -27,7 +36,8 @@ import numpy as np
 
 from polyserve.shared.paths import datasets_dir
 
-ORDERS = ("fcfs", "ssjf", "ssjf_refine", "oracle")
+ORDERS = ("fcfs", "ssjf", "ssjf_refine", "oracle", "ssjf_true")
+DEFAULT_ORDERS = ORDERS[:4]
 TRACE = datasets_dir() / "traces" / "azure_llm_2023_code.csv"
 ARCH = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4}
 
@@ -39,7 +49,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="arrival rate as a fraction of the engine's measured capacity")
     ap.add_argument("--max-batch", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128, help="the trace's p99 output length maps to this")
-    ap.add_argument("--orders", nargs="+", default=list(ORDERS), choices=ORDERS)
+    ap.add_argument("--orders", nargs="+", default=list(DEFAULT_ORDERS), choices=ORDERS)
+    ap.add_argument("--repeats", type=int, default=1, help="workloads (seeds) per cell; see the module doc")
     ap.add_argument("--arch", default=json.dumps(ARCH),
                     help="the random Llama's size (JSON, hf_model.RANDOM_ARCH keys): big enough that a decode step, "
                          "not the queue's upkeep, takes the time")
@@ -62,9 +73,11 @@ def workload(args: argparse.Namespace) -> dict:
     out = np.clip(np.round(drawn * scale), 1, args.max_tokens).astype(np.int64)
     confusion, name = resolve_confusion(None)
     tokens, classes = LengthPredictor("confusion", out, confusion=confusion, seed=args.seed).precompute(out)
+    true_tokens, true_classes = LengthPredictor("oracle", out, confusion=confusion).precompute(out)
     gaps = rng.exponential(1.0, size=args.requests)
     return {"lengths": out.tolist(), "predicted": tokens.tolist(), "classes": classes.tolist(),
-            "gaps": gaps.tolist(), "predictor": name, "max_batch": args.max_batch, "arch": json.loads(args.arch)}
+            "true_classes": true_classes.tolist(), "gaps": gaps.tolist(), "predictor": name,
+            "max_batch": args.max_batch, "arch": json.loads(args.arch)}
 
 
 async def _serve(spec: dict) -> list[float]:
@@ -76,6 +89,8 @@ async def _serve(spec: dict) -> list[float]:
     from polyserve.worker.engines.hf import HfEngine
 
     order = spec["order"]
+    if order == "ssjf_true":  # the ssjf rule with a perfect predictor
+        order, spec = "ssjf", {**spec, "predicted": spec["lengths"], "classes": spec["true_classes"]}
     settings = types.SimpleNamespace(model="tiny-random", model_path="", device="cpu", dtype="float32",
                                      max_waiting=10_000, max_batch=spec["max_batch"], kv_capacity_tokens=1 << 22,
                                      max_input_len=512, scheduling="fcfs" if order == "oracle" else order,
@@ -115,45 +130,83 @@ def _run(spec: dict) -> list[float]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _capacity(wl: dict, requests: int) -> float:
+    """Requests/s of the engine with every request queued at once (FCFS): requests / makespan."""
+    return requests / max(_run({**wl, "order": "fcfs", "mean_gap_s": 0.0}))
+
+
+def summarise(runs: list[dict], loads: list[float], orders: list[str]) -> list[dict]:
+    """Per (load, order) over the repeats: mean JCT (mean of the repeats' means), the share of the
+    oracle's cut from those means and the range of the per-repeat shares, P99 of every repeat's
+    requests pooled, and P99 against FCFS's pooled P99."""
+    out = []
+    for load in loads:
+        cell = {o: [r for r in runs if r["load"] == load and r["order"] == o] for o in orders}
+        mean = {o: float(np.mean([r["mean_s"] for r in rs])) for o, rs in cell.items() if rs}
+        p99 = {o: float(np.percentile(np.concatenate([r["jct"] for r in rs]), 99)) for o, rs in cell.items() if rs}
+        for o in orders:
+            if o not in mean:
+                continue
+            row = {"load": load, "order": o, "repeats": len(cell[o]), "mean_s": mean[o], "p99_s": p99[o],
+                   "vs_fcfs": mean[o] / mean["fcfs"] - 1 if "fcfs" in mean else None,
+                   "p99_vs_fcfs": p99[o] / p99["fcfs"] if "fcfs" in p99 else None, "share": None,
+                   "share_min": None, "share_max": None}
+            if "fcfs" in mean and "oracle" in mean and mean["fcfs"] > mean["oracle"]:
+                row["share"] = (mean["fcfs"] - mean[o]) / (mean["fcfs"] - mean["oracle"])
+                per = [(f["mean_s"] - r["mean_s"]) / (f["mean_s"] - b["mean_s"])
+                       for r, f, b in zip(cell[o], cell["fcfs"], cell["oracle"]) if f["mean_s"] > b["mean_s"]]
+                if per:
+                    row["share_min"], row["share_max"] = min(per), max(per)
+            out.append(row)
+    return out
+
+
+def _pct(x: float | None, fmt: str = "{:+.1%}") -> str:
+    return "n/a" if x is None else fmt.format(x)
+
+
 def main(args: argparse.Namespace) -> int:
     if args.one:
         print(json.dumps(asyncio.run(_serve(json.loads(args.one)))))
         return 0
-    if args.requests < 10 or args.max_batch < 1 or not all(0 < x <= 2 for x in args.loads):
-        raise SystemExit("--requests must be >= 10, --max-batch >= 1, --loads within (0, 2]")
+    if args.requests < 10 or args.max_batch < 1 or args.repeats < 1 or not all(0 < x <= 2 for x in args.loads):
+        raise SystemExit("--requests must be >= 10, --max-batch >= 1, --repeats >= 1, --loads within (0, 2]")
     if not Path(args.trace).exists():
         raise SystemExit(f"trace not found: {args.trace} (set --trace or POLYSERVE_DATASETS)")
-    wl = workload(args)
-    print(f"sjf-live: hf engine on CPU (small random Llama), {args.requests} requests, max_batch "
-          f"{args.max_batch}, lengths from {Path(args.trace).name} scaled to p99 {args.max_tokens} "
-          f"(mean {np.mean(wl['lengths']):.1f}); predictions: {wl['predictor']}", flush=True)
-    t = time.monotonic()
-    backlog = _run({**wl, "order": "fcfs", "mean_gap_s": 0.0})
-    capacity = args.requests / max(backlog)
-    print(f"capacity (all {args.requests} queued at once, fcfs): {capacity:.2f} requests/s "
-          f"({time.monotonic() - t:.0f} s)", flush=True)
-    rows = []
-    for load in args.loads:
-        for order in args.orders:
-            jct = np.array(_run({**wl, "order": order, "mean_gap_s": 1.0 / (load * capacity)}))
-            rows.append({"load": load, "order": order, "mean_s": float(jct.mean()),
-                         "p99_s": float(np.percentile(jct, 99))})
-            print(f"  load {load:.2f} {order:12s} mean JCT {rows[-1]['mean_s']:7.3f} s  P99 {rows[-1]['p99_s']:7.3f} s",
-                  flush=True)
-    print("\nload  order         mean JCT s  vs fcfs   share of oracle's cut   P99 s  P99 vs fcfs")
-    for load in args.loads:
-        by = {r["order"]: r for r in rows if r["load"] == load}
-        base, best = by.get("fcfs"), by.get("oracle")
-        for order, r in by.items():
-            vs = r["mean_s"] / base["mean_s"] - 1 if base else float("nan")
-            cut = base["mean_s"] - best["mean_s"] if base and best else 0.0
-            share = (base["mean_s"] - r["mean_s"]) / cut if cut > 0 else float("nan")
-            p99 = r["p99_s"] / base["p99_s"] if base else float("nan")
-            print(f"{load:4.2f}  {order:12s} {r['mean_s']:10.3f}  {vs:+7.1%}   {share:20.0%}   {r['p99_s']:6.3f}  "
-                  f"{p99:10.2f}")
+    runs, capacities, t0 = [], [], time.monotonic()
+    for k in range(args.repeats):
+        wl = workload(argparse.Namespace(**{**vars(args), "seed": args.seed + k}))
+        if k == 0:
+            print(f"sjf-live: hf engine on CPU (small random Llama), {args.requests} requests x {args.repeats} "
+                  f"repeat(s), max_batch {args.max_batch}, lengths from {Path(args.trace).name} scaled to p99 "
+                  f"{args.max_tokens}; predictions: {wl['predictor']}", flush=True)
+        capacities.append(_capacity(wl, args.requests))
+        print(f"repeat {k + 1}/{args.repeats} (seed {args.seed + k}, mean length {np.mean(wl['lengths']):.1f}): "
+              f"capacity {capacities[-1]:.2f} requests/s (all queued at once, fcfs; {time.monotonic() - t0:.0f} s)",
+              flush=True)
+        rotated = args.orders[k % len(args.orders):] + args.orders[:k % len(args.orders)]  # spread drift over orders
+        for load in args.loads:
+            for order in rotated:
+                jct = np.array(_run({**wl, "order": order, "mean_gap_s": 1.0 / (load * capacities[-1])}))
+                runs.append({"repeat": k, "seed": args.seed + k, "load": load, "order": order,
+                             "mean_s": float(jct.mean()), "p99_s": float(np.percentile(jct, 99)), "jct": jct.tolist()})
+                print(f"  load {load:.2f} {order:12s} mean JCT {runs[-1]['mean_s']:7.3f} s  P99 "
+                      f"{runs[-1]['p99_s']:7.3f} s", flush=True)
+    rows = summarise(runs, args.loads, args.orders)
+    print(f"\nover {args.repeats} repeat(s): mean JCT = mean of the repeats' means; share of the oracle's cut from "
+          "those means [range over repeats]; P99 of all requests pooled")
+    print("load  order         mean JCT s  vs fcfs   share of oracle's cut        P99 s  P99 vs fcfs")
+    for r in rows:
+        rng = "" if r["share_min"] is None or args.repeats == 1 else \
+            f" [{r['share_min']:.0%}, {r['share_max']:.0%}]"
+        print(f"{r['load']:4.2f}  {r['order']:12s} {r['mean_s']:10.3f}  {_pct(r['vs_fcfs']):>7s}   "
+              f"{_pct(r['share'], '{:.0%}') + rng:>26s}   {r['p99_s']:6.3f}  {_pct(r['p99_vs_fcfs'], '{:.2f}'):>10s}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"capacity_rps": capacity, "rows": rows, "predictor": wl["predictor"],
-                                               "requests": args.requests, "max_batch": args.max_batch}, indent=2))
+        Path(args.json).write_text(json.dumps({"capacity_rps": capacities, "rows": rows, "predictor": wl["predictor"],
+                                               "requests": args.requests, "repeats": args.repeats,
+                                               "max_batch": args.max_batch,
+                                               "runs": [{k: v for k, v in r.items() if k != "jct"} for r in runs]},
+                                              indent=2))
     return 0
 
 

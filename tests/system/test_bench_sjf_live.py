@@ -26,11 +26,15 @@ def test_workload_scales_the_trace_and_carries_predictions():
 def test_bench_sjf_live_serves_every_request_once_per_order(tmp_path):
     out = tmp_path / "sjf.json"
     run = subprocess.run([sys.executable, "-m", "polyserve.cli", "bench", "sjf-live", "--requests", "12",
-                          "--max-tokens", "8", "--loads", "0.9", "--orders", "fcfs", "oracle", "--arch",
+                          "--max-tokens", "8", "--loads", "0.9", "--orders", "fcfs", "oracle", "ssjf_true",
+                          "--repeats", "2", "--arch",
                           json.dumps({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1}),
                           "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     data = json.loads(out.read_text())
-    assert data["capacity_rps"] > 0 and [r["order"] for r in data["rows"]] == ["fcfs", "oracle"]
-    assert all(0 < r["mean_s"] <= r["p99_s"] for r in data["rows"])
+    assert len(data["capacity_rps"]) == 2 and min(data["capacity_rps"]) > 0
+    assert [r["order"] for r in data["rows"]] == ["fcfs", "oracle", "ssjf_true"]
+    assert all(r["repeats"] == 2 and 0 < r["mean_s"] <= r["p99_s"] for r in data["rows"])
+    assert sorted((r["seed"], r["order"]) for r in data["runs"]) == \
+        [(s, o) for s in (0, 1) for o in sorted(["fcfs", "oracle", "ssjf_true"])]
     assert "share of oracle's cut" in run.stdout
