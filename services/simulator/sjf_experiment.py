@@ -161,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"which of {', '.join(o[0] for o in ALL_ORDERS)} to run (fcfs and one oracle needed)")
     ap.add_argument("--tail-guard", type=float, default=DEFAULT_TAIL_GUARD,
                     help="+ refine runs: the SizeRule tail guard quantile (0 = off)")
+    ap.add_argument("--input-weight", type=float, default=-1.0,
+                    help="ssjf: the prompt term's weight (-1 = core.queue_order's default)")
+    ap.add_argument("--max-batch", type=int, default=0,
+                    help="the worker's batch slots (0 = the simulator's default, 64); e.g. 4 for a small-batch engine")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="experiments-out/sjf")
     args = ap.parse_args(argv)
@@ -175,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     if "fcfs" not in want or not want & set(ORACLES) or want - {o[0] for o in ALL_ORDERS}:
         ap.error(f"--orders: names from {', '.join(o[0] for o in ALL_ORDERS)}, fcfs and an oracle among them")
     base = SimConfig(workers=1, context_limit=ctx, over_context="reject", profiled_prefill_tokens=prof, ssjf_window_factor=args.window_factor,
+                     ssjf_input_weight=args.input_weight,
                      worker=WorkerConfig(kv_capacity=int(raw.get("kv_capacity_tokens", 0)),
-                                         tp=int(raw.get("tensor_parallel", 1))))
+                                         tp=int(raw.get("tensor_parallel", 1)),
+                                         **({"max_batch": args.max_batch} if args.max_batch > 0 else {})))
     confusion, cname = resolve_confusion(args.confusion)
     loads = [float(x) for x in args.loads.split(",") if x.strip()]
     traces = [(t, 0) for t in args.trace] if args.trace else \
@@ -187,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         print(table([r for r in rows if r["trace"] == rows[-1]["trace"]]).splitlines()[-1], flush=True)
     notes = [(f"SIMULATED. profile {raw.get('name')}; one worker, max batch {base.worker.max_batch}; "
               f"first {args.requests} requests per run; ssjf window factor "
-              f"{args.window_factor or qo.WINDOW_FACTOR:g}, input weight {qo.INPUT_WEIGHT:g}; + refine: preempt "
+              f"{args.window_factor or qo.WINDOW_FACTOR:g}, input weight "
+              f"{args.input_weight if args.input_weight >= 0 else qo.INPUT_WEIGHT:g}; + refine: preempt "
               f"quantum {qo.PREEMPT_QUANTUM} steps, margin {qo.PREEMPT_MARGIN:g} W, paused KV kept, tail guard "
               f"P{100 * TAIL_GUARD:g} of recent JCT, survival tables of {qo.REFINE_HISTORY} completions "
               f"(prior {qo.REFINE_PRIOR:g}, from {qo.REFINE_MIN_SAMPLES})"),

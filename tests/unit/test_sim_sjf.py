@@ -187,6 +187,27 @@ def test_sjf_experiment_table(tmp_path: Path):
         sjf_experiment.main(["--trace", str(p), "--orders", "ssjf,sjf_oracle", "--out", str(tmp_path / "x")])
 
 
+
+def test_sjf_experiment_takes_the_batch_size_and_the_prompt_weight(tmp_path: Path):
+    rng = np.random.default_rng(2)
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    for k in range(200):
+        rows.append(f"2023-11-16 18:{k // 60:02d}:{k % 60:02d}.000000,{rng.integers(50, 3000)},{rng.integers(2, 300)}")
+    p = tmp_path / "t.csv"
+    p.write_text("\n".join(rows) + "\n")
+    means = {}
+    for batch in (2, 64):
+        out = tmp_path / f"b{batch}"
+        assert sjf_experiment.main(["--trace", str(p), "--loads", "1.0", "--requests", "200", "--orders",
+                                    "fcfs,ssjf,sjf_oracle", "--max-batch", str(batch), "--input-weight", "0",
+                                    "--out", str(out)]) == 0
+        text = (out / "results.txt").read_text()
+        assert f"max batch {batch};" in text and "input weight 0;" in text
+        data = json.loads((out / "results.json").read_text())
+        means[batch] = next(r for r in data["rows"] if r["order"] == "fcfs")["saturation_rps"]
+    assert means[2] < means[64]  # two slots saturate at a lower rate than 64
+
+
 def _pause_run(order: str, **worker):
     """max batch 1: a 400-token job (prompt 3,000) runs; a 5-token job arrives behind it."""
     tr = from_requests([(0.0, 3000, 400), (1.0, 10, 5)])
