@@ -155,6 +155,7 @@ class SizeRule:
         self._sorted: list[float] = []
         self._jct: float | None = None
         self._memo: OrderedDict[object, tuple[float, float]] = OrderedDict()
+        self._cold: dict[object, float] = {}  # rank of requests keyed before any completion (see key)
 
     def size(self, r: object) -> float:
         """Expected job size in output-token equivalents."""
@@ -195,18 +196,33 @@ class SizeRule:
         """`r` sorts by `key` from now on (a paused request's refined key)."""
         self._memo[(_request_id(r), r.arrival)] = key
 
+    @property
+    def warm(self) -> bool:
+        """Whether W follows completions yet (False: it is still the cold `window_s`)."""
+        return self._jct is not None
+
     def key(self, r: Queued) -> tuple[float, float]:
+        """Memoised once W follows completions. Keyed before the first completion, a request keeps
+        its rank, not the cold W (120 s): its key is fixed with the first warm W. Fixed at the
+        cold W, the long requests of a fresh worker's first burst sorted up to 120 s late.
+        The simulator re-keys its waiting heap when the rule warms (`cluster._step_done`)."""
         rid = (_request_id(r), r.arrival)
         got = self._memo.get(rid)
         if got is not None:
             return got
-        s = self.size(r)
-        rank = bisect_left(self._sorted, s) / len(self._sorted) if self._sorted else 0.5
-        self._recent.append(s)
-        insort(self._sorted, s)
-        if len(self._recent) > self.history:
-            self._sorted.pop(bisect_left(self._sorted, self._recent.popleft()))
+        rank = self._cold.pop(rid, None) if self._jct is not None else self._cold.get(rid)
+        if rank is None:
+            s = self.size(r)
+            rank = bisect_left(self._sorted, s) / len(self._sorted) if self._sorted else 0.5
+            self._recent.append(s)
+            insort(self._sorted, s)
+            if len(self._recent) > self.history:
+                self._sorted.pop(bisect_left(self._sorted, self._recent.popleft()))
+            if self._jct is None and len(self._cold) < 8 * self.history:
+                self._cold[rid] = rank
         got = (r.arrival + self.window * rank, r.arrival)
+        if self._jct is None:
+            return got
         self._memo[rid] = got
         if len(self._memo) > 8 * self.history:
             self._memo.popitem(last=False)

@@ -225,7 +225,10 @@ class Cluster(Placement, Scaling, Accounting):
         for r in w.end_step(now):
             self._finished(w, r, now, self._online)
             if w.rule is not None:
+                cold = not w.rule.warm
                 w.rule.observe(now - r.arrival)
+                if cold:  # keys made under the cold W follow the first real one (SizeRule.key)
+                    w.rekey_waiting()
                 if w.rule.estimator is not None:
                     w.rule.estimator.observe(r.length_class, r.output_len, qo.client_of(r))
         self._count_misses(prefilled, now)

@@ -199,6 +199,19 @@ class SimWorker:
         if self.rule is not None and self.rule.tail_guard and not r.promoted:
             heapq.heappush(self._ages, (r.arrival, self._seq, r))
 
+    def rekey_waiting(self) -> None:
+        """Waiting requests' keys again from `order_key` (the rule's W became warm); a paused or
+        promoted request keeps the key its pause or the tail guard gave it."""
+        if not self.waiting:
+            return
+        entries = []
+        for _, seq, r in self.waiting:
+            if not r.promoted and not r.pauses:
+                r.key = self.order_key(r)
+            entries.append((r.key, seq, r))
+        heapq.heapify(entries)
+        self.waiting = entries
+
     def _promote_overdue(self, now: float) -> None:
         """The tail guard (`SizeRule.guard`): requests waiting longer than it go first, FCFS."""
         g = self.rule.guard()

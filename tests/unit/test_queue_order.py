@@ -133,6 +133,24 @@ def test_ssjf_starvation_bound_is_the_overtake_window():
         wp.make_ssjf(input_weight=-1)
 
 
+
+def test_a_request_keyed_before_any_completion_takes_the_first_warm_window():
+    """Keyed while W is still the cold window_s (no completion yet), a long request keeps its rank
+    but not that W: with the first completion its key is fixed at arrival + warm W x rank, so later
+    arrivals do not overtake it for the whole cold window (120 s), only within the warm one."""
+    rule = wp.SizeRule(input_weight=0.0, window_factor=2.0, window_s=120.0)
+    for k in range(20):
+        rule.key(Q(f"seen{k}", -50.0 + k, predicted_tokens=1 + k))
+    long = Q("long", 0.0, predicted_tokens=1000)
+    assert not rule.warm and rule.key(long)[0] == pytest.approx(120.0)  # rank 1 under the cold W
+    rule.observe(1.0)  # the first completion: W = 2 s
+    assert rule.warm and rule.key(long) == (pytest.approx(2.0), 0.0)
+    rule.observe(50.0)  # W moves on; a key, once warm, does not (heaps stay valid)
+    assert rule.key(long) == (pytest.approx(2.0), 0.0) and rule.window > 3.0
+    later = Q("short-later", 5.0, predicted_tokens=1)
+    assert names(sorted([later, long], key=rule.key)) == ["long", "short-later"]
+
+
 def test_ssjf_reads_what_each_engine_keeps():
     @dataclass
     class Req:  # EngineRequest: the estimate, no prompt token count

@@ -208,6 +208,21 @@ def test_sjf_experiment_takes_the_batch_size_and_the_prompt_weight(tmp_path: Pat
     assert means[2] < means[64]  # two slots saturate at a lower rate than 64
 
 
+
+def test_the_first_burst_of_a_fresh_worker_is_not_held_for_the_cold_window():
+    """A fresh worker (max batch 1) gets a burst with one long request behind a short one, then a
+    stream of short ones that keeps its queue full. Keyed under the cold W (120 s), the long one
+    sorted behind every later arrival until the stream ended (94.7 s before the fix); re-keyed
+    with the first warm W, it runs within a few seconds."""
+    reqs = [(0.0, 10, 20), (0.001, 10, 300)] + [(0.002 + 0.001 * k, 10, 20) for k in range(4)]
+    reqs += [(0.2 + 0.15 * k, 10, 20) for k in range(600)]  # ~0.16 s of work every 0.15 s
+    tr = from_requests(reqs)
+    cfg = cluster.SimConfig(workers=1, order="ssjf", worker=WorkerConfig(max_batch=1, kv_capacity=10**6))
+    res = cluster.simulate(tr, PERF, cfg, predictor=LengthPredictor("oracle", tr.output_len))
+    long = next(r for r in res.requests if r.idx == 1)
+    assert long.finish < 10.0 and max(r.finish for r in res.requests) > 85.0
+
+
 def _pause_run(order: str, **worker):
     """max batch 1: a 400-token job (prompt 3,000) runs; a 5-token job arrives behind it."""
     tr = from_requests([(0.0, 3000, 400), (1.0, 10, 5)])
