@@ -32,14 +32,15 @@ from polyserve.simulator.predictor import LengthPredictor, resolve_confusion
 from polyserve.simulator.trace import Trace, datasets_dir, load_trace, window
 
 ALL_ORDERS = (("fcfs", "FCFS", "fcfs", {}), ("ssjf_class", "SSJF (old)", "ssjf_class", {"aging_s": 120.0}),
-              ("ssjf", "SSJF", "ssjf", {}), ("ssjf_refine", "SSJF + refine", "ssjf", {"refine": True}),
+              ("ssjf", "SSJF", "ssjf", {}), ("ssjf_guard", "SSJF + tail guard", "ssjf", {"guard": True}),
+              ("ssjf_refine", "SSJF + refine", "ssjf", {"refine": True}),
               ("ssjf_client", "SSJF + refine by client", "ssjf", {"refine": True, "by_client": True}),
               ("ssjf_true", "SSJF + refine on true lengths", "ssjf", {"refine": True, "true_lengths": True}),
               ("sjf_oracle", "oracle SJF", "sjf_oracle", {}), ("srpt_oracle", "oracle SRPT", "sjf_oracle", {"refine": True}))
 """(name, label, the simulator's order, options). `+ refine` / SRPT: preemptive at iteration
 boundaries (WorkerConfig.refine_preempt, pause with KV kept; the oracle with its true
 remaining length, the same preemption rules)."""
-DEFAULT_ORDERS = tuple(o for o in ALL_ORDERS if o[0] not in ("ssjf_class", "ssjf_true"))
+DEFAULT_ORDERS = tuple(o for o in ALL_ORDERS if o[0] not in ("ssjf_class", "ssjf_true", "ssjf_guard"))
 ORDERS = DEFAULT_ORDERS
 ORACLES = ("sjf_oracle", "srpt_oracle")
 DEFAULT_TAIL_GUARD = qo.TAIL_GUARD
@@ -95,8 +96,10 @@ def run_trace(spec: str, ctx: int, perf, raw: dict, base: SimConfig, loads, n: i
         for order, label, sim_order, kw in ORDERS:
             if kw.get("by_client") and tr.client is None:
                 continue  # no client ids in this trace: the same runs as + refine
-            sim_kw = {k: v for k, v in kw.items() if k not in ("refine", "by_client", "true_lengths")}
+            sim_kw = {k: v for k, v in kw.items() if k not in ("refine", "by_client", "true_lengths", "guard")}
             run_cfg = replace(cfg, order=sim_order, **sim_kw)
+            if kw.get("guard"):  # ssjf_guard: plain ssjf (no refinement, no pauses) with the tail guard
+                run_cfg = replace(run_cfg, worker=replace(run_cfg.worker, tail_guard=TAIL_GUARD))
             if kw.get("refine"):
                 run_cfg = replace(run_cfg, worker=replace(run_cfg.worker, refine_preempt=True, tail_guard=TAIL_GUARD,
                                                           refine_by_client=bool(kw.get("by_client"))))
@@ -160,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--orders", default=",".join(o[0] for o in DEFAULT_ORDERS),
                     help=f"which of {', '.join(o[0] for o in ALL_ORDERS)} to run (fcfs and one oracle needed)")
     ap.add_argument("--tail-guard", type=float, default=DEFAULT_TAIL_GUARD,
-                    help="+ refine runs: the SizeRule tail guard quantile (0 = off)")
+                    help="+ refine and ssjf_guard runs: the SizeRule tail guard quantile (0 = off)")
     ap.add_argument("--input-weight", type=float, default=-1.0,
                     help="ssjf: the prompt term's weight (-1 = core.queue_order's default)")
     ap.add_argument("--max-batch", type=int, default=0,

@@ -188,7 +188,7 @@ def test_sjf_experiment_table(tmp_path: Path):
 
 
 
-def test_sjf_experiment_takes_the_batch_size_and_the_prompt_weight(tmp_path: Path):
+def test_sjf_experiment_takes_the_batch_size_the_prompt_weight_and_a_guarded_ssjf(tmp_path: Path):
     rng = np.random.default_rng(2)
     rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
     for k in range(200):
@@ -199,11 +199,13 @@ def test_sjf_experiment_takes_the_batch_size_and_the_prompt_weight(tmp_path: Pat
     for batch in (2, 64):
         out = tmp_path / f"b{batch}"
         assert sjf_experiment.main(["--trace", str(p), "--loads", "1.0", "--requests", "200", "--orders",
-                                    "fcfs,ssjf,sjf_oracle", "--max-batch", str(batch), "--input-weight", "0",
-                                    "--out", str(out)]) == 0
+                                    "fcfs,ssjf,ssjf_guard,sjf_oracle", "--max-batch", str(batch), "--input-weight",
+                                    "0", "--out", str(out)]) == 0
         text = (out / "results.txt").read_text()
         assert f"max batch {batch};" in text and "input weight 0;" in text
         data = json.loads((out / "results.json").read_text())
+        assert {r["order"] for r in data["rows"]} == {"fcfs", "ssjf", "ssjf_guard", "sjf_oracle"}
+        assert "SSJF + tail guard" in text
         means[batch] = next(r for r in data["rows"] if r["order"] == "fcfs")["saturation_rps"]
     assert means[2] < means[64]  # two slots saturate at a lower rate than 64
 
