@@ -6,7 +6,7 @@ drawn from a trace (default: the Azure LLM 2023 code trace), scaled so its p99 i
 `--max-tokens` and forced (`min_tokens` = `max_tokens` = the length, greedy); predictions drawn
 from the shipped predictor's measured out-of-distribution confusion (as the simulator's
 `--predictor confusion`); Poisson arrivals at each `--loads` fraction of the engine's measured
-capacity (all requests queued at once under FCFS: requests / makespan). Orders: `fcfs`, `ssjf`,
+capacity (all requests queued at once under FCFS, the middle 80% of the completions). Orders: `fcfs`, `ssjf`,
 `ssjf_refine` (with its pauses) and `oracle` (shortest true length first, non-preemptive; what
 SSJF is measured against, µ-Serve §4.3); `ssjf_true` is the ssjf rule fed the true length as
 its prediction (what the rule earns with a perfect predictor; the rest of ssjf's gap is the
