@@ -158,8 +158,9 @@ async def test_dead_or_silent_predictor_costs_no_request(plane, bus, subjects):
     for c, cap in [(dead, 500)] + [(c, 3) for c in silent]:
         assert c.choices[0].text
         ev = await wait_for(lambda c=c: of(events, c.id, "predicted"), what="predicted event")
-        if c is dead:  # nothing completed yet: the prior
-            assert (ev.source, ev.tokens_estimate) == ("local-prior", 129)
+        if c is dead:  # the prior, or (its prediction is not waited for: placed on a free slot, asked in
+            # the background) the history once the silent ones completed; CI saw the latter once
+            assert (ev.source, ev.tokens_estimate) == ("local-prior", 129) or ev.source == "local-history", ev
         else:  # the gateway's own history once 5 requests completed (these do not wait for it)
             assert ev.source in ("local-prior", "local-history") and ev.tokens_estimate <= cap, ev
         # the budget plus a margin, plus any stall of the loop meanwhile (CI once saw 458 ms
