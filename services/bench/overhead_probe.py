@@ -4,7 +4,7 @@
 * `split`: where one request's milliseconds go at concurrency 1: the client's clock around
   each request against the timestamps of its request events (`admitted`, `dispatched`,
   `first_token`, `completed`; one machine, one clock), p50 of each segment.
-* `spy OUT`: `py-spy record` of the gateway process while a closed-loop client drives json
+* `spy OUT`: `py-spy record` of the gateway process (or `--role`'s) while a closed-loop client drives json
   requests (`--concurrency`, default 8); raw collapsed stacks in OUT.
 
 * `msgs`: NATS messages per request by connection (service): what each published and was
@@ -103,12 +103,12 @@ async def messages(state: launcher.ClusterState, n: int, warmup: int = 20) -> di
             for name, (pub, got) in sorted(after.items())}
 
 
-def spy(state: launcher.ClusterState, path: str, seconds: float, concurrency: int) -> None:
-    """py-spy of the gateway while json requests run at `concurrency`."""
+def spy(state: launcher.ClusterState, path: str, seconds: float, concurrency: int, role: str = "gateway") -> None:
+    """py-spy of the first process of `role` while json requests run at `concurrency`."""
     exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    gateway = next(pid for name, pid in overhead._processes(state).items() if name.startswith("gateway"))
+    target = next(pid for name, pid in overhead._processes(state).items() if name.startswith(role))
     asyncio.run(overhead.drive(state.gateway_url, "bench-sim", False, 200, concurrency, 16))  # warm up
-    proc = subprocess.Popen([exe, "record", "-p", str(gateway), "-d", str(int(seconds)), "-r", "250", "-f", "raw",
+    proc = subprocess.Popen([exe, "record", "-p", str(target), "-d", str(int(seconds)), "-r", "250", "-f", "raw",
                              "--nonblocking", "-o", path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     t = time.monotonic()
     while time.monotonic() - t < seconds - 1:
@@ -124,10 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--requests", type=int, default=200)
     m = sub.add_parser("msgs", help="NATS messages per request, by service")
     m.add_argument("--requests", type=int, default=300)
-    p = sub.add_parser("spy", help="py-spy of the gateway under json load")
+    p = sub.add_parser("spy", help="py-spy of a service (the gateway by default) under json load")
     p.add_argument("out")
     p.add_argument("--seconds", type=float, default=12.0)
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--role", default="gateway", help="gateway, worker, dispatcher, predictor, planner, gpu-agent")
     args = ap.parse_args(argv)
     spec = overhead._spec(argparse.Namespace(with_model=False), 1)
     print(f"starting polyserve (sim engine, zero compute time) in {spec.run_dir} ...", flush=True)
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:24s} {pub:9.2f}  {got:9.2f}")
             print(f"{'all':24s} {sum(p for p, _ in rows.values()):9.2f}  {sum(g for _, g in rows.values()):9.2f}")
         else:
-            spy(state, args.out, args.seconds, args.concurrency)
+            spy(state, args.out, args.seconds, args.concurrency, args.role)
             print(f"wrote {args.out}")
     finally:
         launcher.down(spec.run_dir, progress=lambda m: None)
