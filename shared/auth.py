@@ -62,8 +62,7 @@ def nats_permissions(prefix: str) -> dict[str, dict]:
     stream = f"{prefix}_request_events"  # shared/durable.py: completed/failed kept by JetStream
     manage = [f"$JS.API.STREAM.{op}.{stream}" for op in ("INFO", "CREATE", "UPDATE")]
     consume = [f"$JS.API.CONSUMER.CREATE.{stream}.>", f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.>",
-               f"$JS.API.CONSUMER.INFO.{stream}.*", f"$JS.API.CONSUMER.DELETE.{stream}.*",
-               f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*", f"$JS.ACK.{stream}.>"]  # MSG.NEXT: pulls
+               f"$JS.API.CONSUMER.INFO.{stream}.*", f"$JS.API.CONSUMER.DELETE.{stream}.*", f"$JS.ACK.{stream}.>"]
     for user in ("gateway", "predictor", "dispatcher", "planner", "gpu-agent"):
         perms[user]["pub"] += manage + ([] if user == "gateway" else consume)
     out = {}

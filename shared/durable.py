@@ -10,9 +10,9 @@ JetStream stream (`stream_name(prefix)`, file storage, replicated on a NATS clus
   and payload) and a reply inbox; the stream's PubAck takes it out of the outbox. An event
   not acknowledged within `RESEND_AFTER_S` is published again (the reconnect buffer keeps it
   while NATS is down); the stream's duplicate window drops the copies.
-* consumers (`DurableSubscription`): a JetStream pull consumer per queue group (its
-  instances share the events) or per service instance (every instance sees every event),
-  pulled in batches (its docstring), with explicit acks: what a consumer missed while disconnected is redelivered after
+* consumers (`DurableSubscription`): a JetStream push consumer per queue group (one
+  delivery per group) or per service instance (every instance sees every event), with
+  explicit acks: what a consumer missed while disconnected is redelivered after
   `ACK_WAIT_S`; redelivered copies it already handled are skipped by message id.
 
 Chosen over a plain re-publish outbox because a flush only proves that the server got the
@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
-import json
 import logging
 import time
 import uuid
@@ -48,10 +47,7 @@ MAX_AGE_S = 3600.0  # the stream keeps an event this long (consumers that were a
 MAX_MSGS = 1_000_000  # the oldest go first; no max_bytes: JetStream would reserve it up front per stream
 RESEND_AFTER_S = 2.0  # no PubAck by then: publish the same event (same id) again
 ACK_WAIT_S = 3.0  # a delivered event not acknowledged by then is delivered again
-INACTIVE_S = 600.0  # a consumer nobody pulls from is removed by the server after this
-LINGER_S = 0.02  # a consumer takes the events gathered over this long in one pull (issue 15)
-PULL_BATCH = 512  # at most this many per pull
-LONG_POLL_S = 2.0  # a quiet consumer's pull waits this long for an event, then asks again
+INACTIVE_S = 600.0  # a consumer nobody listens to is removed by the server after this
 OUTBOX_MAX = 200_000
 API_TIMEOUT_S = 2.0
 
@@ -214,14 +210,7 @@ Handler = Callable[[NatsMsg], Awaitable[None]]
 
 
 class DurableSubscription:
-    """A JetStream pull consumer on one durable event subject (module docstring).
-
-    Pulled, not pushed (issue 15): a push consumer delivered each event on its own, so every
-    consumer process (dispatcher, predictor, planner, gpu-agent) woke, read, handled and acked
-    once per request. Here an idle consumer waits in a long poll (the first event after a quiet
-    spell is handled at once), then lets events gather for `LINGER_S` and takes all of them
-    (up to `PULL_BATCH`) in one reply, acked in one write: at hundreds of requests a second one
-    wake-up per `LINGER_S` instead of one per event, each event at most `LINGER_S` later."""
+    """A JetStream push consumer on one durable event subject (module docstring)."""
 
     def __init__(self, nc: NATS, subject: str, service: str, queue: str, handler: Handler,
                  inbox_prefix: str, replicas: int):
@@ -231,28 +220,23 @@ class DurableSubscription:
         self.stream = stream_name(self.prefix)
         kind = subject.rsplit(".", 1)[-1]
         who = queue or f"{service}-{uuid.uuid4().hex[:8]}"
-        # "-pull": a push consumer of the same name (an older polyserve) cannot be pulled from
-        self.consumer = "".join(c if c.isalnum() or c in "-_" else "_" for c in f"{who}-{kind}-pull")
+        self.consumer = "".join(c if c.isalnum() or c in "-_" else "_" for c in f"{who}-{kind}")
         self.queue = queue
-        self.deliver = f"{inbox_prefix}.ev.{self.consumer}.{uuid.uuid4().hex[:8]}"
+        self.deliver = f"{inbox_prefix}.ev.{self.consumer}"
         self.replicas = replicas
         self.started = datetime.now(timezone.utc)
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._sub: Any = None
-        self._puller: asyncio.Task | None = None
-        self._want = 0  # events the pull request in flight asked for
-        self._got = 0  # ... and those that came
-        self._answered = asyncio.Event()  # the request in flight is over (all came, or a status)
         self.duplicates = 0
-        self.pulls = 0
 
     async def start(self) -> bool:
-        """Create the consumer, subscribe and start pulling; False when JetStream is unavailable."""
+        """Create the consumer and subscribe; False when JetStream is unavailable."""
         if not await ensure_stream(self.nc, self.prefix, self.replicas):
             return False
         cfg = api.ConsumerConfig(
-            durable_name=self.consumer, filter_subject=self.subject, ack_policy=api.AckPolicy.EXPLICIT,
-            ack_wait=ACK_WAIT_S, deliver_policy=api.DeliverPolicy.BY_START_TIME,
+            durable_name=self.consumer, deliver_subject=self.deliver, deliver_group=self.queue or None,
+            filter_subject=self.subject, ack_policy=api.AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S,
+            deliver_policy=api.DeliverPolicy.BY_START_TIME,
             opt_start_time=self.started.isoformat().replace("+00:00", "Z"),
             max_ack_pending=20_000, inactive_threshold=INACTIVE_S, num_replicas=0)
         jsm = self.nc.jsm(timeout=API_TIMEOUT_S)
@@ -264,10 +248,7 @@ class DurableSubscription:
             except Exception:  # noqa: BLE001
                 logger.warning("could not create JetStream consumer %s: %s", self.consumer, exc)
                 return False
-        if self._sub is None:
-            self._sub = await self.nc.subscribe(self.deliver, cb=self._on_msg)
-        if self._puller is None or self._puller.done():
-            self._puller = asyncio.ensure_future(self._pull_loop())
+        self._sub = await self.nc.subscribe(self.deliver, queue=self.queue, cb=self._on_msg)
         return True
 
     def add(self, handler: Handler) -> None:
@@ -310,47 +291,8 @@ class DurableSubscription:
                 return
             delay = min(delay * 2, 15.0)
 
-    async def _pull(self, batch: int, wait_s: float) -> int:
-        """One pull request: up to `batch` events, those there now (`wait_s` 0) or the first to
-        come within `wait_s`. Returns how many came (handled and acked by `_on_msg` meanwhile)."""
-        req: dict[str, Any] = {"batch": batch}
-        if wait_s > 0:
-            req["expires"] = int(wait_s * 1e9)
-        else:
-            req["no_wait"] = True
-        self._want, self._got = batch, 0
-        self._answered.clear()
-        self.pulls += 1
-        await self.nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{self.consumer}",
-                              json.dumps(req).encode(), reply=self.deliver)
-        try:  # the server ends the request with a status (404/408) unless `batch` events came
-            await asyncio.wait_for(self._answered.wait(), wait_s + API_TIMEOUT_S)
-        except asyncio.TimeoutError:  # a reply lost to a reconnect: the next request asks again
-            pass
-        return self._got
-
-    async def _pull_loop(self) -> None:
-        while True:
-            try:
-                if not self.nc.is_connected:
-                    await asyncio.sleep(0.1)
-                    continue
-                if await self._pull(PULL_BATCH, 0.0) == 0:
-                    await self._pull(1, LONG_POLL_S)  # quiet: the next event wakes this at once
-                await asyncio.sleep(LINGER_S)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a closed or reconnecting connection: try again
-                logger.debug("pull from %s: %s", self.consumer, exc)
-                await asyncio.sleep(0.5)
-
     async def _on_msg(self, m: NatsMsg) -> None:
-        if not m.reply:  # a status: no (more) events for the request in flight, or it expired
-            status = (m.headers or {}).get("Status", "")
-            if status == "409" and "deleted" in (m.headers or {}).get("Description", "").lower():
-                asyncio.ensure_future(self.start())  # removed (e.g. inactive while NATS was away): again
-            if status != "100":  # 100: an idle heartbeat
-                self._answered.set()
+        if not m.reply:  # a status message (idle heartbeat / flow control): nothing to handle
             return
         if self.seen((m.headers or {}).get(MSG_ID, "")):
             self.duplicates += 1
@@ -363,13 +305,8 @@ class DurableSubscription:
             await self.nc.publish(m.reply, b"+ACK")
         except Exception as exc:  # noqa: BLE001 - redelivered after ACK_WAIT_S, skipped as a duplicate
             logger.debug("could not ack %s: %s", self.subject, exc)
-        self._got += 1
-        if self._got >= self._want:
-            self._answered.set()
 
     async def close(self, delete: bool) -> None:
-        if self._puller is not None:
-            self._puller.cancel()
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()
