@@ -108,7 +108,8 @@ class Cluster(Placement, Scaling, Accounting):
         return lambda r, generated, prefill: qo.refined_ssjf_key(rule, est, r, generated, prefill)
 
     def _new_rule(self) -> qo.SizeRule | None:
-        """A worker's own `ssjf` state (its queue's recent sizes and JCTs), as in a live worker."""
+        """A worker's own `ssjf` state (its queue's recent sizes and JCTs, the tail guard of
+        `WorkerConfig.tail_guard`: on by default), as in a live worker."""
         cfg = self.cfg
         if cfg.order != "ssjf":
             return None

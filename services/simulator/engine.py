@@ -92,7 +92,9 @@ class WorkerConfig:
     preempt_quantum: int = 16
     pause_kv: bool = True
     refine_by_client: bool = False  # the remaining-length tables also per client (RemainingEstimator.by_client)
-    tail_guard: float = 0.0  # ssjf: a request waiting past this quantile of recent JCTs goes first (0 = off)
+    # ssjf: a request waiting past this quantile of recent JCTs goes first, FCFS among such (0 = off);
+    # on by default, as in a live worker's ssjf (core.queue_order.DEFAULT_RULE)
+    tail_guard: float = wp.TAIL_GUARD
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The speculative-SJF experiment (docs/experiments/sjf.md): one worker, loads as fractions
 of its saturation, FCFS vs SSJF (old: `ssjf_class`, aging 120 s per class) vs SSJF (new:
-`ssjf`, size with a bounded overtake window) vs oracle SJF (true output length). SIMULATED.
+`ssjf`, size with a bounded overtake window and, as in a live worker, the P80 tail guard;
+`ssjf_noguard`: the same without the guard) vs oracle SJF (true output length). SIMULATED.
 
     python -m polyserve.simulator.sjf_experiment --out experiments-out/sjf
 
@@ -32,19 +33,20 @@ from polyserve.simulator.predictor import LengthPredictor, resolve_confusion
 from polyserve.simulator.trace import Trace, datasets_dir, load_trace, window
 
 ALL_ORDERS = (("fcfs", "FCFS", "fcfs", {}), ("ssjf_class", "SSJF (old)", "ssjf_class", {"aging_s": 120.0}),
-              ("ssjf", "SSJF", "ssjf", {}), ("ssjf_guard", "SSJF + tail guard", "ssjf", {"guard": True}),
+              ("ssjf", "SSJF", "ssjf", {}), ("ssjf_noguard", "SSJF without tail guard", "ssjf", {"noguard": True}),
               ("ssjf_refine", "SSJF + refine", "ssjf", {"refine": True}),
               ("ssjf_client", "SSJF + refine by client", "ssjf", {"refine": True, "by_client": True}),
               ("ssjf_true", "SSJF + refine on true lengths", "ssjf", {"refine": True, "true_lengths": True}),
               ("sjf_oracle", "oracle SJF", "sjf_oracle", {}), ("srpt_oracle", "oracle SRPT", "sjf_oracle", {"refine": True}))
-"""(name, label, the simulator's order, options). `+ refine` / SRPT: preemptive at iteration
-boundaries (WorkerConfig.refine_preempt, pause with KV kept; the oracle with its true
-remaining length, the same preemption rules)."""
-DEFAULT_ORDERS = tuple(o for o in ALL_ORDERS if o[0] not in ("ssjf_class", "ssjf_true", "ssjf_guard"))
+"""(name, label, the simulator's order, options). The ssjf rows carry the tail guard (--tail-guard,
+as a live worker's ssjf) but `ssjf_noguard`, the rule as it was served before 2026-11-26. `+ refine`
+/ SRPT: preemptive at iteration boundaries (WorkerConfig.refine_preempt, pause with KV kept; the
+oracle with its true remaining length, the same preemption rules)."""
+ALIASES = {"ssjf_guard": "ssjf"}
+"""Earlier names in --orders: `ssjf_guard` (plain ssjf with the guard) is what `ssjf` is now."""
+DEFAULT_ORDERS = tuple(o for o in ALL_ORDERS if o[0] not in ("ssjf_class", "ssjf_true", "ssjf_noguard"))
 ORDERS = DEFAULT_ORDERS
 ORACLES = ("sjf_oracle", "srpt_oracle")
-DEFAULT_TAIL_GUARD = qo.TAIL_GUARD
-TAIL_GUARD = DEFAULT_TAIL_GUARD
 LONG_CONTEXT = 131072
 
 
@@ -96,12 +98,12 @@ def run_trace(spec: str, ctx: int, perf, raw: dict, base: SimConfig, loads, n: i
         for order, label, sim_order, kw in ORDERS:
             if kw.get("by_client") and tr.client is None:
                 continue  # no client ids in this trace: the same runs as + refine
-            sim_kw = {k: v for k, v in kw.items() if k not in ("refine", "by_client", "true_lengths", "guard")}
+            sim_kw = {k: v for k, v in kw.items() if k not in ("refine", "by_client", "true_lengths", "noguard")}
             run_cfg = replace(cfg, order=sim_order, **sim_kw)
-            if kw.get("guard"):  # ssjf_guard: plain ssjf (no refinement, no pauses) with the tail guard
-                run_cfg = replace(run_cfg, worker=replace(run_cfg.worker, tail_guard=TAIL_GUARD))
+            if kw.get("noguard"):  # ssjf_noguard: the size rule alone, as plain ssjf was served before
+                run_cfg = replace(run_cfg, worker=replace(run_cfg.worker, tail_guard=0.0))
             if kw.get("refine"):
-                run_cfg = replace(run_cfg, worker=replace(run_cfg.worker, refine_preempt=True, tail_guard=TAIL_GUARD,
+                run_cfg = replace(run_cfg, worker=replace(run_cfg.worker, refine_preempt=True,
                                                           refine_by_client=bool(kw.get("by_client"))))
             # ssjf_true: the same rule and bound fed true lengths (what the predictor costs, apart from the bound)
             used = LengthPredictor("oracle", full.output_len, name="oracle: true lengths (ssjf_true only)") \
@@ -161,9 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window-factor", type=float, default=0.0,
                     help="ssjf: W = this x the recent mean JCT (0 = core.queue_order.WINDOW_FACTOR)")
     ap.add_argument("--orders", default=",".join(o[0] for o in DEFAULT_ORDERS),
-                    help=f"which of {', '.join(o[0] for o in ALL_ORDERS)} to run (fcfs and one oracle needed)")
-    ap.add_argument("--tail-guard", type=float, default=DEFAULT_TAIL_GUARD,
-                    help="+ refine and ssjf_guard runs: the SizeRule tail guard quantile (0 = off)")
+                    help=f"which of {', '.join(o[0] for o in ALL_ORDERS)} to run (fcfs and one oracle needed; "
+                         "ssjf_guard, an earlier name, runs ssjf)")
+    ap.add_argument("--tail-guard", type=float, default=qo.TAIL_GUARD,
+                    help="ssjf and + refine runs (not ssjf_noguard): the SizeRule tail guard quantile (0 = off)")
     ap.add_argument("--input-weight", type=float, default=-1.0,
                     help="ssjf: the prompt term's weight (-1 = core.queue_order's default)")
     ap.add_argument("--max-batch", type=int, default=0,
@@ -175,16 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     perf, raw = load_perf(args.profile)
     ctx, ctx_src = context_limit(raw)
     prof, prof_src = profiled_prompt_tokens(raw)
-    global ORDERS, TAIL_GUARD
-    TAIL_GUARD = args.tail_guard
-    want = set(args.orders.split(","))
+    global ORDERS
+    want = {ALIASES.get(o, o) for o in args.orders.split(",")}
     ORDERS = tuple(o for o in ALL_ORDERS if o[0] in want)
     if "fcfs" not in want or not want & set(ORACLES) or want - {o[0] for o in ALL_ORDERS}:
         ap.error(f"--orders: names from {', '.join(o[0] for o in ALL_ORDERS)}, fcfs and an oracle among them")
     base = SimConfig(workers=1, context_limit=ctx, over_context="reject", profiled_prefill_tokens=prof, ssjf_window_factor=args.window_factor,
                      ssjf_input_weight=args.input_weight,
                      worker=WorkerConfig(kv_capacity=int(raw.get("kv_capacity_tokens", 0)),
-                                         tp=int(raw.get("tensor_parallel", 1)),
+                                         tp=int(raw.get("tensor_parallel", 1)), tail_guard=args.tail_guard,
                                          **({"max_batch": args.max_batch} if args.max_batch > 0 else {})))
     confusion, cname = resolve_confusion(args.confusion)
     loads = [float(x) for x in args.loads.split(",") if x.strip()]
@@ -197,9 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     notes = [(f"SIMULATED. profile {raw.get('name')}; one worker, max batch {base.worker.max_batch}; "
               f"first {args.requests} requests per run; ssjf window factor "
               f"{args.window_factor or qo.WINDOW_FACTOR:g}, input weight "
-              f"{args.input_weight if args.input_weight >= 0 else qo.INPUT_WEIGHT:g}; + refine: preempt "
-              f"quantum {qo.PREEMPT_QUANTUM} steps, margin {qo.PREEMPT_MARGIN:g} W, paused KV kept, tail guard "
-              f"P{100 * TAIL_GUARD:g} of recent JCT, survival tables of {qo.REFINE_HISTORY} completions "
+              f"{args.input_weight if args.input_weight >= 0 else qo.INPUT_WEIGHT:g}; tail guard "
+              f"{f'P{100 * args.tail_guard:g} of recent JCT' if args.tail_guard else 'off'} (ssjf_noguard: off); "
+              f"+ refine: preempt quantum {qo.PREEMPT_QUANTUM} steps, margin {qo.PREEMPT_MARGIN:g} W, paused KV "
+              f"kept, survival tables of {qo.REFINE_HISTORY} completions "
               f"(prior {qo.REFINE_PRIOR:g}, from {qo.REFINE_MIN_SAMPLES})"),
              "predictor model: " + "; ".join(dict.fromkeys(r["predictor"] for r in rows)),
              (f"context limit {ctx} tokens ({ctx_src}; prompts over it rejected) unless the trace line says "

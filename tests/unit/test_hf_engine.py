@@ -358,6 +358,38 @@ def test_ssjf_refine_is_offered_and_unknown_orders_are_refused():
     assert err.value.status == 400
 
 
+def test_ssjf_orders_the_queue_at_each_admission_and_a_request_past_the_tail_guard_goes_first(monkeypatch):
+    """scheduling ssjf (no pauses): the queue is ordered by `queue_order.speculative_sjf` on the queued
+    entries, not by a static key, so a long request that has waited past the tail guard (the P80 of
+    the worker's recent JCTs, from GUARD_MIN completions on) goes ahead of shorter later arrivals."""
+    import time
+
+    from polyserve.core import queue_order as policy
+    from polyserve.worker.engines.hf import _Active
+    rule = policy.SizeRule(tail_guard=policy.TAIL_GUARD)  # the live rule's settings, none of its state
+    monkeypatch.setattr(policy, "DEFAULT_RULE", rule)
+    eng = HfEngine(settings(scheduling="ssjf"))
+    assert eng.preemptor is None
+    for k in range(40):  # recent sizes 10..400 tokens: 5,000 ranks last, 5 first
+        rule.key(types.SimpleNamespace(request_id=f"seen{k}", arrival=-200.0 + k, priority=0,
+                                       predicted_tokens=10 * (k + 1)))
+    for _ in range(policy.GUARD_MIN - 1):
+        rule.observe(10.0)  # W = 20 s; the guard would be 10 s
+    now = time.monotonic()
+
+    def queued(rid: str, waited: float, tokens: int, seq: int) -> _Active:
+        req = EngineRequest(rid, "p", SamplingParams(max_tokens=tokens), predicted_tokens=tokens, arrival=now - waited)
+        return _Active(req, [1, 2], seq, 0)
+    def order() -> list[str]:
+        return [a.req.request_id for a in eng._ordered()]
+    eng._waiting = [queued("short1", 3.0, 5, 1), queued("long", 15.0, 5000, 0), queued("short2", 2.0, 5, 2)]
+    assert order() == ["short1", "short2", "long"]  # not before GUARD_MIN completions: by size
+    rule.observe(10.0)
+    assert order() == ["long", "short1", "short2"]  # waited 15 s > the guard (10 s)
+    eng.set_order(policy.ORDER_KEYS["ssjf"])  # a static key replaces the order: no promotion
+    assert order() == ["short1", "short2", "long"]
+
+
 # ------------------------------------------------------------------ ssjf_refine: pause keeping the KV
 LONG = dict(max_tokens=64, temperature=0, predicted_tokens=64, length_class=3)
 SHORT = dict(max_tokens=3, temperature=0, predicted_tokens=3, length_class=0)

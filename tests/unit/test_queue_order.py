@@ -27,6 +27,17 @@ def names(xs) -> list[str]:
     return [x.name for x in xs]
 
 
+@pytest.fixture(autouse=True)
+def fresh_default_rule(monkeypatch):
+    """An empty live ssjf rule with the live one's settings for every test: the engines' tests feed
+    the module's DEFAULT_RULE their completions (its window and tail guard), and an order here must
+    neither see that state nor leave its own."""
+    live = wp.DEFAULT_RULE
+    rule = wp.SizeRule(live.input_weight, live.window_factor, live.window_s, live.history, tail_guard=live.tail_guard)
+    monkeypatch.setattr(wp, "DEFAULT_RULE", rule)
+    return rule
+
+
 def test_fcfs_and_priority_are_unchanged():
     qs = [Q("b", 2.0), Q("a", 1.0, priority=1), Q("c", 3.0)]
     assert names(wp.fcfs(qs)) == ["a", "b", "c"]
@@ -247,7 +258,7 @@ def test_client_of_reads_engine_fields():
 
 
 def test_tail_guard_is_a_quantile_of_recent_jcts_and_puts_overdue_requests_first(monkeypatch):
-    assert wp.SizeRule().guard() is None  # off by default (plain ssjf)
+    assert wp.SizeRule().guard() is None  # off unless asked (the live rules ask: DEFAULT_RULE, REFINE_RULE)
     rule = wp.SizeRule(tail_guard=0.9)
     for k in range(wp.GUARD_MIN - 1):
         rule.observe(1.0)
@@ -264,3 +275,25 @@ def test_tail_guard_is_a_quantile_of_recent_jcts_and_puts_overdue_requests_first
     assert order[:2] == ["big-older", "big-old"]  # waited 110 and 100 s > the guard: first, in arrival order
     assert names(wp.speculative_sjf_refine(qs, now=50.0)) == names(sorted(qs, key=rule.key))  # none overdue yet
     assert wp.overdue(rule, qs[0], 100.0) and not wp.overdue(rule, qs[1], 100.0)
+
+
+def test_plain_ssjf_puts_a_request_waiting_past_the_tail_guard_first(fresh_default_rule):
+    """The served `ssjf` carries the P80 tail guard: once DEFAULT_RULE has GUARD_MIN completions, a
+    long request that has waited longer than the P80 of their JCTs goes ahead of shorter later
+    arrivals (first come first served among such); with fewer completions, the size rule alone."""
+    rule = fresh_default_rule
+    assert rule.tail_guard == wp.TAIL_GUARD == 0.8
+    for k in range(40):  # recent sizes 10..400 tokens: a 5,000-token request ranks last, a 5-token one first
+        rule.key(Q(f"seen{k}", -200.0 + k, predicted_tokens=10 * (k + 1)))
+    for _ in range(wp.GUARD_MIN - 1):
+        rule.observe(10.0)  # W = 2 x 10 s; the guard would be 10 s
+    qs = [Q("short1", 12.0, predicted_tokens=5), Q("long", 0.0, predicted_tokens=5000),
+          Q("short2", 13.0, predicted_tokens=5), Q("long-later", 11.0, predicted_tokens=5000)]
+    assert rule.guard() is None  # not before GUARD_MIN completions
+    assert names(wp.speculative_sjf(qs, now=15.0)) == ["short1", "short2", "long", "long-later"]
+    rule.observe(10.0)
+    assert rule.guard() == 10.0
+    # "long" has waited 15 s > 10 s: first; "long-later" (4 s) still sorts by its size
+    assert names(wp.speculative_sjf(qs, now=15.0)) == ["long", "short1", "short2", "long-later"]
+    assert names(wp.ORDERS["ssjf"](qs, now=21.5)) == ["long", "long-later", "short1", "short2"]  # FCFS among overdue
+    assert names(sorted(qs, key=wp.ORDER_KEYS["ssjf"])) == ["short1", "short2", "long", "long-later"]  # the key alone

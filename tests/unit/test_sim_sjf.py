@@ -188,7 +188,7 @@ def test_sjf_experiment_table(tmp_path: Path):
 
 
 
-def test_sjf_experiment_takes_the_batch_size_the_prompt_weight_and_a_guarded_ssjf(tmp_path: Path):
+def test_sjf_experiment_takes_the_batch_size_the_prompt_weight_and_an_unguarded_ssjf(tmp_path: Path):
     rng = np.random.default_rng(2)
     rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
     for k in range(200):
@@ -199,13 +199,15 @@ def test_sjf_experiment_takes_the_batch_size_the_prompt_weight_and_a_guarded_ssj
     for batch in (2, 64):
         out = tmp_path / f"b{batch}"
         assert sjf_experiment.main(["--trace", str(p), "--loads", "1.0", "--requests", "200", "--orders",
-                                    "fcfs,ssjf,ssjf_guard,sjf_oracle", "--max-batch", str(batch), "--input-weight",
-                                    "0", "--out", str(out)]) == 0
+                                    "fcfs,ssjf,ssjf_guard,ssjf_noguard,sjf_oracle", "--max-batch", str(batch),
+                                    "--input-weight", "0", "--out", str(out)]) == 0
         text = (out / "results.txt").read_text()
-        assert f"max batch {batch};" in text and "input weight 0;" in text
+        assert f"max batch {batch};" in text and "input weight 0;" in text and "tail guard P80" in text
         data = json.loads((out / "results.json").read_text())
-        assert {r["order"] for r in data["rows"]} == {"fcfs", "ssjf", "ssjf_guard", "sjf_oracle"}
-        assert "SSJF + tail guard" in text
+        # ssjf_guard, the earlier name of plain ssjf with the guard, runs ssjf
+        assert {r["order"] for r in data["rows"]} == {"fcfs", "ssjf", "ssjf_noguard", "sjf_oracle"}
+        assert "SSJF without tail guard" in text
+        assert next(r for r in data["rows"] if r["order"] == "ssjf_noguard")["counters"]["tail_guard_promoted"] == 0
         means[batch] = next(r for r in data["rows"] if r["order"] == "fcfs")["saturation_rps"]
     assert means[2] < means[64]  # two slots saturate at a lower rate than 64
 
@@ -301,3 +303,28 @@ def test_tail_guard_serves_a_request_waiting_past_the_jct_quantile_first():
         out[guard] = (big.finish - big.arrival, res.counters["tail_guard_promoted"])
     assert out[0.0][1] == 0 and out[0.9][1] >= 1
     assert out[0.9][0] < 0.5 * out[0.0][0]
+
+
+def test_the_simulators_ssjf_carries_the_live_tail_guard_unless_turned_off():
+    """Plain ssjf in the simulator models the live worker's: the P80 tail guard is on by default
+    (WorkerConfig, `polyserve simulate --tail-guard`), and 0 turns it off. Batch of 1 kept busy by
+    short jobs: the long-prompt job sorts last under the size rule; with the guard it goes once it
+    has waited longer than the P80 of recent JCTs."""
+    from polyserve.core import queue_order as qo
+    from polyserve.simulator.cli import _base_config, build_parser
+
+    assert WorkerConfig().tail_guard == qo.DEFAULT_RULE.tail_guard == qo.TAIL_GUARD
+    assert _base_config(build_parser().parse_args([]), {"model": "x"}, 1, 0.6).worker.tail_guard == qo.TAIL_GUARD
+    assert _base_config(build_parser().parse_args(["--tail-guard", "0"]), {"model": "x"}, 1, 0.6).worker.tail_guard == 0
+    warm = [(1.0 * k, 50, 5) for k in range(80)]
+    late = [(80.0, 3000, 5)] + [(79.99 + 0.08 * k, 50, 5) for k in range(400)]
+    tr = from_requests(warm + late)
+    out = {}
+    for name, worker in (("default", {}), ("off", {"tail_guard": 0.0})):
+        cfg = cluster.SimConfig(workers=1, order="ssjf", ssjf_window_factor=1000.0,
+                                worker=WorkerConfig(max_batch=1, kv_capacity=10**6, **worker))
+        res = cluster.simulate(tr, PERF, cfg, predictor=LengthPredictor("oracle", tr.output_len))
+        big = next(r for r in res.requests if r.input_len == 3000)
+        out[name] = (big.finish - big.arrival, res.counters["tail_guard_promoted"])
+    assert out["off"][1] == 0 and out["default"][1] >= 1
+    assert out["default"][0] < 0.5 * out["off"][0]

@@ -12,7 +12,8 @@ Admission (`generate`'s first `__anext__`): a full waiting queue is EngineOverlo
 (429); an input over `max_input_len`, or a request whose KV reservation could never
 fit, is a 400; an unknown adapter is a 404 naming the loaded ones.
 
-Scheduling `ssjf_refine` (queue order and pauses with the KV kept): `hf_refine.Refine`.
+Scheduling `ssjf` and `ssjf_refine` (an order made afresh at each admission, the tail guard's
+overdue requests first; ssjf_refine's pauses with the KV kept): `hf_refine.Refine`.
 
 LoRA adapters (tiers, background copies, CPU-assisted cold start, prefetch) are managed
 by `hf_lora.AdapterManager`; the loop calls it between steps under the engine lock.
@@ -66,10 +67,12 @@ logger = logging.getLogger(__name__)
 
 OrderKey = Callable[[EngineRequest], Any]
 # Queue orders as sort keys (fcfs, priority, ssjf, ssjf_class): the same code the sim engine and the
-# simulator use. ssjf_refine is not a static key (paused requests are re-keyed, overdue ones promoted):
-# the engine orders its queue with `queue_order.speculative_sjf_refine` and pauses with a `Preemptor`.
+# simulator use. ssjf and ssjf_refine are not static keys (overdue requests are promoted, paused ones
+# re-keyed): the engine orders its queue with `queue_order.ORDERS[...]` (DYNAMIC), ssjf_refine also
+# pauses with a `Preemptor`.
 ORDERS: dict[str, OrderKey] = {k: v for k, v in queue_order.ORDER_KEYS.items() if k != "sjf_oracle"}
 REFINE = "ssjf_refine"
+DYNAMIC = ("ssjf", REFINE)
 
 
 class _Active:
@@ -91,7 +94,7 @@ class _Active:
         self.paused: Paused | None = None  # ssjf_refine: back in the queue, its rows and KV set aside
         self.ran_from = 0  # decode steps it had when last (re)admitted (the Preemptor's quantum)
 
-    # what `queue_order`'s ssjf_refine reads of a queued request (the rest it finds on `req`)
+    # what `queue_order`'s ssjf and ssjf_refine read of a queued request (the rest they find on `req`)
     arrival = property(lambda self: self.req.arrival)
     priority = property(lambda self: self.req.priority)
     input_tokens = property(lambda self: len(self.ids))  # ssjf's prompt term (a prefill's cost)
@@ -128,8 +131,10 @@ class HfEngine(Refine, Engine):
         if order is None and scheduling not in (*ORDERS, REFINE):
             raise EngineError(f"scheduling {scheduling!r} is unknown; choose one of {', '.join((*ORDERS, REFINE))}",
                               400)
-        self.order: OrderKey = order or ORDERS.get(scheduling, ORDERS["fcfs"])  # ssjf_refine: unused, see _ordered
-        # ssjf_refine: orders the queue itself (see _ordered) and pauses running requests for shorter ones
+        self.order: OrderKey = order or ORDERS.get(scheduling, ORDERS["fcfs"])  # ssjf, ssjf_refine: unused
+        # ssjf, ssjf_refine: the queue is ordered by this afresh at each admission (see _ordered)
+        self.dynamic_order = queue_order.ORDERS[scheduling] if order is None and scheduling in DYNAMIC else None
+        # ssjf_refine: also pauses running requests for shorter ones
         self.preemptor = queue_order.Preemptor() if order is None and scheduling == REFINE else None
         self._decode_steps = 0
         self.kv_layout = getattr(settings, "kv_layout", "auto") or "auto"
@@ -190,8 +195,9 @@ class HfEngine(Refine, Engine):
 
     def set_order(self, order: OrderKey) -> None:
         """Change the waiting queue's order (e.g. shortest-predicted-first with aging); a static key
-        replaces ssjf_refine and its pauses (requests paused now still resume)."""
+        replaces ssjf / ssjf_refine and its pauses (requests paused now still resume)."""
         self.order = order
+        self.dynamic_order = None
         self.preemptor = None
 
     # ----------------------------------------------------------------- requests
@@ -440,12 +446,12 @@ class HfEngine(Refine, Engine):
         start = act.start if act.start is not None else time.monotonic()
         stats = make_stats(len(act.ids), len(act.step_times), act.req.arrival, start, act.step_times)
         jct = time.monotonic() - act.req.arrival
-        queue_order.DEFAULT_RULE.observe(jct)  # ssjf's window W follows the JCT
-        if self.preemptor is not None and not act.cancelled:  # ssjf_refine learns W and lengths from completions
-            # (a cancelled request's length is not its natural one: it would bias the remaining-length tables)
-            queue_order.REFINE_RULE.observe(jct)
-            queue_order.REFINE_RULE.estimator.observe(act.req.length_class, act.generated,
-                                                      queue_order.client_of(act.req))
+        if not act.cancelled:  # a cancelled request's time and length are not its natural ones
+            queue_order.DEFAULT_RULE.observe(jct)  # ssjf's window W and tail guard follow the JCT
+            if self.preemptor is not None:  # ssjf_refine learns W and lengths from completions
+                queue_order.REFINE_RULE.observe(jct)
+                queue_order.REFINE_RULE.estimator.observe(act.req.length_class, act.generated,
+                                                          queue_order.client_of(act.req))
         act.queue.put_nowait(Finished(stats=msgspec.structs.replace(stats, output_tokens=act.out_tokens)))
 
     def _fail(self, act: _Active, exc: EngineError) -> None:

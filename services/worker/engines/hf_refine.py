@@ -1,13 +1,16 @@
-"""`ssjf_refine` in the `hf` engine (a mixin of `hf.HfEngine`; its state lives there).
+"""`ssjf` and `ssjf_refine` in the `hf` engine (a mixin of `hf.HfEngine`; its state lives there).
 
-As in the `sim` engine, with the same `queue_order` pieces: the waiting queue is ordered by
-`speculative_sjf_refine` (sizes from the survival tables of this worker's completions, per
-client and class; a tail guard), and every `PREEMPT_QUANTUM` decode steps, with the batch full,
-a `Preemptor` picks running requests whose refined key sorts far enough behind the best waiting
-ones: each is paused (`Batch.pause`: its rows leave the batch with their KV, no recomputation),
-goes back to the queue under its refined key and, once admitted again, rejoins the batch with
-that KV (`Batch.resume`, no prefill) and decodes on exactly where it stopped (greedy output token
-for token the same as without the pause).
+Neither is a static sort key, so the waiting queue is ordered afresh at each admission. `ssjf`:
+`queue_order.speculative_sjf` (the size rule, with the tail guard: requests waiting past the P80
+of recent JCTs first, in arrival order), no pauses. `ssjf_refine`, as in the `sim` engine and
+with the same `queue_order` pieces: the queue is ordered by `speculative_sjf_refine` (sizes from
+the survival tables of this worker's completions, per client and class; the tail guard), and
+every `PREEMPT_QUANTUM` decode steps, with the batch full, a `Preemptor` picks running requests
+whose refined key sorts far enough behind the best waiting ones: each is paused (`Batch.pause`:
+its rows leave the batch with their KV, no recomputation), goes back to the queue under its
+refined key and, once admitted again, rejoins the batch with that KV (`Batch.resume`, no
+prefill) and decodes on exactly where it stopped (greedy output token for token the same as
+without the pause).
 """
 from __future__ import annotations
 
@@ -18,8 +21,10 @@ from polyserve.core import queue_order
 
 
 class Refine:
-    """The queue order and the pauses of `ssjf_refine` (`preemptor` None: a static order key)."""
+    """The queue order of `ssjf` and `ssjf_refine`, and ssjf_refine's pauses (`dynamic_order` None: a
+    static order key; `preemptor` None: no pauses)."""
 
+    dynamic_order: queue_order.OrderFn | None
     preemptor: queue_order.Preemptor | None
     _waiting: list[Any]
     _running: dict[str, Any]
@@ -27,8 +32,8 @@ class Refine:
     def _ordered(self) -> list[Any]:
         """The waiting requests in queue order (ties: arrival at this engine)."""
         by_seq = sorted(self._waiting, key=lambda a: a.seq)
-        if self.preemptor is not None:  # on the _Active: the prompt term, and a paused request's refined key
-            return queue_order.speculative_sjf_refine(by_seq)
+        if self.dynamic_order is not None:  # on the _Active: the prompt term, a paused request's refined key
+            return self.dynamic_order(by_seq)
         return sorted(by_seq, key=lambda a: self.order(a.req))
 
     def _could_start(self, act: Any) -> bool:

@@ -456,11 +456,12 @@ class SimEngine(Engine):
         r.done = True
         out = sum(c.generated for c in r.choices)
         stats = make_stats(r.input_tokens, out, r.req.arrival, r.start or time.monotonic(), r.token_times)
-        policy.DEFAULT_RULE.observe(time.monotonic() - r.req.arrival)  # ssjf's window W follows the JCT
-        if self.preemptor is not None:  # ssjf_refine learns its window and lengths from completions
-            policy.REFINE_RULE.observe(time.monotonic() - r.req.arrival)
-            policy.REFINE_RULE.estimator.observe(r.req.length_class, max(c.generated for c in r.choices),
-                                                 policy.client_of(r.req))
+        if not any(c.finish_reason == "cancelled" for c in r.choices):  # a cancel's time is not a JCT
+            policy.DEFAULT_RULE.observe(time.monotonic() - r.req.arrival)  # ssjf's window W and tail guard
+            if self.preemptor is not None:  # ssjf_refine learns its window and lengths from completions
+                policy.REFINE_RULE.observe(time.monotonic() - r.req.arrival)
+                policy.REFINE_RULE.estimator.observe(r.req.length_class, max(c.generated for c in r.choices),
+                                                     policy.client_of(r.req))
         if len(r.choices) > 1 and len(r.token_times) > 1:  # n sequences advance together: per-step ATGT
             stats = msgspec.structs.replace(stats, atgt_ms=stats.decode_ms / (len(r.token_times) - 1))
         r.events.put_nowait(Finished(stats))
