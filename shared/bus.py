@@ -117,6 +117,27 @@ def error_of(msg: NatsMsg) -> BusError | None:
 Handler = Callable[[Any], Awaitable[Any]]
 
 
+class _Handoff(asyncio.Queue):
+    """The pending queue of a subscription that hands each message to a plain function as
+    nats-py's read loop files it (`Bus._subscribe_direct`). A nats-py callback subscription
+    queues each message for a task of its own, which then calls the callback: one more loop
+    turn and task step per message, on every acceptance and token chunk the gateway reads and
+    every generate request a worker takes (issue 15). Only for callbacks that never wait (put
+    into a queue, spawn a task). It relies on two attributes of nats-py's Subscription
+    (`_pending_queue`, `_pending_size`): every request of the test suite goes through it."""
+
+    def __init__(self, sub: Any, fn: Callable[[NatsMsg], None]):
+        super().__init__()
+        self._sub, self._fn = sub, fn
+
+    def put_nowait(self, msg: NatsMsg) -> None:  # called by nats-py's read loop
+        self._sub._pending_size -= len(msg.data)  # counted as pending by nats-py; nothing is kept
+        try:
+            self._fn(msg)
+        except Exception:  # noqa: BLE001 - the read loop must go on
+            logger.exception("handler of %s failed", msg.subject)
+
+
 class Bus:
     """A thin typed layer over one nats-py connection, shared by a service."""
 
@@ -235,7 +256,7 @@ class Bus:
         writes are most of the gateway's CPU time per request (py-spy, see README)."""
         if self._mux_sub is None:
             self._mux_prefix = self.nc.new_inbox()
-            self._mux_sub = await self.nc.subscribe(f"{self._mux_prefix}.*", cb=self._on_mux)
+            self._mux_sub = await self._subscribe_direct(f"{self._mux_prefix}.*", self._on_mux)
         token = f"{next(self._mux_ids):x}"
         queue: asyncio.Queue = asyncio.Queue(maxsize=max_pending)
         self._mux[token] = queue
@@ -244,7 +265,13 @@ class Bus:
         finally:
             self._mux.pop(token, None)
 
-    async def _on_mux(self, m: NatsMsg) -> None:
+    async def _subscribe_direct(self, subject: str, fn: Callable[[NatsMsg], None], queue: str = "") -> Any:
+        """A subscription whose messages go to `fn` from the read loop itself (`_Handoff`)."""
+        sub = await self.nc.subscribe(subject, queue=queue)  # no callback: no task of its own
+        sub._pending_queue = _Handoff(sub, fn)
+        return sub
+
+    def _on_mux(self, m: NatsMsg) -> None:
         queue = self._mux.get(m.subject.rsplit(".", 1)[-1])
         if queue is None:
             return  # the inbox was closed: a late message of a finished request
@@ -258,10 +285,10 @@ class Bus:
                     queue: str | None = None) -> None:
         """Answer requests on `subject`; the handler returns a struct or raises BusError."""
 
-        async def on_msg(m: NatsMsg) -> None:
+        def on_msg(m: NatsMsg) -> None:
             self._spawn(self._answer(m, req_type, handler, subject))
 
-        self._subs.append(await self.nc.subscribe(subject, queue=queue or "", cb=on_msg))
+        self._subs.append(await self._subscribe_direct(subject, on_msg, queue=queue or ""))
 
     async def listen(self, subject: str, msg_type: type, handler: Handler, queue: str = "") -> None:
         """Consume events on `subject` (may hold wildcards); errors are logged, not replied.

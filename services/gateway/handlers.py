@@ -102,6 +102,20 @@ class RequestRun(Delivery):
     def _ms(self) -> float:
         return (time.monotonic() - self.t0) * 1e3
 
+    def has_next(self) -> bool:
+        """Whether the next chunk in order is here already, so `chunks()` hands it out without
+        waiting (not when the inbox's first message is past a gap: a lost chunk waits for its
+        replay)."""
+        if self._expect in self._held:
+            return True
+        if self._queue is None or self._queue.empty():
+            return False
+        try:
+            head = decode(self._queue._queue[0].data, TokenChunk)  # type: ignore[attr-defined]
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return False
+        return head.seq == self._expect
+
     def _base(self) -> dict:
         return {"request_id": self.request_id, "deployment": self.deployment.id, "model": self.deployment.model}
 

@@ -3,6 +3,7 @@ in front of real predictor, dispatcher and sim worker services on real NATS/Redi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import httpx
 import openai
@@ -244,6 +245,23 @@ async def test_client_disconnect_cancels_at_the_worker(plane, bus, subjects):
                 async for line in r.aiter_lines():
                     if line.startswith("data:"):
                         break
+        await wait_for(lambda: any(kind(e) == "failed" and e.status == 499 for e in events), what="499 event")
+        await wait_for(lambda: p.worker.engine.load().running == 0, what="worker slot freed")
+
+
+async def test_client_disconnect_of_a_non_streamed_request_cancels_at_the_worker(plane, bus, subjects):
+    """A client that goes away while its non-streamed answer is generated: the request fails with
+    499 and its worker slot is freed (the gateway checks every 0.5 s, completions._collect_one)."""
+    events: list = []
+    await collect_events(bus, subjects, events)
+    async with plane(worker_kw={"time_scale": 1.0}) as p:
+        async with httpx.AsyncClient(base_url=p.url, timeout=30) as h:
+            call = asyncio.create_task(h.post("/v1/completions", json={
+                "model": MODEL, "prompt": "long", "max_tokens": 2000, "min_tokens": 2000}))
+            await wait_for(lambda: p.worker.engine.load().running == 1, what="request running")
+            call.cancel()  # httpx closes the connection
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
         await wait_for(lambda: any(kind(e) == "failed" and e.status == 499 for e in events), what="499 event")
         await wait_for(lambda: p.worker.engine.load().running == 0, what="worker slot freed")
 

@@ -40,7 +40,7 @@ def drop_chunks(gw, should_drop) -> list[TokenChunk]:
     bus, lost = gw.gs.bus, []
     deliver = bus._on_mux
 
-    async def on_mux(m):
+    def on_mux(m):
         try:
             chunk = decode(m.data, TokenChunk)
         except Exception:  # noqa: BLE001 - not a chunk: deliver it
@@ -48,7 +48,7 @@ def drop_chunks(gw, should_drop) -> list[TokenChunk]:
         if chunk is not None and should_drop(chunk):
             lost.append(chunk)
             return
-        await deliver(m)
+        deliver(m)
 
     bus._on_mux = on_mux
     return lost
@@ -103,6 +103,43 @@ async def test_a_lost_chunk_is_sent_again_and_the_stream_completes(plane):
         text, tokens = text_and_usage(await sse(p.url, REQ))
         assert len(lost) == 2 and lost[1].done
         assert (text, tokens) == (clean, 40)
+
+
+async def test_events_before_a_gap_are_not_held_for_its_replay(plane):
+    """The gateway writes SSE events that are ready together in one write (completions._stream),
+    but never holds one for a chunk that is not there: the stream's chunks reach the gateway's
+    inbox in one burst with seq 3 missing, and the text of seq 0-2 reaches the client at once,
+    not after the replay of seq 3 (`gap_wait_s` later)."""
+    async with plane(gap_wait_s=1.0, liveness_probe_s=2.0, worker_kw={"time_scale": 0.0}) as p:
+        bus, held, lost = p.gateway.gs.bus, [], []
+        deliver = bus._on_mux
+
+        def burst(m):  # the chunks wait here until the done chunk, then come together, seq 3 lost
+            try:
+                chunk = decode(m.data, TokenChunk)
+            except Exception:  # noqa: BLE001 - the acceptance, a replay reply: at once
+                deliver(m)
+                return
+            if chunk.seq == 3 and not lost:
+                lost.append(chunk)
+                return
+            held.append(m)
+            if chunk.done:
+                for x in held:
+                    deliver(x)
+                held.clear()
+
+        bus._on_mux = burst
+        got: list[float] = []
+        loop = asyncio.get_running_loop()
+        async with httpx.AsyncClient(base_url=p.url, timeout=30) as h:
+            async with h.stream("POST", "/v1/completions", json=dict(REQ, stream=True)) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        got.append(loop.time())
+        assert len(lost) == 1 and len(got) > 4
+        assert got[-1] - got[0] > 0.8, got[:4]  # the rest waited for the replay (gap_wait_s 1.0)
+        assert got[2] - got[0] < 0.5, [t - got[0] for t in got[:5]]  # seq 0-2 did not
 
 
 async def test_a_chunk_the_worker_no_longer_has_ends_with_an_explicit_error(plane):
