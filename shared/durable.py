@@ -121,6 +121,10 @@ class Outbox:
         self._ack_sub: Any = None
         self._js: dict[str, bool] = {}  # prefix -> stream ready
         self._js_checked: dict[str, float] = {}
+        # Prefixes whose stream has stored an event: from then on an event is never sent best
+        # effort (core NATS) but kept until stored, also while the stream does not answer (a
+        # leader election after a node's death: its PubAcks are 503s and its API times out).
+        self._confirmed: set[str] = set()
         self._task: asyncio.Task | None = None
         self._tokens = itertools.count(1)
         self.resent = 0
@@ -133,8 +137,8 @@ class Outbox:
 
     async def publish(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
         prefix = prefix_of(subject) or ""
-        if not await self._stream_ready(prefix):
-            await self.nc.publish(subject, data, headers=headers)  # best effort, as core NATS
+        if not await self._stream_ready(prefix) and prefix not in self._confirmed:
+            await self.nc.publish(subject, data, headers=headers)  # best effort: no JetStream here (yet)
             return
         if self._ack_sub is None:
             self._ack_prefix = self.nc.new_inbox()
@@ -158,7 +162,8 @@ class Outbox:
 
     async def _stream_ready(self, prefix: str) -> bool:
         now = time.monotonic()
-        if not self._js.get(prefix) and now - self._js_checked.get(prefix, -1e9) > 10.0:
+        every = RESEND_AFTER_S if prefix in self._confirmed else 10.0  # a stream that worked: soon again
+        if not self._js.get(prefix) and now - self._js_checked.get(prefix, -1e9) > every:
             self._js_checked[prefix] = now
             self._js[prefix] = await ensure_stream(self.nc, prefix, self.replicas)
         return self._js.get(prefix, False)
@@ -174,8 +179,10 @@ class Outbox:
         if b'"error"' in m.data or b'"stream"' not in m.data:  # a PubAck is {"stream":..,"seq":..}
             logger.warning("JetStream refused an event: %s", m.data[:200])
             return
-        if self._pending.pop(token, None) is not None:
+        entry = self._pending.pop(token, None)
+        if entry is not None:
             self.acked += 1
+            self._confirmed.add(prefix_of(entry[0]) or "")
 
     async def _resend_loop(self) -> None:
         while True:
@@ -189,7 +196,7 @@ class Outbox:
                 if entry is None:
                     continue
                 prefix = prefix_of(entry[0]) or ""
-                if not await self._stream_ready(prefix):
+                if not await self._stream_ready(prefix) and prefix not in self._confirmed:
                     continue
                 entry[3] = now
                 self.resent += 1

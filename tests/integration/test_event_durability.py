@@ -181,3 +181,36 @@ async def test_two_handlers_of_one_subject_share_one_consumer():
         import shutil
 
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+async def test_events_are_kept_while_a_stream_that_worked_does_not_answer():
+    """Once the event stream has stored an event, a PubAck of 503 (no stream leader: an election
+    after a node's death, or the stream gone) must not send the next events best effort over core
+    NATS: they stay in the outbox and are stored when the stream answers again (here the stream is
+    deleted and the outbox's re-check creates it; CI once lost 10 of 48 terminal events after a
+    NATS node's SIGKILL)."""
+    from polyserve.shared import durable
+
+    run_dir = Path(tempfile.mkdtemp(prefix="ps-evk-", dir="/tmp"))
+    proc, url, _ = infra.start_nats(run_dir / "nats")
+    subjects = Subjects(f"evk{os.getpid()}")
+    tracer, _ = make_tracer("t")
+    pub = await Bus.connect(url, tracer, "gateway")
+    try:
+        await pub.publish(subjects.event("completed"), _event(0)[1])
+        assert await _until(lambda: pub.outbox.acked == 1, 5), "the stream stored the first event"
+        jsm = pub.nc.jsm()
+        await jsm.delete_stream(durable.stream_name(subjects.prefix))
+        await pub.publish(subjects.event("completed"), _event(10)[1])  # its PubAck: 503
+        await asyncio.sleep(0.5)
+        for i in range(2, 6):
+            await pub.publish(subjects.event("completed"), _event(i * 10)[1])
+        assert await _until(lambda: pub.outbox.pending == 0, 12), f"{pub.outbox.pending} never stored"
+        info = await jsm.stream_info(durable.stream_name(subjects.prefix))
+        assert info.state.messages == 5, "the five events after the stream's loss, none best effort"
+    finally:
+        await pub.close()
+        infra.stop_pid(proc.pid)
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)
