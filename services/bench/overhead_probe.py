@@ -1,18 +1,18 @@
-"""Two probes behind the tables of docs/benchmarks/overhead.md (issue 15), on the cluster
+"""Three probes behind the tables of docs/benchmarks/overhead.md (issue 15), on the cluster
 `polyserve bench overhead` starts (sim worker, zero compute, historical-mean predictor):
 
 * `split`: where one request's milliseconds go at concurrency 1: the client's clock around
   each request against the timestamps of its request events (`admitted`, `dispatched`,
   `first_token`, `completed`; one machine, one clock), p50 of each segment.
-* `spy OUT`: `py-spy record` of the gateway process (or `--role`'s) while a closed-loop client drives json
-  requests (`--concurrency`, default 8); raw collapsed stacks in OUT.
+* `spy OUT`: `py-spy record` of the gateway process (or `--role`'s) while a closed-loop client
+  drives json (or `--stream`) requests (`--concurrency`, default 8); raw collapsed stacks in OUT.
 
 * `msgs`: NATS messages per request by connection (service): what each published and was
   delivered, from nats-server's `/connz` counters before and after `--requests` sequential json
   requests (a busy loop of nothing else: heartbeats and telemetry add ~0.01 per request).
 
     python -m polyserve.bench.overhead_probe split [--requests 200]
-    python -m polyserve.bench.overhead_probe spy gateway.txt [--seconds 12]
+    python -m polyserve.bench.overhead_probe spy gateway.txt [--seconds 12] [--role worker] [--stream]
     python -m polyserve.bench.overhead_probe msgs [--requests 300]
 """
 from __future__ import annotations
@@ -103,16 +103,17 @@ async def messages(state: launcher.ClusterState, n: int, warmup: int = 20) -> di
             for name, (pub, got) in sorted(after.items())}
 
 
-def spy(state: launcher.ClusterState, path: str, seconds: float, concurrency: int, role: str = "gateway") -> None:
-    """py-spy of the first process of `role` while json requests run at `concurrency`."""
+def spy(state: launcher.ClusterState, path: str, seconds: float, concurrency: int, role: str = "gateway",
+        stream: bool = False) -> None:
+    """py-spy of the first process of `role` while json (or streamed) requests run at `concurrency`."""
     exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     target = next(pid for name, pid in overhead._processes(state).items() if name.startswith(role))
-    asyncio.run(overhead.drive(state.gateway_url, "bench-sim", False, 200, concurrency, 16))  # warm up
+    asyncio.run(overhead.drive(state.gateway_url, "bench-sim", stream, 200, concurrency, 16))  # warm up
     proc = subprocess.Popen([exe, "record", "-p", str(target), "-d", str(int(seconds)), "-r", "250", "-f", "raw",
                              "--nonblocking", "-o", path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     t = time.monotonic()
     while time.monotonic() - t < seconds - 1:
-        asyncio.run(overhead.drive(state.gateway_url, "bench-sim", False, 300, concurrency, 16))
+        asyncio.run(overhead.drive(state.gateway_url, "bench-sim", stream, 300, concurrency, 16))
     proc.wait()
 
 
@@ -129,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=12.0)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--role", default="gateway", help="gateway, worker, dispatcher, predictor, planner, gpu-agent")
+    p.add_argument("--stream", action="store_true", help="streamed requests instead of json")
     args = ap.parse_args(argv)
     spec = overhead._spec(argparse.Namespace(with_model=False), 1)
     print(f"starting polyserve (sim engine, zero compute time) in {spec.run_dir} ...", flush=True)
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:24s} {pub:9.2f}  {got:9.2f}")
             print(f"{'all':24s} {sum(p for p, _ in rows.values()):9.2f}  {sum(g for _, g in rows.values()):9.2f}")
         else:
-            spy(state, args.out, args.seconds, args.concurrency, args.role)
+            spy(state, args.out, args.seconds, args.concurrency, args.role, args.stream)
             print(f"wrote {args.out}")
     finally:
         launcher.down(spec.run_dir, progress=lambda m: None)

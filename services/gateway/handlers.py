@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -97,6 +98,7 @@ class RequestRun(Delivery):
     _last_rx: float = 0.0  # monotonic time the last chunk arrived
     _probed: float = 0.0  # monotonic time of the last liveness probe
     _fresh: bool = False  # moved to a new worker that has sent nothing yet (its first-token limit)
+    _peeked: tuple[Any, TokenChunk] | None = None  # (message, its chunk) decoded by `has_next`
     tenant: str = field(default_factory=tenancy.current_tenant)  # the API key's tenant; "" without keys
 
     def _ms(self) -> float:
@@ -110,10 +112,12 @@ class RequestRun(Delivery):
             return True
         if self._queue is None or self._queue.empty():
             return False
+        msg = self._queue._queue[0]  # type: ignore[attr-defined]  # asyncio.Queue's deque: a peek
         try:
-            head = decode(self._queue._queue[0].data, TokenChunk)  # type: ignore[attr-defined]
+            head = decode(msg.data, TokenChunk)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return False
+        self._peeked = (msg, head)  # `_next` takes it without a second decode
         return head.seq == self._expect
 
     def _base(self) -> dict:
@@ -317,7 +321,9 @@ class RequestRun(Delivery):
             err = error_of(msg)
             if err is not None:
                 raise GatewayError(err.code, err.description)
-            if (got := self._take(decode(msg.data, TokenChunk))) is not None:
+            peeked, self._peeked = self._peeked, None
+            chunk = peeked[1] if peeked is not None and peeked[0] is msg else decode(msg.data, TokenChunk)
+            if (got := self._take(chunk)) is not None:
                 return got
 
     async def chunks(self) -> AsyncIterator[TokenChunk]:
