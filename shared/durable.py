@@ -137,7 +137,7 @@ class Outbox:
 
     async def publish(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
         prefix = prefix_of(subject) or ""
-        if not await self._stream_ready(prefix) and prefix not in self._confirmed:
+        if not await self._kept(prefix):
             await self.nc.publish(subject, data, headers=headers)  # best effort: no JetStream here (yet)
             return
         if self._ack_sub is None:
@@ -159,6 +159,10 @@ class Outbox:
             await self.nc.publish(subject, data, reply=f"{self._ack_prefix}.{token}", headers=headers)
         except Exception as exc:  # noqa: BLE001 - reconnect buffer full, closed: the resend loop retries
             logger.warning("could not publish %s (will retry): %s", subject, exc)
+
+    async def _kept(self, prefix: str) -> bool:
+        """Whether `prefix`'s events go through the outbox: its stream is ready, or has stored one."""
+        return await self._stream_ready(prefix) or prefix in self._confirmed
 
     async def _stream_ready(self, prefix: str) -> bool:
         now = time.monotonic()
@@ -196,7 +200,7 @@ class Outbox:
                 if entry is None:
                     continue
                 prefix = prefix_of(entry[0]) or ""
-                if not await self._stream_ready(prefix) and prefix not in self._confirmed:
+                if not await self._kept(prefix):
                     continue
                 entry[3] = now
                 self.resent += 1

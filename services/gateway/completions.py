@@ -150,31 +150,34 @@ async def _collect_one(request: Request, run: RequestRun) -> Outcome:
     loop turns on the request's path, issue 15); every 0.5 s a timer asks whether the client went
     away, and if so cancels this task and the run at its worker (499)."""
     loop, me = asyncio.get_running_loop(), asyncio.current_task()
-    state: dict[str, Any] = {"left": False, "probe": None}
+    left = False
+    checking: asyncio.Future | None = None
 
     async def probe() -> None:
+        nonlocal left, timer
         if await request.is_disconnected():
-            state["left"] = True
+            left = True
             me.cancel()
         else:
-            state["timer"] = loop.call_later(0.5, tick)
+            timer = loop.call_later(0.5, tick)
 
     def tick() -> None:
-        state["probe"] = asyncio.ensure_future(probe())
+        nonlocal checking
+        checking = asyncio.ensure_future(probe())
 
-    state["timer"] = loop.call_later(0.5, tick)
+    timer = loop.call_later(0.5, tick)
     try:
         return await run.collect()
     except asyncio.CancelledError:
-        if not state["left"]:
+        if not left:
             raise
         me.uncancel()
         await run.cancel("client disconnected")
         raise GatewayError(499, "client disconnected") from None
     finally:
-        state["timer"].cancel()
-        if state["probe"] is not None:
-            state["probe"].cancel()
+        timer.cancel()
+        if checking is not None:
+            checking.cancel()
 
 
 def _merge(outs: list[Outcome]) -> Outcome:
