@@ -77,7 +77,11 @@ class Admission:
             raise overloaded(gs)
         gs.inflight += 1
         gs.metrics.inflight.inc()
-        self.span = gs.tracer.start_span(name, kind=SpanKind.SERVER, context=propagate.extract(dict(headers)))
+        # only the headers the propagators read: most requests carry none, and copying every header
+        # into a dict for them cost more than the rest of the span (issue 15)
+        carrier = {k: headers[k] for k in propagate.get_global_textmap().fields if k in headers}
+        self.span = gs.tracer.start_span(name, kind=SpanKind.SERVER,
+                                         context=propagate.extract(carrier) if carrier else None)
         return self.span
 
     def failed(self, exc: GatewayError) -> None:

@@ -14,7 +14,7 @@ from importlib import metadata
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from . import access, admin, completions, embeddings, keys_api, limits, responses, shed, tenancy, tokens
+from . import access, admin, completions, embeddings, fastpath, keys_api, limits, responses, shed, tenancy, tokens
 from .context import Gateway, GatewayState
 from .errors import add_error_handlers
 
@@ -97,6 +97,8 @@ def build_app(gs: GatewayState) -> FastAPI:
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.gateway = gs
     add_error_handlers(app)
+    # innermost of ours: the two hottest routes skip FastAPI's routing and dependency machinery
+    app.add_middleware(fastpath.FastRoutes, gs=gs, handlers=app.exception_handlers)
     limits.install(app, gs.settings)  # body size/time limits before any parsing (HTTP edges)
     app.add_middleware(access.Access, gs=gs)  # keys are checked before a body is read
     app.add_middleware(shed.Shed, gs=gs)  # a full gateway refuses at once (issue 13, overload)
