@@ -249,21 +249,31 @@ class Bus:
 
     @asynccontextmanager
     async def inbox(self, max_pending: int = 10_000) -> AsyncIterator[tuple[str, asyncio.Queue]]:
-        """A private inbox whose messages land in a bounded queue.
+        """A private inbox whose messages land in a bounded queue (`open_inbox`, closed on exit)."""
+        subject, queue = await self.open_inbox(max_pending)
+        try:
+            yield subject, queue
+        finally:
+            self.close_inbox(subject)
 
-        All inboxes of this connection share one wildcard subscription (made on first
-        use), so opening and closing one costs no SUB/UNSUB round on the wire: socket
-        writes are most of the gateway's CPU time per request (py-spy, see README)."""
+    async def open_inbox(self, max_pending: int = 10_000) -> tuple[str, asyncio.Queue]:
+        """A private inbox (its subject) whose messages land in a bounded queue, until
+        `close_inbox(subject)`. All inboxes of this connection share one wildcard subscription
+        (made on first use), so opening and closing one costs no SUB/UNSUB round on the wire:
+        socket writes are most of the gateway's CPU time per request (py-spy, see README).
+        A pair of calls rather than only the context manager: the gateway opens one per request,
+        and a generator-based context manager on an exit stack cost it ~1% of its CPU (issue 15)."""
         if self._mux_sub is None:
             self._mux_prefix = self.nc.new_inbox()
             self._mux_sub = await self._subscribe_direct(f"{self._mux_prefix}.*", self._on_mux)
         token = f"{next(self._mux_ids):x}"
         queue: asyncio.Queue = asyncio.Queue(maxsize=max_pending)
         self._mux[token] = queue
-        try:
-            yield f"{self._mux_prefix}.{token}", queue
-        finally:
-            self._mux.pop(token, None)
+        return f"{self._mux_prefix}.{token}", queue
+
+    def close_inbox(self, subject: str) -> None:
+        """Messages to the inbox `subject` are dropped from now on."""
+        self._mux.pop(subject.rsplit(".", 1)[-1], None)
 
     async def _subscribe_direct(self, subject: str, fn: Callable[[NatsMsg], None], queue: str = "") -> Any:
         """A subscription whose messages go to `fn` from the read loop itself (`_Handoff`)."""

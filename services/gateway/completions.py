@@ -64,12 +64,12 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
         raise policy.InvalidRequest(f"'{adm.deployment.id}' is an embedding model (engine {engine}); it serves "
                                     "/v1/embeddings, not completions", "model")
     headers = compat.ignored_header(compat.check("chat" if chat else "completions", body, engine))
-    batch_id = "cmpl-" + uuid.uuid4().hex[:24]
+    batch_id = "cmpl-" + uuid.uuid4().hex[:24] if len(prompts) > 1 else ""  # one prompt: the run's own id
     runs = [RequestRun(gs=gs, deployment=adm.deployment, prompt=p, params=params, stream=bool(body.stream),
                        adapter=adm.adapter, priority=body.priority,
-                       **({"request_id": f"{batch_id}-{i}"} if len(prompts) > 1 else {}))
+                       **({"request_id": f"{batch_id}-{i}"} if batch_id else {}))
             for i, p in enumerate(prompts)]
-    rid = runs[0].request_id if len(runs) == 1 else batch_id
+    rid = batch_id or runs[0].request_id
     span = adm.begin("gateway " + ("chat" if chat else "completion"), request.headers)
     span.set_attribute("polyserve.request_id", rid)
     handed_off = False

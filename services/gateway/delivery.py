@@ -96,8 +96,9 @@ class Delivery:
     async def _fresh_inbox(self) -> None:
         """A new inbox for the stream: nothing an earlier worker sends late (its acceptance, its
         chunks) can mix with what the next one sends."""
-        self._inbox, self._queue = await self._exit.enter_async_context(
-            self.gs.bus.inbox(max_pending=inbox_size(self.gs.settings.stream_window)))
+        if self._inbox:
+            self.gs.bus.close_inbox(self._inbox)
+        self._inbox, self._queue = await self.gs.bus.open_inbox(inbox_size(self.gs.settings.stream_window))
 
     async def _hand_to(self, placement: Placement, req: GenerateRequest, span: str = "generate") -> GenerateAccepted:
         """Send `req` to the worker of `placement`; its GenerateAccepted (or error) is the first

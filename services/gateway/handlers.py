@@ -82,7 +82,6 @@ class RequestRun(Delivery):
     _sent_at: float = 0.0
     _predicting: asyncio.Future | None = None  # the predictor's answer, when the request did not wait for it
     _inbox: str = ""
-    _exit: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
     _queue: asyncio.Queue | None = None
     _expect: int = 0  # the next chunk `seq` to relay (the worker numbers them 0, 1, 2, ...)
     _held: dict[int, TokenChunk] = field(default_factory=dict)  # chunks that came after a missing seq
@@ -447,8 +446,8 @@ class RequestRun(Delivery):
 
     async def close(self) -> None:
         self.gs.router.release(self.request_id)  # no longer counts against its worker
-        with contextlib.suppress(Exception):
-            await self._exit.aclose()
+        if self._inbox:
+            self.gs.bus.close_inbox(self._inbox)
 
     async def collect(self) -> Outcome:
         """Run to the end and gather the n choices (non-streamed responses)."""
