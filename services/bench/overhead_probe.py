@@ -7,12 +7,19 @@
 * `spy OUT`: `py-spy record` of the gateway process (or `--role`'s) while a closed-loop client
   drives json (or `--stream`) requests (`--concurrency`, default 8); raw collapsed stacks in OUT.
 
+* `summary OUT...`: a `spy` file's samples by component (the deepest frame that names one:
+  a library by its path, polyserve by its file), one column per file. py-spy counts a thread
+  that is runnable but preempted as busy: a socket write that wakes nats-server on a 2-core
+  machine shows as time in `writelines` although `perf` finds the kernel at ~9% of the
+  gateway's CPU (docs/benchmarks/overhead.md, sixth session).
+
 * `msgs`: NATS messages per request by connection (service): what each published and was
   delivered, from nats-server's `/connz` counters before and after `--requests` sequential json
   requests (a busy loop of nothing else: heartbeats and telemetry add ~0.01 per request).
 
     python -m polyserve.bench.overhead_probe split [--requests 200]
     python -m polyserve.bench.overhead_probe spy gateway.txt [--seconds 12] [--role worker] [--stream]
+    python -m polyserve.bench.overhead_probe summary before.txt after.txt
     python -m polyserve.bench.overhead_probe msgs [--requests 300]
 """
 from __future__ import annotations
@@ -117,6 +124,56 @@ def spy(state: launcher.ClusterState, path: str, seconds: float, concurrency: in
     proc.wait()
 
 
+# (component, path fragments of its frames); the first component a frame matches names it
+COMPONENTS = (
+    ("NATS client: socket writes", ("asyncio/streams.py", "uvloop/")),  # only under nats-py's flusher
+    ("nats-py (read loop, parse, publish)", ("nats/",)),
+    ("FastAPI / Starlette / pydantic", ("fastapi/", "starlette/", "pydantic")),
+    ("HTTP server (uvicorn, httptools)", ("uvicorn/", "httptools")),
+    ("completions: validation, bodies", ("gateway/completions.py", "gateway/policy.py", "gateway/compat.py",
+                                         "gateway/schemas.py", "gateway/tools.py", "gateway/logprobs.py")),
+    ("RequestRun: relay, order, credits", ("gateway/handlers.py", "gateway/delivery.py")),
+    ("admission + placement", ("gateway/admission.py", "gateway/routing.py", "gateway/predict_batch.py",
+                               "core/length_hint.py")),
+    ("gateway middlewares (own code)", ("gateway/access.py", "gateway/shed.py", "gateway/limits.py",
+                                        "gateway/app.py", "gateway/fastpath.py", "gateway/tenancy.py")),
+    ("events + metrics", ("gateway/observe.py", "gateway/metrics.py", "gateway/context.py")),
+    ("bus / durable events (shared/)", ("shared/bus.py", "shared/durable.py")),
+    ("prometheus", ("prometheus_client/",)),
+    ("tracing (OpenTelemetry)", ("opentelemetry/",)),
+    ("worker", ("services/worker/", "worker/")),
+)
+OTHER = "event loop (uvloop, asyncio) and other"
+
+
+def component(stack: list[str]) -> str:
+    """The component of one sample: its deepest frame that names one (`COMPONENTS`); a write
+    counts as the NATS client's only when nats-py's flusher made it."""
+    for frame in reversed(stack):
+        for name, parts in COMPONENTS:
+            if any(p in frame for p in parts):
+                if name.startswith("NATS client") and not any("_flusher" in f for f in stack):
+                    continue
+                return name
+    return OTHER
+
+
+def summary(paths: list[str]) -> dict[str, dict[str, float]]:
+    """{file: {component: share of its samples}} for `py-spy record -f raw` files (`spy`)."""
+    out: dict[str, dict[str, float]] = {}
+    for path in paths:
+        counts: dict[str, int] = {}
+        for line in Path(path).read_text().splitlines():
+            stack, _, n = line.rpartition(" ")
+            if not stack or not n.isdigit():
+                continue
+            name = component(stack.split(";"))
+            counts[name] = counts.get(name, 0) + int(n)
+        total = sum(counts.values()) or 1
+        out[path] = {k: v / total for k, v in counts.items()} | {"samples": float(total)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m polyserve.bench.overhead_probe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -131,7 +188,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--role", default="gateway", help="gateway, worker, dispatcher, predictor, planner, gpu-agent")
     p.add_argument("--stream", action="store_true", help="streamed requests instead of json")
+    sm = sub.add_parser("summary", help="a spy file's samples by component, one column per file")
+    sm.add_argument("files", nargs="+")
     args = ap.parse_args(argv)
+    if args.what == "summary":  # reads files only: no cluster
+        table = summary(args.files)
+        names = [n for n, _ in COMPONENTS] + [OTHER]
+        names.sort(key=lambda n: -max(t.get(n, 0.0) for t in table.values()))
+        print(f"{'component':40s}" + "".join(f"{Path(f).name[:14]:>15s}" for f in args.files))
+        for n in names:
+            if any(t.get(n) for t in table.values()):
+                print(f"{n:40s}" + "".join(f"{100 * t.get(n, 0.0):14.1f}%" for t in table.values()))
+        print(f"{'samples':40s}" + "".join(f"{int(t['samples']):15d}" for t in table.values()))
+        return 0
     spec = overhead._spec(argparse.Namespace(with_model=False), 1)
     print(f"starting polyserve (sim engine, zero compute time) in {spec.run_dir} ...", flush=True)
     state = launcher.up(spec, progress=lambda m: None)

@@ -47,3 +47,24 @@ def test_messages_probe_counts_every_service_per_request(capsys):
     pub = {name: float(v[0]) for name, v in rows.items() if v[0].replace(".", "").isdigit()}
     assert pub["gateway"] >= 2 and pub["worker"] >= 3, rows
     assert {"predictor", "dispatcher", "planner", "gpu-agent"} <= set(pub), rows
+
+
+def test_summary_names_each_sample_by_its_deepest_component(tmp_path, capsys):
+    """`overhead_probe summary`: a sample goes to the deepest frame that names a component; a
+    stream write counts as the NATS client's only under nats-py's flusher."""
+    loop = "Runner.run (asyncio/runners.py:118)"
+    raw = tmp_path / "spy.txt"
+    raw.write_text("\n".join([
+        f"{loop};Client._flusher (nats/aio/client.py:2100);StreamWriter.writelines (asyncio/streams.py:346) 6",
+        f"{loop};Client._read_loop (nats/aio/client.py:2200);StreamReader.read (asyncio/streams.py:700) 2",
+        f"{loop};Starlette.__call__ (starlette/applications.py:96);serve (services/gateway/completions.py:80);"
+        "RequestRun._start (services/gateway/handlers.py:150) 1",
+        f"{loop} 1",
+    ]) + "\n")
+    shares = overhead_probe.summary([str(raw)])[str(raw)]
+    assert shares["samples"] == 10
+    assert shares["NATS client: socket writes"] == 0.6
+    assert shares["nats-py (read loop, parse, publish)"] == 0.2
+    assert shares["RequestRun: relay, order, credits"] == 0.1 and shares[overhead_probe.OTHER] == 0.1
+    assert overhead_probe.main(["summary", str(raw)]) == 0
+    assert "NATS client: socket writes" in capsys.readouterr().out
