@@ -90,7 +90,7 @@ def _parse(model: type[pydantic.BaseModel], messages: list[dict]) -> pydantic.Ba
         return None
     try:
         return model.model_validate(json.loads(raw))
-    except (ValueError, pydantic.ValidationError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except Exception:  # noqa: BLE001 - not JSON, invalid, or too deeply nested (RecursionError): FastAPI answers
         return None
 
 
