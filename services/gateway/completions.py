@@ -17,12 +17,12 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from opentelemetry import trace
 
 from polyserve.proto import SamplingParams, TokenChunk
 
-from . import compat, logprobs, policy, tools
+from . import compat, disconnect, logprobs, policy, tools
 from .admission import Admission, admit
 from .context import Gateway, GatewayState
 from .errors import GatewayError
@@ -81,9 +81,8 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             headers.update(_sim_header(adm.deployment.engine == "sim") or {})
             calls = tools.ToolStream(tl) if tl is not None and tl.listed else None
-            return StreamingResponse(_stream(adm, runs, rid, chat, include_usage, render, calls),
-                                     media_type="text/event-stream",
-                                     headers=headers)
+            return disconnect.EventStream(_stream(adm, runs, rid, chat, include_usage, render, calls), request,
+                                          headers=headers)
         with trace.use_span(span, end_on_exit=False):
             out = await _collect(request, runs)
         headers.update(_sim_header(out.simulated) or {})
@@ -123,7 +122,7 @@ async def _collect(request: Request, runs: list[RequestRun]) -> Outcome:
     """Collect the non-streamed answers; a client that goes away, or one failed prompt of a batch,
     cancels the rest at their workers."""
     if len(runs) == 1:
-        return _merge([await _collect_one(request, runs[0])])
+        return _merge([await disconnect.collect(request, runs[0])])
     tasks = [asyncio.ensure_future(r.collect()) for r in runs]
     try:
         pending = set(tasks)
@@ -143,41 +142,6 @@ async def _collect(request: Request, runs: list[RequestRun]) -> Outcome:
                 task.cancel()
                 await run.cancel(reason)
         raise
-
-
-async def _collect_one(request: Request, run: RequestRun) -> Outcome:
-    """`run.collect()` in this task (as `_collect`, without a task and a timed wait per request: two
-    loop turns on the request's path, issue 15); every 0.5 s a timer asks whether the client went
-    away, and if so cancels this task and the run at its worker (499)."""
-    loop, me = asyncio.get_running_loop(), asyncio.current_task()
-    left = False
-    checking: asyncio.Future | None = None
-
-    async def probe() -> None:
-        nonlocal left, timer
-        if await request.is_disconnected():
-            left = True
-            me.cancel()
-        else:
-            timer = loop.call_later(0.5, tick)
-
-    def tick() -> None:
-        nonlocal checking
-        checking = asyncio.ensure_future(probe())
-
-    timer = loop.call_later(0.5, tick)
-    try:
-        return await run.collect()
-    except asyncio.CancelledError:
-        if not left:
-            raise
-        me.uncancel()
-        await run.cancel("client disconnected")
-        raise GatewayError(499, "client disconnected") from None
-    finally:
-        timer.cancel()
-        if checking is not None:
-            checking.cancel()
 
 
 def _merge(outs: list[Outcome]) -> Outcome:

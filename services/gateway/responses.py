@@ -18,7 +18,6 @@ Streamed, the body is the Responses SSE events (`response.created` ... `response
 or `response.incomplete`), each with its `sequence_number`."""
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import logging
@@ -30,17 +29,17 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 from pydantic import BaseModel, ConfigDict, Field
 
 from polyserve.proto import SamplingParams
 
-from . import compat, policy, tenancy
+from . import compat, disconnect, policy, tenancy
 from .admission import Admission, admit
 from .context import Gateway, GatewayState
 from .errors import GatewayError
-from .handlers import Outcome, RequestRun
+from .handlers import RequestRun
 from .keys import ADMIN
 from .schemas import ChatMessage
 
@@ -280,9 +279,9 @@ async def create(body: ResponsesBody, request: Request, gs: Gateway) -> Response
             handed_off = True
             if engine == "sim":
                 headers["X-Polyserve-Simulated"] = "true"
-            return StreamingResponse(_events(gs, adm, turn, run), media_type="text/event-stream", headers=headers)
+            return disconnect.EventStream(_events(gs, adm, turn, run), request, headers=headers)
         with trace.use_span(span, end_on_exit=False):
-            out = await _collect(request, run)
+            out = await disconnect.collect(request, run)
         final = turn.obj(status_of(out.finish[0]), out.texts[0], (out.prompt_tokens, out.completion_tokens),
                          out.simulated)
         await save(gs, turn, final, out.texts[0])
@@ -310,19 +309,6 @@ async def delete(response_id: str, gs: Gateway) -> dict[str, Any]:
     if not removed:
         raise not_found(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
-
-
-async def _collect(request: Request, run: RequestRun) -> Outcome:
-    """The whole answer; a client that goes away cancels the request at its worker."""
-    task = asyncio.ensure_future(run.collect())
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            await run.cancel("client disconnected")
-            raise GatewayError(499, "client disconnected")
 
 
 # ---------------------------------------------------------------------------- streaming

@@ -251,7 +251,7 @@ async def test_client_disconnect_cancels_at_the_worker(plane, bus, subjects):
 
 async def test_client_disconnect_of_a_non_streamed_request_cancels_at_the_worker(plane, bus, subjects):
     """A client that goes away while its non-streamed answer is generated: the request fails with
-    499 and its worker slot is freed (the gateway checks every 0.5 s, completions._collect_one)."""
+    499 and its worker slot is freed (the gateway checks every 0.5 s, disconnect.watched)."""
     events: list = []
     await collect_events(bus, subjects, events)
     async with plane(worker_kw={"time_scale": 1.0}) as p:
