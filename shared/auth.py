@@ -9,6 +9,7 @@ owner-only file writes; no network.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -247,8 +248,10 @@ def service_env(sec: Secrets, service: str, nats_url: str, redis_url: str) -> di
     return env
 
 
+@functools.lru_cache(maxsize=64)
 def is_loopback(host: str) -> bool:
-    """True for an address only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    """True for an address only this machine can reach (127.0.0.0/8, ::1, localhost). Cached:
+    the gateway asks it of its own host on every request (access.keys_required; issue 15)."""
     import ipaddress
 
     if host == "localhost":

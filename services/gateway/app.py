@@ -7,6 +7,7 @@ to /metrics and /docs) is access.py: a middleware in front of everything, and a 
 the OpenAI routes."""
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 from importlib import metadata
@@ -90,11 +91,20 @@ async def models(gs: Gateway) -> dict:
     return {"object": "list", "data": data}
 
 
+# FastAPI's own telemetry (FastAPI versions that have it) off: the gateway makes its request spans
+# with its own tracer (Admission.begin), and FastAPI's would add a second server span per request
+# once a global tracer provider is set (e.g. by opentelemetry-instrument); off, it also skips
+# looking up three global providers on every request (py-spy: ~1% of the gateway; issue 15).
+_NO_FASTAPI_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+                         if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
+
+
 def build_app(gs: GatewayState) -> FastAPI:
     """The app serving `gs`: error envelopes, then every route."""
     docs = gs.settings.docs_access != "off"
     app = FastAPI(title="polyserve gateway", version=polyserve_version(), docs_url="/docs" if docs else None,
-                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None,
+                  **_NO_FASTAPI_TELEMETRY)
     app.state.gateway = gs
     add_error_handlers(app)
     # innermost of ours: the two hottest routes skip FastAPI's routing and dependency machinery
