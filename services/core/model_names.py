@@ -22,6 +22,7 @@ the first by name.
 """
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -46,8 +47,10 @@ def tokens(name: str) -> list[str]:
     return toks
 
 
+@functools.lru_cache(maxsize=4096)
 def canonical(name: str) -> str:
-    """The key every spelling of one model shares ("" for an empty name)."""
+    """The key every spelling of one model shares ("" for an empty name). Cached: the gateway's
+    local length estimate asks it on every request (issue 15)."""
     key = "".join(tokens(name))
     return ALIASES.get(key, key)
 

@@ -79,7 +79,8 @@ class Admission:
         gs.metrics.inflight.inc()
         # only the headers the propagators read: most requests carry none, and copying every header
         # into a dict for them cost more than the rest of the span (issue 15)
-        carrier = {k: headers[k] for k in propagate.get_global_textmap().fields if k in headers}
+        fields = propagate.get_global_textmap().fields
+        carrier = {k: v for k, v in headers.items() if k in fields}
         self.span = gs.tracer.start_span(name, kind=SpanKind.SERVER,
                                          context=propagate.extract(carrier) if carrier else None)
         return self.span

@@ -74,16 +74,15 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
     span.set_attribute("polyserve.request_id", rid)
     handed_off = False
     try:
-        with trace.use_span(span, end_on_exit=False):
+        with trace.use_span(span, end_on_exit=False):  # one context switch for both phases
             await _start(runs)
-        if body.stream:
-            handed_off = True
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            headers.update(_sim_header(adm.deployment.engine == "sim") or {})
-            calls = tools.ToolStream(tl) if tl is not None and tl.listed else None
-            return disconnect.EventStream(_stream(adm, runs, rid, chat, include_usage, render, calls), request,
-                                          headers=headers)
-        with trace.use_span(span, end_on_exit=False):
+            if body.stream:
+                handed_off = True
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                headers.update(_sim_header(adm.deployment.engine == "sim") or {})
+                calls = tools.ToolStream(tl) if tl is not None and tl.listed else None
+                return disconnect.EventStream(_stream(adm, runs, rid, chat, include_usage, render, calls), request,
+                                              headers=headers)
             out = await _collect(request, runs)
         headers.update(_sim_header(out.simulated) or {})
         answer = policy.full_response(

@@ -86,3 +86,16 @@ async def test_other_methods_and_paths_go_to_fastapi(plane):
         assert (await http.get("/v1/completions")).status_code == 405
         assert (await http.post("/v1/completions/", json={"model": MODEL, "prompt": "x"})).status_code in (307, 404)
         assert (await http.get("/v1/models")).status_code == 200
+
+
+async def test_the_server_span_continues_the_clients_trace(plane, span_exporter):
+    """A client's `traceparent` (any header case) parents the gateway's server span, on the short
+    way too (Admission.begin copies only the propagators' headers)."""
+    trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    async with plane() as p, httpx.AsyncClient(base_url=p.url, timeout=20) as http:
+        r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "traced", "max_tokens": 2},
+                            headers={"TraceParent": f"00-{trace_id}-{parent}-01", "x-other": "1"})
+        assert r.status_code == 200, r.text
+    [span] = [s for s in span_exporter.get_finished_spans() if s.name == "gateway completion"]
+    assert f"{span.context.trace_id:032x}" == trace_id
+    assert f"{span.parent.span_id:016x}" == parent
