@@ -370,7 +370,7 @@ class RequestRun(Delivery):
             self.gs.spawn(self.cancel("client disconnected"))
             raise
         finally:
-            self.gs.spawn(self.close())
+            self.release()  # nothing to wait for: no clean-up task per request (issue 15)
 
     def _count(self, chunk: TokenChunk) -> None:
         """What the client has been given, per choice: what a migrated stream continues from."""
@@ -445,7 +445,11 @@ class RequestRun(Delivery):
         await self.close()
 
     async def close(self) -> None:
-        self.gs.router.release(self.request_id)  # no longer counts against its worker
+        self.release()
+
+    def release(self) -> None:
+        """The request no longer counts against its worker, and its inbox is closed (idempotent)."""
+        self.gs.router.release(self.request_id)
         if self._inbox:
             self.gs.bus.close_inbox(self._inbox)
 
