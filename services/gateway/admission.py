@@ -211,29 +211,38 @@ async def predict(gs: GatewayState, req: PredictRequest, base: dict) -> Predicti
     except BusError as exc:
         logger.debug("predictor: %s; a local estimate", exc.description)
         p = None
-    return await _predicted(gs, req, base, p, t)
+    return _took(gs, req, base, p, t)
 
 
-async def _predicted(gs: GatewayState, req: PredictRequest, base: dict, p: Prediction | None,
-                     t: float) -> Prediction:
+def _took(gs: GatewayState, req: PredictRequest, base: dict, p: Prediction | None, t: float) -> Prediction:
     """`p`, else (the predictor gave none in time) the local estimate; publishes `predicted`
     with the time since `t`."""
     if p is None:
         p = local_prediction(gs, req)
         gs.metrics.fallbacks.labels("predict").inc()
-    await gs.event("predicted", Predicted(**base, length_class=p.length_class, tokens_estimate=p.tokens_estimate,
-                                          source=p.source, latency_ms=(time.monotonic() - t) * 1e3))
+    gs.emit("predicted", Predicted(**base, length_class=p.length_class, tokens_estimate=p.tokens_estimate,
+                                   source=p.source, latency_ms=(time.monotonic() - t) * 1e3))
     return p
 
 
-async def predict_later(gs: GatewayState, req: PredictRequest, base: dict) -> Prediction:
+def predict_later(gs: GatewayState, req: PredictRequest, base: dict) -> asyncio.Future:
     """As `predict`, for a request that does not wait for its prediction (it already runs on a
-    free batch slot): asked with others in one message after up to `predict_batch_ms`
-    (predict_batch.py), or at once when that is 0. `predicted` says how long it took in all."""
+    free batch slot): a future of it, asked with others in one message after up to
+    `predict_batch_ms` (predict_batch.py), or at once when that is 0. `predicted` (published as
+    the future completes, before its other callbacks run) says how long it took in all. No task
+    per request: the batch's answer completes the future through a callback (issue 15)."""
     if gs.settings.predict_batch_ms <= 0:
-        return await predict(gs, req, base)
+        return asyncio.ensure_future(predict(gs, req, base))
     t = time.monotonic()
-    return await _predicted(gs, req, base, await gs.predictions.ask(req), t)
+    out = asyncio.get_running_loop().create_future()
+
+    def answered(asked: asyncio.Future) -> None:
+        p = None if asked.cancelled() or asked.exception() is not None else asked.result()
+        if not out.done():
+            out.set_result(_took(gs, req, base, p, t))
+
+    gs.predictions.ask(req).add_done_callback(answered)
+    return out
 
 
 def place_here(gs: GatewayState, req: DispatchRequest, policy: str) -> tuple[Placement, bool] | None:

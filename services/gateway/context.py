@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from opentelemetry import trace
@@ -66,7 +67,8 @@ class GatewayState:
         self._down: dict[str, tuple[float, str]] = {}  # worker -> (monotonic, reason)
         self._workers: dict[str, tuple[float, list[Heartbeat]]] = {}  # deployment -> (monotonic, live)
         self._workers_lock = asyncio.Lock()
-        self._cleanup: set[asyncio.Task] = set()
+        self._cleanup: set[asyncio.Future] = set()
+        self.taps: list[Callable[[Any], None]] = []  # see every event `emit` publishes (observe.py's metrics)
         self.fairness = Fairness()  # VTC queues per deployment (fairness.py)
         self._keystore: KeyStore | None = None
         self._limiter: Limiter | None = None
@@ -97,9 +99,12 @@ class GatewayState:
     # ---------------------------------------------------------------- helpers
     def spawn(self, coro) -> None:
         """Run clean-up work that must finish even if the caller is being cancelled."""
-        task = asyncio.ensure_future(coro)
-        self._cleanup.add(task)
-        task.add_done_callback(self._cleanup.discard)
+        self.track(asyncio.ensure_future(coro))
+
+    def track(self, fut: asyncio.Future) -> None:
+        """`wait_cleanup` waits for `fut` too (work its done-callbacks finish, e.g. an event)."""
+        self._cleanup.add(fut)
+        fut.add_done_callback(self._cleanup.discard)
 
     async def wait_cleanup(self, timeout: float) -> None:
         """Wait (at most `timeout` seconds) for the clean-up work started with `spawn`."""
@@ -107,13 +112,23 @@ class GatewayState:
             await asyncio.wait(set(self._cleanup), timeout=max(0.1, timeout))
 
     async def event(self, kind: str, event, counted: bool = False) -> None:
+        """`emit`, for the routes (a coroutine: tests replace it to watch events)."""
+        self.emit(kind, event, counted)
+
+    def emit(self, kind: str, event, counted: bool = False) -> None:
         """Publish a lifecycle event, best effort: a request goes on when it cannot be sent.
         Coalesced (Bus.publish_soon): the ~5 events of a request, and those of concurrent
         requests, share socket writes instead of one each; in order, at most 2 ms later.
+        Synchronous (publish_soon only queues), so a done-callback can publish without a task.
 
         Also the usage hook of client keys: a `completed` event carries the tokens the worker
         counted, added to the ticket of the request being served (tenancy.py), which settles
         its key's TPM reservation and usage counters when the request ends (access.py)."""
+        for tap in self.taps:
+            try:
+                tap(event)
+            except Exception:  # noqa: BLE001 - metrics never stop an event
+                logger.debug("an event tap failed on %s", kind, exc_info=True)
         if kind == "completed" and not counted:
             self.count_usage(event)
         try:

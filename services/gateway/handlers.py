@@ -222,7 +222,7 @@ class RequestRun(Delivery):
         if here is not None and here[1]:
             self.prediction = admission.local_prediction(self.gs, ask)
             # asked with others in one message (predict_batch.py): nothing waits for it
-            self._predicting = asyncio.ensure_future(admission.predict_later(self.gs, ask, self._base()))
+            self._predicting = admission.predict_later(self.gs, ask, self._base())
             self._predicting.add_done_callback(self._took_prediction)
             await admission.announce(self.gs, self._base(), here[0], 0.0)
             return here[0]
@@ -251,18 +251,17 @@ class RequestRun(Delivery):
         if kind == "completed":  # the client key's usage now: its settlement reads it when the response ends
             self.gs.count_usage(event)
 
-        async def after_prediction() -> None:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(pending)
+        def after_prediction(_: asyncio.Future) -> None:  # after `_took_prediction`, added before it
             ev = event
             if isinstance(ev, Completed) and self.prediction is not None:
                 ev = msgspec.structs.replace(ev, predicted_tokens=self.prediction.tokens_estimate)
             try:
-                await self.gs.event(kind, ev, counted=True)
+                self.gs.emit(kind, ev, counted=True)
             except Exception:  # a bug, never a fault: say so loudly (the request's one terminal event)
                 logger.exception("the %s event of %s could not be published", kind, self.request_id)
 
-        self.gs.spawn(after_prediction())
+        pending.add_done_callback(after_prediction)  # a callback, not a task per request (issue 15)
+        self.gs.track(pending)  # a draining gateway waits for it
 
     def _place(self, placement: Placement) -> None:
         """Run on `placement` now: this gateway's count of its requests per worker follows."""

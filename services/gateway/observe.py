@@ -10,7 +10,6 @@
   subscribe `<p>.v1.events.>` and `<p>.v1.telemetry.>` (shared/auth.py)."""
 from __future__ import annotations
 
-import contextlib
 import time
 
 from polyserve.proto import Completed, EnergyReport, GpuTelemetry, Predicted, ScaleDecision
@@ -23,17 +22,14 @@ async def start(gs: GatewayState) -> None:
     """Tap the request events, register the scrape-time collector and follow the fleet
     events. Called once by the service, after the bus is connected."""
     m = gs.metrics
-    publish = gs.event
 
-    async def event(kind: str, ev, counted: bool = False) -> None:
-        with contextlib.suppress(Exception):  # metrics never stop an event
-            if isinstance(ev, Completed):
-                m.completed(ev.deployment, ev.output_tokens, ev.atgt_ms, ev.queue_ms, ev.predicted_tokens)
-            elif isinstance(ev, Predicted):
-                m.predictions.labels(ev.deployment, ev.source).inc()
-        await publish(kind, ev, counted)
+    def tap(ev) -> None:  # every event the gateway publishes passes here (GatewayState.emit)
+        if isinstance(ev, Completed):
+            m.completed(ev.deployment, ev.output_tokens, ev.atgt_ms, ev.queue_ms, ev.predicted_tokens)
+        elif isinstance(ev, Predicted):
+            m.predictions.labels(ev.deployment, ev.source).inc()
 
-    gs.event = event  # type: ignore[method-assign]  # every route publishes through gs.event
+    gs.taps.append(tap)
     gpus: dict[str, tuple[float, GpuTelemetry]] = {}
     energy: dict[str, tuple[float, EnergyReport]] = {}
     m.registry.register(FleetCollector(gs.fresh_heartbeats, gpus, energy))
