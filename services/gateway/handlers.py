@@ -251,7 +251,7 @@ class RequestRun(Delivery):
         if kind == "completed":  # the client key's usage now: its settlement reads it when the response ends
             self.gs.count_usage(event)
 
-        def after_prediction(_: asyncio.Future) -> None:  # after `_took_prediction`, added before it
+        def after_prediction(_: asyncio.Future) -> None:  # runs after `_took_prediction`, added earlier
             ev = event
             if isinstance(ev, Completed) and self.prediction is not None:
                 ev = msgspec.structs.replace(ev, predicted_tokens=self.prediction.tokens_estimate)
