@@ -123,15 +123,18 @@ async def _collect(request: Request, runs: list[RequestRun]) -> Outcome:
     if len(runs) == 1:
         return _merge([await disconnect.collect(request, runs[0])])
     tasks = [asyncio.ensure_future(r.collect()) for r in runs]
+
+    async def all_or_first_failure() -> None:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if t.exception() is not None:
+                raise t.exception()
+
     try:
-        pending = set(tasks)
-        while pending:
-            done, pending = await asyncio.wait(pending, timeout=0.5, return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                if t.exception() is not None:
-                    raise t.exception()
-            if pending and await request.is_disconnected():
-                raise GatewayError(499, "client disconnected")
+        try:
+            await disconnect.watched(request, all_or_first_failure())  # the client's departure probed
+        except disconnect.ClientGone:
+            raise GatewayError(499, "client disconnected") from None
         return _merge([t.result() for t in tasks])
     except BaseException as exc:
         reason = "client disconnected" if isinstance(exc, GatewayError) and exc.status == 499 else \

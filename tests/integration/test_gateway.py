@@ -266,6 +266,23 @@ async def test_client_disconnect_of_a_non_streamed_request_cancels_at_the_worker
         await wait_for(lambda: p.worker.engine.load().running == 0, what="worker slot freed")
 
 
+async def test_client_disconnect_of_a_batch_of_prompts_cancels_every_prompt(plane, bus, subjects):
+    """A batch (a list of prompts) whose client goes away: each prompt fails 499 and its slot is freed."""
+    events: list = []
+    await collect_events(bus, subjects, events)
+    async with plane(worker_kw={"time_scale": 1.0}) as p:
+        async with httpx.AsyncClient(base_url=p.url, timeout=30) as h:
+            call = asyncio.create_task(h.post("/v1/completions", json={
+                "model": MODEL, "prompt": ["long one", "long two"], "max_tokens": 2000, "min_tokens": 2000}))
+            await wait_for(lambda: p.worker.engine.load().running == 2, what="both prompts running")
+            call.cancel()  # httpx closes the connection
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+        await wait_for(lambda: sum(kind(e) == "failed" and e.status == 499 for e in events) == 2,
+                       what="a 499 event per prompt")
+        await wait_for(lambda: p.worker.engine.load().running == 0, what="worker slots freed")
+
+
 async def test_overload_answers_429_with_retry_after(plane):
     async with plane(max_inflight=1, worker_kw={"time_scale": 1.0}) as p:
         slow = asyncio.create_task(p.client.completions.create(model=MODEL, prompt="slow", max_tokens=50,
