@@ -23,6 +23,7 @@ sides fall back to core NATS (best effort, as before) and say so in the log.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import itertools
 import logging
@@ -47,6 +48,8 @@ MAX_AGE_S = 3600.0  # the stream keeps an event this long (consumers that were a
 MAX_MSGS = 1_000_000  # the oldest go first; no max_bytes: JetStream would reserve it up front per stream
 RESEND_AFTER_S = 2.0  # no PubAck by then: publish the same event (same id) again
 ACK_WAIT_S = 3.0  # a delivered event not acknowledged by then is delivered again
+ACK_EVERY = 64  # a service instance's consumer acknowledges cumulatively: after this many events,
+ACK_DELAY_S = 0.05  # or this long after the first one not acknowledged (well within ACK_WAIT_S)
 INACTIVE_S = 600.0  # a consumer nobody listens to is removed by the server after this
 OUTBOX_MAX = 200_000
 API_TIMEOUT_S = 2.0
@@ -68,6 +71,18 @@ def prefix_of(subject: str) -> str | None:
 
 def msg_id(subject: str, data: bytes) -> str:
     return hashlib.blake2b(subject.encode() + b"\0" + data, digest_size=12).hexdigest()
+
+
+def _sequences(reply: str) -> tuple[int, int]:
+    """(stream sequence, consumer delivery sequence) from a JetStream delivery's reply subject:
+    $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<time>.<pending>, or with
+    <domain>.<account hash> after ACK and a random last token (as nats-py's Msg.metadata reads it)."""
+    t = reply.split(".")
+    if len(t) == 9:
+        return int(t[5]), int(t[6])
+    if len(t) >= 11:
+        return int(t[7]), int(t[8])
+    return 0, 0
 
 
 def replicas_for(servers: int) -> int:
@@ -221,7 +236,20 @@ Handler = Callable[[NatsMsg], Awaitable[None]]
 
 
 class DurableSubscription:
-    """A JetStream push consumer on one durable event subject (module docstring)."""
+    """A JetStream push consumer on one durable event subject (module docstring).
+
+    A queue group's consumer (shared by the group's members) acknowledges each event
+    (AckExplicit). A consumer of one service instance acknowledges cumulatively (AckAll): the
+    last event it handled, at most every `ACK_EVERY` events or `ACK_DELAY_S` after the first
+    unacknowledged one, which tells the server about all before it: per request, three of the
+    four `completed` consumers' acks and their consumer-state updates in nats-server
+    (issue 15). That is safe only while this instance got every delivery: its deliveries are
+    numbered without a hole (the consumer sequence of the reply subject) unless one was lost
+    (a connection that died with it in flight, a slow-consumer drop). On a hole it acknowledges
+    nothing more and replaces the consumer by one that starts after the last event it
+    acknowledged (`_resync`); what it had handled since comes again and is skipped by message
+    id. Tested in tests/integration/test_event_durability.py.
+    """
 
     def __init__(self, nc: NATS, subject: str, service: str, queue: str, handler: Handler,
                  inbox_prefix: str, replicas: int):
@@ -231,35 +259,56 @@ class DurableSubscription:
         self.stream = stream_name(self.prefix)
         kind = subject.rsplit(".", 1)[-1]
         who = queue or f"{service}-{uuid.uuid4().hex[:8]}"
-        self.consumer = "".join(c if c.isalnum() or c in "-_" else "_" for c in f"{who}-{kind}")
+        self.consumer = self._name = "".join(c if c.isalnum() or c in "-_" else "_" for c in f"{who}-{kind}")
         self.queue = queue
-        self.deliver = f"{inbox_prefix}.ev.{self.consumer}"
+        self.deliver = self._deliver = f"{inbox_prefix}.ev.{self.consumer}"
         self.replicas = replicas
         self.started = datetime.now(timezone.utc)
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._sub: Any = None
         self.duplicates = 0
+        self.cumulative = not queue  # AckAll (class docstring); the server's choice wins (`_create`)
+        self._gen = 0  # the consumer in use; deliveries of an older one are handled, never acked
+        self._next = 0  # its delivery sequence expected next (0: the first)
+        self._floor = 0  # stream sequence of the last event acknowledged: all up to it were handled
+        self._last: tuple[str, int] | None = None  # (reply, stream seq) handled, not acknowledged
+        self._unacked = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._resync_task: asyncio.Task | None = None
+        self._retired: list[Any] = []  # subscriptions of replaced consumers (`_resync`)
+        self.acks = 0
+        self.resyncs = 0
 
     async def start(self) -> bool:
         """Create the consumer and subscribe; False when JetStream is unavailable."""
         if not await ensure_stream(self.nc, self.prefix, self.replicas):
             return False
+        return await self._create(self._gen)
+
+    async def _create(self, gen: int) -> bool:
+        """Create (or find) the consumer of generation `gen` and subscribe to its deliveries."""
+        if self._floor:  # a replacement: from the first event not acknowledged
+            start: dict[str, Any] = {"deliver_policy": api.DeliverPolicy.BY_START_SEQUENCE,
+                                     "opt_start_seq": self._floor + 1}
+        else:
+            start = {"deliver_policy": api.DeliverPolicy.BY_START_TIME,
+                     "opt_start_time": self.started.isoformat().replace("+00:00", "Z")}
         cfg = api.ConsumerConfig(
             durable_name=self.consumer, deliver_subject=self.deliver, deliver_group=self.queue or None,
-            filter_subject=self.subject, ack_policy=api.AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S,
-            deliver_policy=api.DeliverPolicy.BY_START_TIME,
-            opt_start_time=self.started.isoformat().replace("+00:00", "Z"),
-            max_ack_pending=20_000, inactive_threshold=INACTIVE_S, num_replicas=0)
+            filter_subject=self.subject, ack_wait=ACK_WAIT_S,
+            ack_policy=api.AckPolicy.ALL if self.cumulative else api.AckPolicy.EXPLICIT,
+            max_ack_pending=20_000, inactive_threshold=INACTIVE_S, num_replicas=0, **start)
         jsm = self.nc.jsm(timeout=API_TIMEOUT_S)
         try:
             await jsm.add_consumer(self.stream, cfg)
         except Exception as exc:  # noqa: BLE001 - a queue group's consumer made by another instance
             try:
-                await jsm.consumer_info(self.stream, self.consumer)
+                info = await jsm.consumer_info(self.stream, self.consumer)
             except Exception:  # noqa: BLE001
                 logger.warning("could not create JetStream consumer %s: %s", self.consumer, exc)
                 return False
-        self._sub = await self.nc.subscribe(self.deliver, queue=self.queue, cb=self._on_msg)
+            self.cumulative = info.config.ack_policy == api.AckPolicy.ALL
+        self._sub = await self.nc.subscribe(self.deliver, queue=self.queue, cb=functools.partial(self._on_msg, gen=gen))
         return True
 
     def add(self, handler: Handler) -> None:
@@ -302,9 +351,15 @@ class DurableSubscription:
                 return
             delay = min(delay * 2, 15.0)
 
-    async def _on_msg(self, m: NatsMsg) -> None:
+    async def _on_msg(self, m: NatsMsg, gen: int = 0) -> None:
         if not m.reply:  # a status message (idle heartbeat / flow control): nothing to handle
             return
+        sseq = 0
+        if self.cumulative and gen == self._gen:
+            sseq, cseq = _sequences(m.reply)
+            if self._next and cseq != self._next and self._resync_task is None:
+                self._resync_task = asyncio.ensure_future(self._resync(cseq))
+            self._next = cseq + 1
         if self.seen((m.headers or {}).get(MSG_ID, "")):
             self.duplicates += 1
         else:
@@ -312,17 +367,80 @@ class DurableSubscription:
                 await self.handle(m)
             except Exception:  # noqa: BLE001 - the handler logs; ack anyway so it is not redelivered forever
                 logger.exception("durable event handler for %s failed", self.subject)
+        if not self.cumulative or not sseq and gen == self._gen:
+            await self._ack(m.reply)
+        elif gen == self._gen and self._resync_task is None and sseq:  # nothing past a hole
+            self._last = (m.reply, sseq)
+            self._unacked += 1
+            if self._unacked >= ACK_EVERY:
+                await self._ack_last()
+            elif self._timer is None:
+                self._timer = asyncio.get_running_loop().call_later(ACK_DELAY_S, self._ack_soon)
+
+    async def _ack(self, reply: str) -> bool:
         try:
-            await self.nc.publish(m.reply, b"+ACK")
+            await self.nc.publish(reply, b"+ACK")
         except Exception as exc:  # noqa: BLE001 - redelivered after ACK_WAIT_S, skipped as a duplicate
             logger.debug("could not ack %s: %s", self.subject, exc)
+            return False
+        self.acks += 1
+        return True
+
+    async def _ack_last(self) -> None:
+        """Acknowledge (cumulatively) the last event handled, if not yet."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        last, self._last, self._unacked = self._last, None, 0
+        if last is not None and await self._ack(last[0]):
+            self._floor = max(self._floor, last[1])
+
+    def _ack_soon(self) -> None:
+        self._timer = None
+        asyncio.ensure_future(self._ack_last())
+
+    async def _resync(self, cseq: int) -> None:
+        """A delivery is missing: replace the consumer by one that starts after `_floor`."""
+        self.resyncs += 1
+        logger.warning("%s: delivery %d of consumer %s came after %d: a delivery was lost; re-reading "
+                       "the events from stream sequence %d on", self.subject, cseq, self.consumer,
+                       self._next - 1, self._floor + 1)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._last, self._unacked = None, 0
+        old_sub, old_name = self._sub, self.consumer
+        self._gen, self._next = self._gen + 1, 0
+        self.consumer, self.deliver = f"{self._name}-r{self.resyncs}", f"{self._deliver}-r{self.resyncs}"
+        delay = 0.5  # (with nothing acknowledged yet it starts where the first one did: `started`)
+        try:
+            while not await self._create(self._gen):  # JetStream busy (an election): the old
+                await asyncio.sleep(delay)  # consumer redelivers meanwhile, nothing acknowledged
+                delay = min(delay * 2, 15.0)
+        finally:
+            self._resync_task = None
+        # The old consumer goes; its subscription stays until close(): unsubscribing would cancel
+        # a handler it is running (nats-py stops the subscription's task), whose event would then
+        # count as seen though not handled. What it still delivers is handled, never acknowledged.
+        self._retired.append(old_sub)
+        try:
+            await self.nc.jsm(timeout=API_TIMEOUT_S).delete_consumer(self.stream, old_name)
+        except Exception:  # noqa: BLE001 - expires after INACTIVE_S anyway
+            pass
 
     async def close(self, delete: bool) -> None:
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:  # noqa: BLE001
-                pass
+        if self._resync_task is not None:
+            self._resync_task.cancel()
+        elif self.cumulative and self._last is not None:
+            await self._ack_last()
+        if self._timer is not None:
+            self._timer.cancel()
+        for sub in [*self._retired, self._sub]:
+            if sub is not None:
+                try:
+                    await sub.unsubscribe()
+                except Exception:  # noqa: BLE001
+                    pass
         if delete and not self.queue:  # an instance's own consumer; a queue group's outlives it
             try:
                 await self.nc.jsm(timeout=API_TIMEOUT_S).delete_consumer(self.stream, self.consumer)

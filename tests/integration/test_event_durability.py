@@ -172,8 +172,10 @@ async def test_two_handlers_of_one_subject_share_one_consumer():
             await pub.publish(subjects.event("completed"), _event(i * 10)[1])
         want = [f"r{i * 10}" for i in range(50)]
         assert await _until(lambda: all(v == want for v in seen.values()), 10), seen
-        info = await agent.nc.jsm().consumer_info(agent._durable[0].stream, agent._durable[0].consumer)
-        assert info.delivered.stream_seq >= 50 and info.num_ack_pending == 0
+        for dsub in agent._durable:  # the plain one acknowledges cumulatively, a little later
+            assert await _until(lambda: dsub._last is None, 2.0)
+            info = await agent.nc.jsm().consumer_info(dsub.stream, dsub.consumer)
+            assert info.delivered.stream_seq >= 50 and info.num_ack_pending == 0
     finally:
         for b in (pub, agent):
             await b.close()
@@ -210,6 +212,68 @@ async def test_events_are_kept_while_a_stream_that_worked_does_not_answer():
         assert info.state.messages == 5, "the five events after the stream's loss, none best effort"
     finally:
         await pub.close()
+        infra.stop_pid(proc.pid)
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+async def test_a_service_instance_acknowledges_cumulatively_and_rereads_after_a_lost_delivery(monkeypatch):
+    """Issue 15: a consumer of one service instance (AckAll) acknowledges the last event it
+    handled, not each one: far fewer acks than events, none left pending. A delivery lost on
+    the way (injected: the 30th is dropped before the subscription sees it, as a connection
+    that died with it in flight would) leaves a hole in the delivery sequence; the instance
+    then acknowledges nothing past it and replaces its consumer by one that starts after the
+    last event it acknowledged: every event is handled exactly once, the lost one included.
+    A queue group's consumer keeps acknowledging each event."""
+    from polyserve.shared import durable
+
+    dropped: list[str] = []
+    real = durable.DurableSubscription._on_msg
+
+    async def lossy(self, m, gen=0):
+        if not self.queue and gen == 0 and m.reply and durable._sequences(m.reply)[1] == 30 and not dropped:
+            dropped.append(m.reply)
+            return
+        await real(self, m, gen)
+
+    monkeypatch.setattr(durable.DurableSubscription, "_on_msg", lossy)
+    run_dir = Path(tempfile.mkdtemp(prefix="ps-eva-", dir="/tmp"))
+    proc, url, _ = infra.start_nats(run_dir / "nats")
+    subjects = Subjects(f"eva{os.getpid()}")
+    tracer, _ = make_tracer("t")
+    pub, watch = await Bus.connect(url, tracer, "gateway"), await Bus.connect(url, tracer, "dispatcher")
+    got: dict[str, list[str]] = {"all": [], "queue": []}
+
+    def on(key: str):
+        async def handler(ev) -> None:
+            got[key].append(ev.request_id)
+        return handler
+
+    try:
+        await watch.listen(subjects.event("completed"), Completed, on("all"))
+        await watch.listen(subjects.event("completed"), Completed, on("queue"), queue="learn")
+        plain, group = watch._durable
+        assert plain.cumulative and not group.cumulative
+        want = [f"r{i * 10}" for i in range(200)]
+        for i in range(200):
+            await pub.publish(subjects.event("completed"), _event(i * 10)[1])
+        assert await _until(lambda: sorted(got["all"]) == sorted(want) and got["queue"] == want, 15), \
+            (len(got["all"]), len(got["queue"]))
+        assert dropped and plain.resyncs == 1, "the hole was noticed once"
+        assert await _until(lambda: plain._last is None and plain._resync_task is None, 5.0)
+        await asyncio.sleep(0.3)
+        assert sorted(got["all"]) == sorted(want), "each event handled once (the re-read ones skipped)"
+        jsm = watch.nc.jsm()
+        for dsub in (plain, group):
+            info = await jsm.consumer_info(dsub.stream, dsub.consumer)
+            assert info.num_ack_pending == 0 and info.num_pending == 0, (dsub.consumer, info)
+        assert group.acks == 200 and plain.acks <= 200 // durable.ACK_EVERY + 20, (group.acks, plain.acks)
+        names = [c.name for c in await jsm.consumers_info(plain.stream)]
+        assert plain.consumer in names and plain._name not in names, "the replaced consumer is gone"
+    finally:
+        for b in (pub, watch):
+            await b.close()
         infra.stop_pid(proc.pid)
         import shutil
 
