@@ -41,6 +41,10 @@ class ServiceBase:
         self._background: set[asyncio.Task] = set()
 
     # ---------------------------------------------------------------- hooks
+    def tune_process(self) -> None:
+        """Process-wide settings (e.g. the dispatcher's garbage-collection thresholds) that a
+        service applies when it runs as its own process (`run_main`), never inside a test's."""
+
     async def on_start(self) -> None:
         """Subscribe handlers and start loops. Called with bus and state connected."""
 
@@ -177,6 +181,7 @@ def run_main(service_cls: type[ServiceBase], settings_cls: type[settings_mod.Com
 
     async def main() -> None:
         service = service_cls(cfg)
+        service.tune_process()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, service.request_stop)

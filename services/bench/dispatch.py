@@ -217,7 +217,7 @@ def run_policy(name: str, args: argparse.Namespace) -> dict:
 async def _live_run(name: str, index: bool, args: argparse.Namespace) -> dict:
     import asyncio
 
-    from polyserve.dispatcher.config import DispatcherSettings
+    from polyserve.dispatcher.config import DispatcherSettings, tune_gc
     from polyserve.dispatcher.handlers import DispatchHandlers
     from polyserve.dispatcher.liveview import LiveView
     from polyserve.dispatcher.registry import DeploymentCache, Outstanding
@@ -225,6 +225,7 @@ async def _live_run(name: str, index: bool, args: argparse.Namespace) -> dict:
     from polyserve.shared.settings import load
 
     settings = load(DispatcherSettings, "dispatcher", [], environ={}, index=index, seed=args.seed)
+    gc_before = tune_gc(settings)  # the garbage-collection thresholds the dispatcher process runs with
     cache = DeploymentCache(None, ttl_s=math.inf, timeout_s=1.0, retry_s=1.0)  # type: ignore[arg-type]
     cache._cache["d"] = (Deployment(id="d", model="m", policy=name), time.monotonic())
     view = LiveView(settings, random.Random(args.seed), outstanding=Outstanding(10**6, 1e9))
@@ -272,6 +273,8 @@ async def _live_run(name: str, index: bool, args: argparse.Namespace) -> dict:
         book.append((c3 - c2) / 1e3)
         await asyncio.sleep(0)  # let the loop run what the handler queued (now a no-op), as
         await asyncio.sleep(0)  # the service's loop does between messages (not timed)
+    gc.set_threshold(*gc_before)
+    gc.unfreeze()
     total = [a + b for a, b in zip(cpu, book)]
     return {"policy": name, "index": index, "dispatch_cpu_p50_us": pct(cpu, 50), "dispatch_cpu_p99_us": pct(cpu, 99),
             "after_reply_cpu_p50_us": pct(book, 50), "after_reply_cpu_p99_us": pct(book, 99),

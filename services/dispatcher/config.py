@@ -33,6 +33,12 @@ class DispatcherSettings(CommonSettings, frozen=True, kw_only=True):
     """Most requests one re-balancing round moves."""
     scale_signal_interval_s: float = 5.0
     """At most one ScaleSignal per deployment in this time (aladdin/caraserve found no feasible worker)."""
+    gc_gen0: int = 20_000
+    """The interpreter's first garbage-collection threshold in this process (`gc.set_threshold(
+    gc_gen0, 10, 10)`, applied at start with `gc.freeze()` of what start-up made; 0 = Python's
+    (700, 10, 10)). With Python's, a young collection ran every ~10 dispatches and an older one
+    every ~100: most of the handler's p99, and a full collection of the fleet's views (up to
+    60 ms) now and then (docs/benchmarks/dispatch.md, 2026-11-26 evening)."""
     index: bool = True
     """Keep each deployment's workers in an incremental index (`dispatcher/index.py`) and place
     with the policy's fast twin; false = every decision scans freshly built views."""
@@ -52,6 +58,19 @@ class DispatcherSettings(CommonSettings, frozen=True, kw_only=True):
             raise SettingsError("rebalance_max_moves must be >= 1")
         if self.max_outstanding < 0:
             raise SettingsError("max_outstanding must be >= 0 (0 = no cap)")
+        if self.gc_gen0 < 0:
+            raise SettingsError("gc_gen0 must be >= 0 (0 = Python's garbage-collection thresholds)")
+
+
+def tune_gc(settings: DispatcherSettings) -> tuple[int, int, int]:
+    """Apply `gc_gen0` to this process (see its doc); the thresholds before, to restore them."""
+    import gc
+
+    before = gc.get_threshold()
+    if settings.gc_gen0:
+        gc.freeze()  # what start-up made (modules, settings, the loop) is never traversed again
+        gc.set_threshold(settings.gc_gen0, 10, 10)
+    return before
 
 
 def load_settings(argv: list[str] | None = None, **overrides) -> DispatcherSettings:

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from typing import Any
 
 from polyserve.dispatcher import native
-from polyserve.dispatcher.config import DispatcherSettings
+from polyserve.dispatcher.config import DispatcherSettings, tune_gc
 from polyserve.dispatcher.handlers import DispatchHandlers
 from polyserve.dispatcher.liveview import LiveView
 from polyserve.dispatcher.registry import DeploymentCache
@@ -40,6 +41,10 @@ class DispatcherService(ServiceBase):
         super().__init__(settings, **kw)
         self.view = LiveView(settings)
         self.handlers: DispatchHandlers = None  # type: ignore[assignment]  # set in on_start
+
+    def tune_process(self) -> None:
+        before = tune_gc(self.settings)
+        logger.info("dispatcher: garbage-collection thresholds %s -> %s (gc_gen0)", before, gc.get_threshold())
 
     async def on_start(self) -> None:
         """Listen to worker and request events, seed the worker view from Redis, then serve."""

@@ -347,3 +347,26 @@ def test_registry_takes_a_fleet_wide_silence_for_a_nats_stall_by_the_smallest_li
     assert reg.silent()
     now[0] += 40.0  # beyond MAX_SILENCE_S: not a stall any more
     assert not reg.silent()
+
+
+def test_the_dispatcher_process_raises_its_gc_threshold_and_the_setting_is_checked():
+    """`gc_gen0` (issue 15: Python's 700 put a young collection into every ~10th dispatch and a
+    full one of the fleet's views, up to 60 ms, into some): applied by the dispatcher's own process
+    (`tune_process`, called by `run_main`), in a child here so this test process keeps its own;
+    0 keeps Python's; a negative value is refused."""
+    import subprocess
+    import sys
+
+    from polyserve.shared.settings import SettingsError
+
+    code = ("import gc, sys; from polyserve.dispatcher.config import load_settings; "
+            "from polyserve.dispatcher.service import DispatcherService; "
+            "before = gc.get_threshold(); DispatcherService(load_settings(sys.argv[1:])).tune_process(); "
+            "print(before, gc.get_threshold(), gc.get_freeze_count() > 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.split("\n")[0] == "(700, 10, 10) (20000, 10, 10) True", out
+    out = subprocess.run([sys.executable, "-c", code, "--gc-gen0", "0"], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    assert out.split("\n")[0] == "(700, 10, 10) (700, 10, 10) False", out
+    with pytest.raises(SettingsError, match="gc_gen0"):
+        DispatcherSettings(gc_gen0=-1).validate()
