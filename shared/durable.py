@@ -78,11 +78,11 @@ def _sequences(reply: str) -> tuple[int, int]:
     $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<time>.<pending>, or with
     <domain>.<account hash> after ACK and a random last token (as nats-py's Msg.metadata reads it)."""
     t = reply.split(".")
-    if len(t) == 9:
-        return int(t[5]), int(t[6])
-    if len(t) >= 11:
-        return int(t[7]), int(t[8])
-    return 0, 0
+    at = 5 if len(t) == 9 else 7 if len(t) >= 11 else 0
+    try:
+        return (int(t[at]), int(t[at + 1])) if at and t[0] == "$JS" else (0, 0)
+    except ValueError:  # a format this code does not know: (0, 0), each event acknowledged alone
+        return 0, 0
 
 
 def replicas_for(servers: int) -> int:
@@ -357,9 +357,10 @@ class DurableSubscription:
         sseq = 0
         if self.cumulative and gen == self._gen:
             sseq, cseq = _sequences(m.reply)
-            if self._next and cseq != self._next and self._resync_task is None:
-                self._resync_task = asyncio.ensure_future(self._resync(cseq))
-            self._next = cseq + 1
+            if sseq:
+                if self._next and cseq != self._next and self._resync_task is None:
+                    self._resync_task = asyncio.ensure_future(self._resync(cseq))
+                self._next = cseq + 1
         if self.seen((m.headers or {}).get(MSG_ID, "")):
             self.duplicates += 1
         else:

@@ -278,3 +278,16 @@ async def test_a_service_instance_acknowledges_cumulatively_and_rereads_after_a_
         import shutil
 
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_delivery_numbers_are_read_from_both_reply_subject_formats():
+    """`_sequences` reads (stream seq, delivery seq) from the reply subject with and without the
+    domain and account hash; anything else gives (0, 0), and such an event is acknowledged alone
+    (never a resync on a number it could not read)."""
+    from polyserve.shared.durable import _sequences
+
+    assert _sequences("$JS.ACK.st.cons.1.57.12.1700000000000000000.3") == (57, 12)
+    assert _sequences("$JS.ACK.dom.hash.st.cons.2.57.12.17000.3.rnd") == (57, 12)
+    assert _sequences("$JS.ACK.dom.hash.st.cons.2.57.12.17000.3") == (57, 12)
+    for odd in ("_INBOX.a.b", "$JS.ACK.a.b.c.d.e.f.g", "$JS.ACK.st.cons.x.y.z.t.p", ""):
+        assert _sequences(odd) == (0, 0)
