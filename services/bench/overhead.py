@@ -141,15 +141,6 @@ def _role(name: str) -> str:
     return "gateway" if name.startswith("gateway") else "worker" if name.startswith("worker-") else name
 
 
-def _cpu_by_role(procs: dict[str, int], before: dict[str, float], n: int) -> dict[str, float]:
-    """CPU ms per request of each role since `before` (over `n` requests)."""
-    out: dict[str, float] = {}
-    for name, pid in procs.items():
-        role = _role(name)
-        out[role] = out.get(role, 0.0) + (_cpu_s(pid) - before[name]) * 1e3 / max(1, n)
-    return {k: round(v, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
-
-
 def _spec(args: argparse.Namespace, gateways: int) -> launcher.ClusterSpec:
     return launcher.ClusterSpec(
         run_dir=Path(tempfile.mkdtemp(prefix="ps-bench-")), engine="sim", model="bench-sim",
@@ -161,31 +152,70 @@ def _spec(args: argparse.Namespace, gateways: int) -> launcher.ClusterSpec:
                    "POLYSERVE_PREDICTOR_PROXY_ARTIFACT": "shipped" if args.with_model else ""})
 
 
+
+def _cpu_ms(procs: dict[str, int], before: dict[str, float], into: dict[str, float]) -> None:
+    """Add the CPU ms each role used since `before` to `into`."""
+    for name, pid in procs.items():
+        role = _role(name)
+        into[role] = into.get(role, 0.0) + (_cpu_s(pid) - before[name]) * 1e3
+
+
+def _per_request(total_ms: dict[str, float], n: int) -> dict[str, float]:
+    return {k: round(v / max(1, n), 3) for k, v in sorted(total_ms.items(), key=lambda kv: -kv[1])}
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median requests/s (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda r: r["rps"])[(len(runs) - 1) // 2]
+
+
 def _run(args: argparse.Namespace, gateways: int, bare_url: str | None, bare_pid: int = 0) -> dict:
     """Every case against polyserve with `gateways` gateway processes (and against the bare
     endpoint, case by case, when `bare_url` is given), with the CPU each role used, and the
-    CPU the bare endpoint and the load generator used for it (`bare_pid`)."""
+    CPU the bare endpoint and the load generator used for it (`bare_pid`). With `--repeats R`
+    each case runs R bare / polyserve pairs back to back: the table shows each side's median
+    run and the ratio of every pair (a single run's bare side alone moves by several percent on
+    a shared 2-core machine); the CPU per request is over all R runs of a side."""
     spec = _spec(args, gateways)
     out: dict = {"results": {}, "cpu_ms_per_request": {}}
+    repeats = max(1, getattr(args, "repeats", 1))
     try:
         state = launcher.up(spec, progress=lambda m: None)
         procs = _processes(state)
+        bare_procs = {"bare": bare_pid, "load generator": os.getpid()}
         for stream in (False, True):
             for conc in args.concurrency:
                 case = f"{'stream' if stream else 'json'}-c{conc}"
-                cell: dict = {}
-                if bare_url is not None:
-                    print(f"  {case}: bare ...", flush=True)
-                    bare_procs = {"bare": bare_pid, "load generator": os.getpid()}
-                    before = {n: _cpu_s(p) for n, p in bare_procs.items()}
-                    cell["bare"] = b = asyncio.run(drive(bare_url, "bare", stream, args.requests, conc, args.tokens))
-                    out.setdefault("bare_cpu_ms_per_request", {})[case] = _cpu_by_role(bare_procs, before, b["n"])
-                print(f"  {case}: polyserve, {gateways} gateway process(es) ...", flush=True)
-                before, t = {n: _cpu_s(p) for n, p in procs.items()}, time.perf_counter()
-                cell["polyserve"] = p = asyncio.run(drive(state.gateway_url, "bench-sim", stream, args.requests,
-                                                          conc, args.tokens))
-                cpu = _cpu_by_role(procs, before, p["n"])
-                cpu["cores busy"] = round(sum(cpu.values()) * p["n"] / 1e3 / (time.perf_counter() - t), 2)
+                bare_runs: list[dict] = []
+                ps_runs: list[dict] = []
+                bare_ms: dict[str, float] = {}
+                ps_ms: dict[str, float] = {}
+                ps_s = 0.0
+                for r in range(repeats):
+                    of = f" ({r + 1}/{repeats})" if repeats > 1 else ""
+                    if bare_url is not None:
+                        print(f"  {case}: bare{of} ...", flush=True)
+                        before = {n: _cpu_s(p) for n, p in bare_procs.items()}
+                        bare_runs.append(asyncio.run(drive(bare_url, "bare", stream, args.requests, conc,
+                                                           args.tokens)))
+                        _cpu_ms(bare_procs, before, bare_ms)
+                    print(f"  {case}: polyserve, {gateways} gateway process(es){of} ...", flush=True)
+                    before, t = {n: _cpu_s(p) for n, p in procs.items()}, time.perf_counter()
+                    ps_runs.append(asyncio.run(drive(state.gateway_url, "bench-sim", stream, args.requests,
+                                                     conc, args.tokens)))
+                    ps_s += time.perf_counter() - t
+                    _cpu_ms(procs, before, ps_ms)
+                cell: dict = {"polyserve": _median_run(ps_runs)}
+                if bare_runs:
+                    cell["bare"] = _median_run(bare_runs)
+                    out.setdefault("bare_cpu_ms_per_request", {})[case] = _per_request(
+                        bare_ms, sum(b["n"] for b in bare_runs))
+                    if repeats > 1:
+                        cell["pairs"] = [{"bare_rps": b["rps"], "polyserve_rps": p["rps"], "ratio": p["rps"] / b["rps"]}
+                                         for b, p in zip(bare_runs, ps_runs)]
+                n_ps = sum(p["n"] for p in ps_runs)
+                cpu = _per_request(ps_ms, n_ps)
+                cpu["cores busy"] = round(sum(ps_ms.values()) / 1e3 / ps_s, 2)
                 out["results"][case], out["cpu_ms_per_request"][case] = cell, cpu
         if bare_url is not None:
             out["stages"] = asyncio.run(stage_breakdown(state.nats_url, state.prefix, state.gateway_url,
@@ -205,6 +235,13 @@ def _print_overhead(args: argparse.Namespace, first: dict) -> None:
         b, p = r["bare"], r["polyserve"]
         print(f"{case:<12}{b['rps']:>10.1f}{p['rps']:>10.1f}{p['rps'] / b['rps']:>10.3f}{b['p50_ms']:>10.2f}"
               f"{p['p50_ms']:>10.2f}{p['p50_ms'] - b['p50_ms']:>11.2f}{b['p99_ms']:>10.2f}{p['p99_ms']:>10.2f}")
+    pairs = {case: r["pairs"] for case, r in first["results"].items() if r.get("pairs")}
+    if pairs:
+        print(f"\n{len(next(iter(pairs.values())))} bare / polyserve pairs per case, run back to back (the table: "
+              f"each side's median run); rps ratio of each pair, and their median:")
+        for case, ps in pairs.items():
+            ratios = [x["ratio"] for x in ps]
+            print(f"{case:<12}" + " ".join(f"{x:.3f}" for x in ratios) + f"   median {statistics.median(ratios):.3f}")
     print(f"\nper-stage medians over 100 sequential requests (ms, from request events): {first['stages']}")
     _print_cpu(first)
 
@@ -278,6 +315,9 @@ def add_arguments(o) -> None:
     o.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     o.add_argument("--tokens", type=int, default=16)
     o.add_argument("--json", help="also write the figures to this file")
+    o.add_argument("--repeats", type=int, default=1, metavar="R",
+                   help="bare / polyserve pairs per case, back to back: each side's median run in the table, "
+                        "every pair's ratio and their median below it (single runs move by several percent)")
     o.add_argument("--with-model", action="store_true",
                    help="predict with the BERT proxy model (default: the historical mean, i.e. the control plane alone)")
     o.add_argument("--gateways", type=int, nargs="+", default=[1], metavar="N",

@@ -16,14 +16,19 @@ pytestmark = pytest.mark.system
 def test_bench_overhead_reports_both_sides_and_the_cpu_by_role(tmp_path):
     out = tmp_path / "ov.json"
     run = subprocess.run([sys.executable, "-m", "polyserve.cli", "bench", "overhead", "--requests", "20",
-                          "--concurrency", "2", "--json", str(out)], capture_output=True, text=True, timeout=240)
+                          "--concurrency", "2", "--repeats", "2", "--json", str(out)], capture_output=True, text=True,
+                         timeout=240)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     data = json.loads(out.read_text())
     for case in ("json-c2", "stream-c2"):
         cell = data["results"][case]
         assert cell["bare"]["n"] == cell["polyserve"]["n"] == 20
+        # --repeats 2: two back-to-back pairs, each with its ratio; the table shows each side's median run
+        assert len(cell["pairs"]) == 2 and all(p["ratio"] == p["polyserve_rps"] / p["bare_rps"] for p in cell["pairs"])
+        assert cell["polyserve"]["rps"] in {p["polyserve_rps"] for p in cell["pairs"]}
         cpu = data["cpu_ms_per_request"][case]
         assert cpu["gateway"] > 0 and cpu["worker"] > 0
+    assert "pairs per case" in run.stdout and "median" in run.stdout
     # the default policy is placed in the gateway: no dispatcher hop in the per-stage medians
     assert data["stages"]["dispatch_ms"] == 0.0
 
