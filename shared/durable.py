@@ -387,11 +387,14 @@ class DurableSubscription:
         self.acks += 1
         return True
 
-    async def _ack_last(self) -> None:
-        """Acknowledge (cumulatively) the last event handled, if not yet."""
+    def _stop_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    async def _ack_last(self) -> None:
+        """Acknowledge (cumulatively) the last event handled, if not yet."""
+        self._stop_timer()
         last, self._last, self._unacked = self._last, None, 0
         if last is not None and await self._ack(last[0]):
             self._floor = max(self._floor, last[1])
@@ -406,9 +409,7 @@ class DurableSubscription:
         logger.warning("%s: delivery %d of consumer %s came after %d: a delivery was lost; re-reading "
                        "the events from stream sequence %d on", self.subject, cseq, self.consumer,
                        self._next - 1, self._floor + 1)
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._stop_timer()
         self._last, self._unacked = None, 0
         old_sub, old_name = self._sub, self.consumer
         self._gen, self._next = self._gen + 1, 0
@@ -434,8 +435,7 @@ class DurableSubscription:
             self._resync_task.cancel()
         elif self.cumulative and self._last is not None:
             await self._ack_last()
-        if self._timer is not None:
-            self._timer.cancel()
+        self._stop_timer()
         for sub in [*self._retired, self._sub]:
             if sub is not None:
                 try:

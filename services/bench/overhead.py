@@ -178,7 +178,7 @@ def _run(args: argparse.Namespace, gateways: int, bare_url: str | None, bare_pid
     a shared 2-core machine); the CPU per request is over all R runs of a side."""
     spec = _spec(args, gateways)
     out: dict = {"results": {}, "cpu_ms_per_request": {}}
-    repeats = max(1, getattr(args, "repeats", 1))
+    repeats = max(1, args.repeats)
     try:
         state = launcher.up(spec, progress=lambda m: None)
         procs = _processes(state)
