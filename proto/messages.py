@@ -144,6 +144,10 @@ class GenerateRequest(Msg, kw_only=True):
     # False: the client gets one body at the end, so the worker may merge a choice's chunks
     # (WorkerSettings.merge_ms); True (and from an older gateway): a chunk per engine delta.
     stream: bool = True
+    # True: this gateway takes a choice's last delta (text, tokens, logprobs, its finish reason)
+    # on the done chunk, so a non-streamed single-choice request needs one chunk fewer (issue 15;
+    # worker/merge.py). False (and from an older gateway): the done chunk carries no text.
+    last_on_done: bool = False
     # The tenant of the API key that sent it ("" without keys): `ssjf_refine` keeps its length
     # tables per client too (a client's requests look alike: docs/experiments/sjf.md).
     tenant: str = ""

@@ -290,7 +290,7 @@ class RequestRun(Delivery):
                                predicted_tokens=p.tokens_estimate if p else 0,
                                length_class=p.length_class if p else -1,
                                window=self.gs.settings.stream_window, resume=resume, stream=self.stream,
-                               tenant=self.tenant)
+                               last_on_done=not self.stream and self.params.n == 1, tenant=self.tenant)
 
     async def _next(self, first: bool) -> TokenChunk:
         """The next chunk in `seq` order. Chunks that overtook a missing one are held and
@@ -340,8 +340,8 @@ class RequestRun(Delivery):
                     continue
                 self._count(chunk)
                 self.simulated = self.simulated or chunk.simulated
-                if chunk.finish_reason and not chunk.done:
-                    self.finish_reason = chunk.finish_reason
+                if chunk.finish_reason and not (chunk.done and self.finish_reason):
+                    self.finish_reason = chunk.finish_reason  # (a done chunk may carry the last delta)
                 if chunk.error:
                     raise GatewayError(502, f"worker {self.placement.worker_id}: {chunk.error}")
                 if first and (chunk.text or chunk.tokens):
@@ -373,7 +373,7 @@ class RequestRun(Delivery):
 
     def _count(self, chunk: TokenChunk) -> None:
         """What the client has been given, per choice: what a migrated stream continues from."""
-        if chunk.done:
+        if chunk.done and not chunk.tokens and not chunk.text:
             return
         i = chunk.index
         self._out_text.setdefault(i, []).append(chunk.text)  # joined only if the stream migrates
@@ -463,7 +463,9 @@ class RequestRun(Delivery):
                 out.logprobs[chunk.index] += chunk.logprobs or []
                 if chunk.prompt_logprobs is not None:
                     out.prompt_logprobs[chunk.index] = chunk.prompt_logprobs
-                if chunk.finish_reason and not chunk.done:
+                # a done chunk's finish reason is the request's; with one choice it may also
+                # end that choice (its last delta on the done chunk: `last_on_done`)
+                if chunk.finish_reason and (not chunk.done or (n == 1 and out.finish[0] is None)):
                     out.finish[chunk.index] = chunk.finish_reason
             if chunk.done and chunk.stats:
                 out.prompt_tokens = chunk.stats.input_tokens

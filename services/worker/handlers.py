@@ -14,7 +14,8 @@ Streaming protocol, which the gateway relies on:
    the worker's replay subject). With `req.window` > 0 at most that many chunks are
    unacknowledged: a client that reads slowly holds its stream here (bounded), and
    one that reads nothing for `slow_reader_limit_s` gets an explicit error.
-5. A non-streamed request (`req.stream` False) gets fewer, merged chunks (merge.py).
+5. A non-streamed request (`req.stream` False) gets fewer, merged chunks (merge.py); with
+   `req.last_on_done` and one choice its last delta rides on the done chunk.
 6. `req.resume` (request migration): the stream continues what another worker
    started; the engine generates on from prompt + that output.
 """
@@ -286,6 +287,7 @@ class WorkerHandlers:
         reasons: dict[int, str] = {}
         stats: RequestStats | None = None
         error: str | None = None
+        last: Delta | None = None  # the final delta, sent on the done chunk (`hold_last`)
         # no span at all when this worker's tracer records none (as Bus.serve: issue 15)
         spanned = self.tracer.start_as_current_span("worker generate") if self.bus.records_spans else \
             contextlib.nullcontext(trace.INVALID_SPAN)
@@ -295,7 +297,10 @@ class WorkerHandlers:
             span.set_attribute("polyserve.simulated", simulated)
             try:
                 async with contextlib.aclosing(stream):
-                    merger = Merger(0.0 if req.stream else self.merge_s)
+                    # a single-choice, non-streamed request's last delta rides on the done chunk
+                    # when its gateway takes it there (merge.py `hold_last`)
+                    merger = Merger(0.0 if req.stream else self.merge_s,
+                                    hold_last=req.last_on_done and not req.stream and req.params.n == 1)
                     ev = await first
                     while not isinstance(ev, Finished):
                         if isinstance(ev, Delta):
@@ -306,7 +311,10 @@ class WorkerHandlers:
                                 await self._send(req, box, _chunk(req, seq, d, simulated))
                                 seq += 1
                         ev = await stream.__anext__()
-                    for d in merger.flush():
+                    tail = merger.flush()
+                    if merger.hold_last and tail:
+                        last = tail.pop()
+                    for d in tail:
                         await self._send(req, box, _chunk(req, seq, d, simulated))
                         seq += 1
                     stats = self._whole(req, ev.stats)
@@ -335,6 +343,9 @@ class WorkerHandlers:
             done = TokenChunk(request_id=req.request_id, seq=seq, done=True,
                               finish_reason=overall_finish_reason(reasons), error=error, stats=stats,
                               simulated=simulated)
+            if last is not None and error is None:
+                done = msgspec.structs.replace(_chunk(req, seq, last, simulated), done=True,
+                                               finish_reason=done.finish_reason, stats=stats)
             span.set_attribute("polyserve.output_tokens", tokens)
             if error:
                 self.failed += 1

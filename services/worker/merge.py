@@ -9,6 +9,12 @@ docs/benchmarks/overhead.md). So the deltas of each choice are merged and sent a
 at once (the gateway's `first_token` event and TTFT stay exact), and so does its last
 (`finish_reason`). No timer: what is held goes with the next delta, and all of it before the
 request's final chunk, so a delta waits at most one inter-token gap beyond the interval.
+
+With `hold_last` (a single-choice request whose gateway takes text on the done chunk:
+`GenerateRequest.last_on_done`) the delta with the finish reason is held too, and the worker
+sends it on the request's done chunk: one NATS message fewer per request (issue 15). Its client
+gets nothing before the done chunk anyway; a worker that dies between the two loses only text
+the gateway had not relayed, which a migrated request generates again.
 """
 from __future__ import annotations
 
@@ -30,8 +36,9 @@ def merged(a: Delta, b: Delta) -> Delta:
 class Merger:
     """Deltas in, the deltas to send now out (in order per choice)."""
 
-    def __init__(self, interval_s: float):
+    def __init__(self, interval_s: float, hold_last: bool = False):
         self.interval_s = interval_s
+        self.hold_last = hold_last and interval_s > 0  # the finishing delta waits for flush()
         self._held: dict[int, Delta] = {}  # per choice: what has not been sent yet
         self._started: set[int] = set()  # choices whose first delta went out
         self._sent_at = time.monotonic()
@@ -46,7 +53,9 @@ class Merger:
                 return [d]
         held = self._held.get(d.index)
         self._held[d.index] = d if held is None else merged(held, d)
-        if d.finish_reason is not None or time.monotonic() - self._sent_at >= self.interval_s:
+        if d.finish_reason is not None:
+            return [] if self.hold_last else self.flush()
+        if time.monotonic() - self._sent_at >= self.interval_s:
             return self.flush()
         return []
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from polyserve.proto import (
@@ -89,6 +90,27 @@ async def test_stream_in_order_ending_done_with_stats_and_heartbeat(worker, bus,
     inner = [s for s in spans if s.name == "worker generate" and s.kind.name == "INTERNAL"]
     assert server and inner and inner[0].parent.span_id == server[0].context.span_id
     assert inner[0].attributes["polyserve.simulated"] is True
+
+
+async def test_a_non_streamed_single_choice_gets_its_last_delta_on_the_done_chunk(worker, bus, subjects):
+    """`last_on_done` (issue 15): the worker sends the first delta at once and the rest on the
+    done chunk; without it (an older gateway) the done chunk carries no text; n = 2 never."""
+    async with running(worker()):
+        got = {}
+        for rid, kw, n in (("merged", {"last_on_done": True}, 1), ("old", {}, 1),
+                           ("two", {"last_on_done": True}, 2)):
+            async with bus.inbox() as (inbox, queue):
+                req = msgspec.structs.replace(gen(rid, inbox, max_tokens=8, n=n), stream=False, **kw)
+                await bus.request(subjects.generate("w-it"), req, GenerateAccepted, timeout=5)
+                got[rid] = await read_stream(queue)
+    merged, old, two = got["merged"], got["old"], got["two"]
+    assert len(merged) == 2 and len(old) == 3  # one chunk fewer
+    first, done = merged
+    assert not first.done and first.tokens == 1 and first.finish_reason is None
+    assert done.done and done.tokens == 7 and done.finish_reason == "length" and done.stats.output_tokens == 8
+    assert first.text + done.text == "".join(c.text for c in old)  # the same seed: the same text
+    assert old[-1].done and not old[-1].text and old[-1].tokens == 0 and old[-2].finish_reason == "length"
+    assert not two[-1].text and sum(c.tokens for c in two) == 16  # n = 2: a chunk per choice's end
 
 
 async def test_cancel_mid_stream_ends_cancelled(worker, bus, subjects):

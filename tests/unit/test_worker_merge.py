@@ -58,3 +58,15 @@ def test_an_elapsed_interval_sends_what_is_held():
     time.sleep(0.001)
     assert [d.text for d in m.add(ds[1])] == [ds[1].text]  # held past the interval: sent with this one
     assert m.flush() == []
+
+
+def test_hold_last_keeps_the_finishing_delta_for_the_done_chunk():
+    m = Merger(60.0, hold_last=True)
+    ds = deltas(16)
+    sent = [x for d in ds for x in m.add(d)]
+    assert [d.text for d in sent] == [" w0"]  # only the first at once
+    tail = m.flush()
+    assert len(tail) == 1 and tail[0].finish_reason == "length" and tail[0].tokens == 15
+    one = Merger(60.0, hold_last=True)
+    assert one.add(Delta(0, "x", 1, finish_reason="stop")) == []  # a one-token answer: all on the done chunk
+    assert Merger(0.0, hold_last=True).add(ds[-1]) == [ds[-1]]  # no merging: nothing held
