@@ -24,13 +24,18 @@ from dataclasses import replace
 from polyserve.worker.engine import Delta
 
 
-def merged(a: Delta, b: Delta) -> Delta:
-    """`a` followed by `b` (same choice) as one delta."""
-    logprobs = (a.logprobs or []) + (b.logprobs or []) if a.logprobs is not None or b.logprobs is not None \
-        else None
-    return replace(a, text=a.text + b.text, tokens=a.tokens + b.tokens, finish_reason=b.finish_reason,
-                   logprobs=logprobs, prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None
-                   else b.prompt_logprobs)
+def merged(parts: list[Delta]) -> Delta:
+    """The deltas `parts` (one choice, in order) as one delta; built once per chunk sent, not
+    once per delta held (a `dataclasses.replace` per token was ~4% of the worker's CPU)."""
+    if len(parts) == 1:
+        return parts[0]
+    a, b = parts[0], parts[-1]
+    logprobs = None
+    if any(d.logprobs is not None for d in parts):
+        logprobs = [lp for d in parts for lp in d.logprobs or ()]
+    prompt = next((d.prompt_logprobs for d in parts if d.prompt_logprobs is not None), None)
+    return replace(a, text="".join(d.text for d in parts), tokens=sum(d.tokens for d in parts),
+                   finish_reason=b.finish_reason, logprobs=logprobs, prompt_logprobs=prompt)
 
 
 class Merger:
@@ -39,7 +44,7 @@ class Merger:
     def __init__(self, interval_s: float, hold_last: bool = False):
         self.interval_s = interval_s
         self.hold_last = hold_last and interval_s > 0  # the finishing delta waits for flush()
-        self._held: dict[int, Delta] = {}  # per choice: what has not been sent yet
+        self._held: dict[int, list[Delta]] = {}  # per choice: what has not been sent yet
         self._started: set[int] = set()  # choices whose first delta went out
         self._sent_at = time.monotonic()
 
@@ -52,7 +57,10 @@ class Merger:
                 self._sent_at = time.monotonic()
                 return [d]
         held = self._held.get(d.index)
-        self._held[d.index] = d if held is None else merged(held, d)
+        if held is None:
+            self._held[d.index] = [d]
+        else:
+            held.append(d)
         if d.finish_reason is not None:
             return [] if self.hold_last else self.flush()
         if time.monotonic() - self._sent_at >= self.interval_s:
@@ -61,7 +69,7 @@ class Merger:
 
     def flush(self) -> list[Delta]:
         """Everything held (before the request's final chunk)."""
-        out = list(self._held.values())
+        out = [merged(parts) for parts in self._held.values()]
         self._held.clear()
         self._sent_at = time.monotonic()
         return out
