@@ -75,7 +75,15 @@ async def test_hf_completions_logprobs_with_echo_streamed_and_not(plane):
         assert text == choice.text
         joined = {k: [x for part in parts for x in getattr(part, k)] for k in
                   ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
-        assert joined == choice.logprobs.model_dump()  # the same seed: the same tokens, the same numbers
+        # the same seed: the same tokens and offsets; the same numbers up to float reduction order
+        # (a forward pass runs on an executor thread whose OpenMP team may differ between the two
+        # requests; an exact match failed once in a CI on an AVX2-only EPYC, off by 4e-6)
+        whole = choice.logprobs.model_dump()
+        assert joined["tokens"] == whole["tokens"] and joined["text_offset"] == whole["text_offset"]
+        assert joined["token_logprobs"][0] is None and whole["token_logprobs"][0] is None
+        assert joined["token_logprobs"][1:] == pytest.approx(whole["token_logprobs"][1:], abs=1e-4)
+        for got, want in zip(joined["top_logprobs"][1:], whole["top_logprobs"][1:]):
+            assert got.keys() == want.keys() and list(got.values()) == pytest.approx(list(want.values()), abs=1e-4)
 
         plain = await p.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
                                                   logprobs=0)
