@@ -152,7 +152,6 @@ def _spec(args: argparse.Namespace, gateways: int) -> launcher.ClusterSpec:
                    "POLYSERVE_PREDICTOR_PROXY_ARTIFACT": "shipped" if args.with_model else ""})
 
 
-
 def _cpu_ms(procs: dict[str, int], before: dict[str, float], into: dict[str, float]) -> None:
     """Add the CPU ms each role used since `before` to `into`."""
     for name, pid in procs.items():
