@@ -18,14 +18,13 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import os
-import platform
 import signal
 import sys
 from pathlib import Path
 
 from polyserve.bench import chaos_faults as faults
 from polyserve.bench.chaos_run import Scenario, run_scenario
+from polyserve.shared import machine
 
 
 def scenarios(cfg: faults.ChaosConfig | None = None) -> list[Scenario]:
@@ -63,20 +62,6 @@ def by_name(names: list[str], cfg: faults.ChaosConfig | None = None) -> list[Sce
     if unknown:
         raise SystemExit(f"unknown scenario(s) {', '.join(unknown)}; known: {', '.join(known)}")
     return [known[n] for n in names]
-
-
-def machine() -> dict:
-    """The machine and the load it ran under (every figure names them)."""
-    model = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": model, "cpus": os.cpu_count(), "python": platform.python_version(),
-            "loadavg": [round(x, 2) for x in os.getloadavg()]}
 
 
 def _fmt_rate(rate) -> str:
@@ -160,16 +145,16 @@ def main(args: argparse.Namespace) -> int:
             print(f"  {s.name:<16} {s.title}" + (f"  [{s.unavailable()}]" if s.unavailable() else ""))
         return 0
     chosen = by_name(args.scenarios, cfg) if args.scenarios else scenarios(cfg)
-    before = machine()
+    before = machine.describe()
     print(f"chaos suite: {len(chosen)} scenario(s), {cfg.requests} streams of {cfg.tokens} tokens each at "
           f"concurrency {cfg.concurrency}, {cfg.workers} sim workers (time scale {cfg.time_scale}); "
-          f"{before['cpus']} x {before['cpu']}, load {before['loadavg']}", flush=True)
+          f"{machine.line(before)}", flush=True)
     rows = asyncio.run(run_all(chosen, cfg, say=lambda m: print(m, flush=True)))
     render(rows)
-    after = machine()
-    print(f"load average before {before['loadavg']}, after {after['loadavg']}")
+    after = machine.describe()
+    print(f"load average before {before['load_average']}, after {after['load_average']}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": before, "load_after": after["loadavg"],
+        Path(args.json).write_text(json.dumps({"machine": before, "load_after": after["load_average"],
                                                "config": dataclasses.asdict(cfg), "rows": rows}, indent=2))
         print(f"wrote {args.json}")
     return 0 if all(not r.get("misses") for r in rows) else 1

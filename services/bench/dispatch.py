@@ -54,6 +54,7 @@ from polyserve.core.profiles import profile_path
 from polyserve.dispatcher import index as ix
 from polyserve.dispatcher import native
 from polyserve.dispatcher.policy import PolicyState, RequestView, WorkerView
+from polyserve.shared import machine
 from polyserve.shared.paths import datasets_dir
 
 PROFILE = profile_path(profiles.DEFAULT_SIM)
@@ -292,7 +293,7 @@ def live_main(names: list[str], args: argparse.Namespace) -> int:
 
     _say(f"bench dispatch --live: DispatchHandlers in process, {args.workers} workers, {args.outstanding} "
          f"outstanding, {args.live_decisions} dispatches per policy after a completed event each; CPU µs; "
-         f"load {os.getloadavg()[0]:.2f}; {native.describe()}")
+         f"{machine.line()}; {native.describe()}")
     _say(f"{'policy':18} {'scan p50':>9} {'scan p99':>9} {'index p50':>9} {'index p99':>9} {'x p50':>6} "
          f"{'completed p50 (scan / index)':>29} {'after reply p50/p99':>20} {'with it p50/p99':>16}")
     results = []
@@ -311,7 +312,8 @@ def live_main(names: list[str], args: argparse.Namespace) -> int:
          f"placement's bookkeeping the handler leaves for after its reply (`LiveView.settle`); with it = "
          f"both; load {os.getloadavg()[0]:.2f} at the end")
     if args.out:
-        Path(args.out).write_text(json.dumps({"meta": {"build": native.describe()}, "results": results}, indent=1))
+        Path(args.out).write_text(json.dumps({"meta": {"build": native.describe(), "machine": machine.describe()},
+                                                "results": results}, indent=1))
     return 0
 
 
@@ -408,13 +410,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.live_decisions < 1:
             raise SystemExit("--live-decisions must be >= 1")
         return live_main(names, args)
-    meta = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+    meta = {"python": platform.python_version(), "machine": machine.describe(), "cpus": os.cpu_count(),
             "loadavg_start": os.getloadavg(), "args": {k: v for k, v in vars(args).items()},
             "build": native.describe()}
     if not args.json:
         _say(f"bench dispatch: {args.workers} workers, {args.outstanding} outstanding, {args.decisions} decisions "
-             f"per policy ({args.pure_decisions} also by the pure scan); Python {meta['python']}, "
-             f"load {meta['loadavg_start'][0]:.2f}; {meta['build']}")
+             f"per policy ({args.pure_decisions} also by the pure scan); {machine.line(meta['machine'])}; "
+             f"{meta['build']}")
         _say(f"{'':18} {'CPU µs per decision (+ its update)':^50} {'wall µs':>10} {f'{args.outstanding}-burst, ms':^23}")
         _say(f"{'policy':18} {'scan p50':>9} {'scan p99':>9} {'index p50':>9} {'index p99':>9} {'x p50':>5} "
              f"{'x p99':>5} {'index p99':>10} {'scan':>8} {'index':>6} {'(wall)':>7} {'hb p99':>7} {'same':>10} "

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import platform
 import shutil
 import tempfile
 import time
@@ -18,7 +16,7 @@ from pathlib import Path
 
 from polyserve.proto import Completed, Subjects
 from polyserve.shared import bus as bus_mod
-from polyserve.shared import infra
+from polyserve.shared import infra, machine
 from polyserve.shared.telemetry import make_tracer
 
 
@@ -58,8 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     run_dir = Path(tempfile.mkdtemp(prefix="ps-bench-dur-"))
     proc, url, _ = infra.start_nats(run_dir / "nats")
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
-          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"machine: {machine.line()}")
     try:
         for r in range(args.rounds):
             for durable in (False, True):

@@ -25,8 +25,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -34,6 +32,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+
+from polyserve.shared import machine
 
 ADMIN = "bench-admin-key"
 MODEL = "sim-fair"
@@ -167,15 +167,6 @@ def _print(title: str, rows: dict[str, dict[str, dict]]) -> None:
                   f"{r['ttft_p99_ms']:>10.1f}{r['e2e_p50_ms']:>10.1f}{r['e2e_p99_ms']:>10.1f}{r['errors']:>8}")
 
 
-def _machine() -> str:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5).stdout
-        model = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")), "?")
-    except (OSError, subprocess.SubprocessError):
-        model = "?"
-    return f"{os.cpu_count()} vCPU {model}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
-
-
 async def scenarios(url: str, args: argparse.Namespace, tag: str) -> dict[str, dict]:
     """The runs of one cluster: light alone, heavy + light, both backlogged. Light alone on each
     cluster, just before its flood: the load of other jobs on the machine drifts over minutes,
@@ -227,7 +218,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"polyserve bench fairness: sim worker (max_batch {args.max_batch}, time_scale {args.time_scale}, "
           f"scheduling {args.worker_scheduling}), "
           f"{args.seconds:g} s per run, heavy {args.heavy_concurrency} in flight × {args.heavy_tokens} tokens, "
-          f"light 1 × {args.light_tokens} tokens\nmachine: {_machine()}")
+          f"light 1 × {args.light_tokens} tokens\nmachine: {machine.line()}")
     out = run(args)
     _print("latency: a light tenant alone, then under a heavy tenant's flood (ms)",
            {k: v for k, v in out.items() if not k.startswith("backlogged")})
@@ -238,7 +229,7 @@ def main(args: argparse.Namespace) -> int:
           "gateway has not seen in the last 2 s waits for a running heavy sequence to end: nothing is\n"
           "preempted); `after its 1st req`: the p99 without it.")
     print("\n".join(summary(out, args)))
-    print(f"machine after: {_machine()}")
+    print(f"machine after: {machine.line()}")
     return 0
 
 

@@ -28,13 +28,14 @@ import asyncio
 import json
 import logging
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 import types
 from pathlib import Path
+
+from polyserve.shared import machine
 
 STATES = ("cached", "cold_cpu_assisted", "cold_on_demand")
 CPU_ARCH = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
@@ -51,7 +52,7 @@ def device_name(device) -> str:
     import torch
     if device.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(device)}"
-    return f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads"
+    return f"cpu: {machine.line()}, {torch.get_num_threads()} torch threads"
 
 
 async def _ttft(eng, rid: str, prompt: str, adapter: str | None) -> float:

@@ -24,7 +24,7 @@ import httpx
 import numpy as np
 
 from polyserve.cli import launcher
-from polyserve.shared import infra
+from polyserve.shared import infra, machine
 
 
 async def _one(client: httpx.AsyncClient, url: str, body: dict) -> float:
@@ -287,6 +287,8 @@ def main(args: argparse.Namespace) -> int:
     bare_port = infra.free_port()
     bare = subprocess.Popen([sys.executable, "-m", "polyserve.bench.bare", "--port", str(bare_port),
                              "--tokens", str(args.tokens)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    facts = machine.describe()
+    print(f"machine: {machine.line(facts)}")
     print("starting polyserve (sim engine, zero compute time) and a bare FastAPI endpoint ...", flush=True)
     runs: dict[int, dict] = {}
     try:
@@ -304,7 +306,7 @@ def main(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps({"results": first["results"], "stages": first["stages"],
                                                "cpu_ms_per_request": first["cpu_ms_per_request"],
                                                "bare_cpu_ms_per_request": first.get("bare_cpu_ms_per_request", {}),
-                                               "load": os.getloadavg(), "by_gateways": runs}, indent=2))
+                                               "machine": facts, "load": os.getloadavg(), "by_gateways": runs}, indent=2))
         print(f"wrote {args.json}")
     return 0
 

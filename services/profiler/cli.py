@@ -24,6 +24,7 @@ from polyserve.core import profiles
 from polyserve.core.profiles import profile_path
 from polyserve.profiler import fit as fitmod
 from polyserve.profiler.grid import GridRunner, GridSpec
+from polyserve.shared import machine
 from polyserve.shared.paths import datasets_dir
 
 DATASETS = datasets_dir()
@@ -91,20 +92,13 @@ def _device_name(device: str) -> tuple[str, str]:
     if device.startswith("cuda"):
         import torch
         return "GPU", torch.cuda.get_device_name(torch.device(device))
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    name = machine.line()
     try:
         import torch
         threads = torch.get_num_threads()
     except ImportError:
         threads = os.cpu_count()
-    return "CPU", f"{name}, {os.cpu_count()} cores, {threads} torch threads"
+    return "CPU", f"{name}; {threads} torch threads"
 
 
 async def _run_grid(args, spec: GridSpec):

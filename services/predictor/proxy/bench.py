@@ -23,6 +23,8 @@ import time
 
 import numpy as np
 
+from polyserve.shared import machine
+
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches "
          "explain write summarise list compare describe translate code python function story poem").split()
 
@@ -150,7 +152,7 @@ def run(artifact_dir: str | None, encoder_dir: str | None = None, *, threads: in
     lookup = cache_lookup(first.dim) if first.dim else []  # the lexical tier has no cache keys
     for r in runs.values():
         r["cache_lookup"] = lookup
-        r["machine"] = machine()
+        r["machine"] = machine.describe()
     if len(runs) == 1:
         return next(iter(runs.values()))
     return {"runs": runs}
@@ -189,27 +191,6 @@ def _threads(pred) -> int:
     import torch
 
     return torch.get_num_threads()
-
-
-def machine() -> dict:
-    """CPU model, the SIMD flags that matter here, cores and load average (Linux /proc)."""
-    import os
-    import platform
-
-    model, flags = platform.processor(), set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    simd = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
-            if f in flags]
-    return {"cpu": model, "simd": simd, "cores": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()]}
 
 
 async def _runner_figures(pred, path, encoder_dir, prompts, model, concurrency, seconds, max_batch, batch_wait_ms,
