@@ -39,7 +39,6 @@ import gc
 import json
 import math
 import os
-import platform
 import random
 import sys
 import time
@@ -410,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.live_decisions < 1:
             raise SystemExit("--live-decisions must be >= 1")
         return live_main(names, args)
-    meta = {"python": platform.python_version(), "machine": machine.describe(), "cpus": os.cpu_count(),
+    meta = {"machine": machine.describe(),  # CPU, flags, CPUs, Python, load
             "loadavg_start": os.getloadavg(), "args": {k: v for k, v in vars(args).items()},
             "build": native.describe()}
     if not args.json:

@@ -158,13 +158,13 @@ def _run(spec: dict) -> list[float]:
     send.close()
     try:
         status, value = recv.recv()
-    except EOFError:
-        status, value = "error", f"the run's process ended without an answer (exit code {proc.join() or proc.exitcode})"
+    except EOFError:  # it died without an answer (killed, out of memory)
+        status, value = "error", ""
     finally:
         recv.close()
     proc.join()
     if status != "ok":
-        raise SystemExit(f"sjf-live run {spec['order']} failed:\n{value[-2000:]}")
+        raise SystemExit(f"sjf-live run {spec['order']} failed (exit code {proc.exitcode}):\n{value[-2000:]}")
     return value
 
 

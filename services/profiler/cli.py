@@ -92,13 +92,12 @@ def _device_name(device: str) -> tuple[str, str]:
     if device.startswith("cuda"):
         import torch
         return "GPU", torch.cuda.get_device_name(torch.device(device))
-    name = machine.line()
     try:
         import torch
         threads = torch.get_num_threads()
     except ImportError:
         threads = os.cpu_count()
-    return "CPU", f"{name}; {threads} torch threads"
+    return "CPU", f"{machine.line()}; {threads} torch threads"
 
 
 async def _run_grid(args, spec: GridSpec):
