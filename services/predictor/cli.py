@@ -209,12 +209,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if bad or not precisions:
         raise SystemExit(f"polyserve predictor bench: --precision {args.precision!r}: give auto, fp32, bf16 or int8, "
                          "or several of them comma-separated")
+    if args.device != "cpu":  # the lexical tier needs no torch; say what is wrong before loading anything
+        from polyserve.predictor.proxy.infer import resolve_device
+
+        try:
+            resolve_device(args.device)
+        except ValueError as exc:
+            raise SystemExit(f"polyserve predictor bench: --device: {exc}") from None
     res = bench.run(args.artifact, args.encoder_dir, threads=args.threads, iterations=args.iterations,
                     seconds=args.seconds, max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
                     bucket_step=args.bucket_step, int8=args.int8,
                     precisions=precisions,
                     concurrency=tuple(int(x) for x in args.concurrency.split(",")),
-                    pad_to_max=not args.no_pad_to_max)
+                    pad_to_max=not args.no_pad_to_max, device=args.device)
     print(bench.render(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8")
@@ -301,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     tl.set_defaults(fn=cmd_train_lexical)
 
     bn = sub.add_parser("bench", help="latency at batch 1 and throughput of the proxy model on this machine")
-    bn.add_argument("--artifact", default=None)
+    bn.add_argument("--artifact", default=None,
+                    help="an artifact directory, 'shipped' (the lexical default) or 'minilm' (the packaged MiniLM tier)")
     bn.add_argument("--encoder-dir")
     bn.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as the service; 0 = all cores)")
     bn.add_argument("--iterations", type=int, default=50, help="batch-1 predictions per prompt length")
@@ -315,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--concurrency", default="1,16,64", help="concurrent clients of the throughput runs")
     bn.add_argument("--no-pad-to-max", action="store_true", help="skip the pad-to-max_length comparison")
     bn.add_argument("--int8", action="store_true", help="same as --precision int8")
+    bn.add_argument("--device", default="cpu",
+                    help="the MiniLM tier's torch device: cpu, cuda or cuda:N (the lexical tier runs on the CPU)")
     bn.add_argument("--json", help="also write the figures to this file")
     bn.set_defaults(fn=cmd_bench)
     return p

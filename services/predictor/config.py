@@ -1,6 +1,8 @@
 """Predictor settings: env `POLYSERVE_PREDICTOR_<FIELD>` or flags `--field-name`."""
 from __future__ import annotations
 
+import re
+
 from polyserve.predictor import policy
 from polyserve.shared.settings import CommonSettings, SettingsError, load
 
@@ -53,6 +55,10 @@ class PredictorSettings(CommonSettings, frozen=True, kw_only=True):
     """Encoder precision: "fp32", "bf16" (oneDNN on AMX/AVX512-BF16), "int8" (dynamic quantization) or
     "auto": int8 if the artifact's head was fitted on int8 features, else bf16 where the CPU runs it
     natively, else fp32. Figures in proxy/README.md."""
+    proxy_device: str = "cpu"
+    """Where the MiniLM tier runs: "cpu", or a CUDA GPU ("cuda", "cuda:N"; proxy_precision "auto" is
+    then fp32, and int8 is refused). A device torch cannot use fails the model's load, and the historical
+    mean answers (logged). The lexical tier (the default) always runs on the CPU."""
     proxy_int8: bool = False
     """Same as proxy_precision="int8" (kept for existing configurations)."""
     proxy_calibrate: bool = True
@@ -106,6 +112,8 @@ class PredictorSettings(CommonSettings, frozen=True, kw_only=True):
             raise SettingsError("proxy_timeout_s and cache_sync_s must be > 0, proxy_batch_wait_ms >= 0")
         if self.proxy_precision not in ("auto", "fp32", "bf16", "int8"):
             raise SettingsError(f"proxy_precision {self.proxy_precision!r}: use auto, fp32, bf16 or int8")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.proxy_device):
+            raise SettingsError(f"proxy_device {self.proxy_device!r}: use cpu, cuda or cuda:N")
         if self.proxy_max_batch < 1 or self.proxy_max_queue < 1 or self.proxy_bucket_step < 8 \
                 or self.proxy_threads < 0:
             raise SettingsError("proxy_max_batch and proxy_max_queue must be >= 1, proxy_bucket_step >= 8, "

@@ -68,7 +68,8 @@ class PredictorService(ServiceBase):
         return ModelRunner(path, s.encoder_dir or None, max_batch=s.proxy_max_batch,
                            batch_wait_ms=s.proxy_batch_wait_ms, max_queue=s.proxy_max_queue,
                            bucket_step=s.proxy_bucket_step, threads=s.proxy_threads, cache_keys=s.cache_keys,
-                           int8=s.proxy_int8, precision=s.proxy_precision, calibrate=s.proxy_calibrate)
+                           int8=s.proxy_int8, precision=s.proxy_precision, calibrate=s.proxy_calibrate,
+                           device=s.proxy_device)
 
     async def _model_loop(self) -> None:
         """Load the model (in its thread), then the semantic cache, then keep the cache in sync."""

@@ -107,8 +107,9 @@ def test_bench_prints_what_the_targets_need():
                 "micro_batching_pad_to_max": [dict(r, predictions_per_s=rate / 2) for r in mb],
                 "cache_lookup": [{"entries": 1000, "p50_ms": 0.02, "p99_ms": 0.04}]}
 
-    text = bench.render({"runs": {"fp32": run(8.0, 100.0, "fp32"), "bf16": run(4.0, 300.0, "bf16")}})
-    assert "encoder bf16" in text and "encoder fp32" in text
+    gpu = dict(run(4.0, 300.0, "bf16"), device="cuda:0 NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130, CUDA 13.0)")
+    text = bench.render({"runs": {"fp32": run(8.0, 100.0, "fp32"), "bf16": gpu}})
+    assert "encoder bf16 on cuda:0 NVIDIA H100 80GB HBM3" in text and "encoder fp32 on cpu" in text
     assert " 16 concurrent    300.0 predictions/s" in text and " 64 concurrent    100.0 predictions/s" in text
     assert "256 tokens  p50    64.0 ms" in text
     assert "padding gain (bucketed / pad to max, predictions/s): 1 concurrent 2.00x" in text
@@ -126,3 +127,51 @@ def test_openmp_threads_sleep_when_idle_unless_configured(monkeypatch):
     assert passive_openmp() is True and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert passive_openmp() is False and os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_the_device_is_resolved_or_refused_with_what_to_give():
+    assert infer.resolve_device(None) == torch.device("cpu") and infer.resolve_device("cpu").type == "cpu"
+    for bad in ("tpu", "gpu0", "cuda:x"):
+        with pytest.raises(ValueError, match="give cpu, cuda or cuda:N"):
+            infer.resolve_device(bad)
+    if not torch.cuda.is_available():  # this project's machines: a CUDA device is refused, not crashed on
+        with pytest.raises(ValueError, match="sees no CUDA GPU"):
+            infer.resolve_device("cuda")
+
+
+def test_on_a_gpu_auto_is_fp32_and_int8_is_refused(monkeypatch):
+    meta = artifact.read_meta(artifact.default_dir("minilm"))
+    cuda = torch.device("cuda")  # only named: nothing runs on it
+    monkeypatch.setattr(M, "bf16_fast", lambda: True)  # the CPU's bf16 says nothing about the GPU
+    assert infer.resolve_precision(meta, "auto", cuda) == "fp32"
+    assert infer.resolve_precision(meta, "bf16", cuda) == "bf16"
+    meta.precision = "int8"
+    assert infer.resolve_precision(meta, "auto", cuda) == "fp32"
+    with pytest.raises(ValueError, match="CPU only"):
+        infer.resolve_precision(meta, "int8", cuda)
+
+
+def test_proxy_device_setting(monkeypatch):
+    assert load(PredictorSettings, "predictor", environ={}).proxy_device == "cpu"
+    s = load(PredictorSettings, "predictor", environ={"POLYSERVE_PREDICTOR_PROXY_DEVICE": "cuda:1"})
+    assert s.proxy_device == "cuda:1"
+    with pytest.raises(SettingsError, match="proxy_device"):
+        load(PredictorSettings, "predictor", environ={"POLYSERVE_PREDICTOR_PROXY_DEVICE": "gpu"})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback of a machine without a GPU")
+async def test_a_cuda_predictor_without_a_gpu_falls_back_to_the_mean():
+    from polyserve.predictor.proxy.runtime import ModelRunner
+
+    runner = ModelRunner(str(artifact.default_dir("minilm")), device="cuda")
+    await runner.start()  # fails in the model thread, never raises: the historical mean answers
+    assert runner.state == "failed" and "sees no CUDA GPU" in runner.error
+    await runner.stop()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_predictor_bench_on_cuda_without_a_gpu_says_so():
+    from polyserve.predictor import cli
+
+    with pytest.raises(SystemExit, match="--device: device 'cuda': torch .* sees no CUDA GPU"):
+        cli.main(["bench", "--artifact", "minilm", "--device", "cuda"])

@@ -12,6 +12,9 @@ With several encoder precisions (``--precision fp32,bf16,int8``) each gets its
 block of figures, the batch-1 calls of all of them interleaved so that the
 background load weighs on each alike, and a last line gives the speed-up ratios.
 
+With ``--device cuda`` the MiniLM tier runs on the GPU (its name and the CUDA build are
+recorded); the lexical tier always runs on the CPU.
+
 Figures are measured, on whatever else this machine is running at the time.
 """
 from __future__ import annotations
@@ -110,14 +113,17 @@ def cache_lookup(dim: int, sizes=(1_000, 10_000, 20_000, 50_000), queries: int =
 def run(artifact_dir: str | None, encoder_dir: str | None = None, *, threads: int = 0, iterations: int = 50,
         seconds: float = 5.0, max_batch: int = 16, batch_wait_ms: float = 2.0, bucket_step: int = 64,
         int8: bool = False, precisions: tuple[str, ...] = ("auto",), concurrency: tuple[int, ...] = (1, 16, 64),
-        pad_to_max: bool = True) -> dict:
+        pad_to_max: bool = True, device: str = "cpu") -> dict:
     """All figures as one dict (see the module docstring); with several `precisions` (a list is
     given side by side: batch-1 latencies interleaved, throughput runs one after the other) the
     result holds one dict per precision under ``runs``."""
     from polyserve.predictor.proxy import artifact
 
-    path = artifact_dir or str(artifact.default_dir())
-    preds = _load(path, encoder_dir, threads, bucket_step, ("int8",) if int8 else precisions)
+    # "shipped" / "minilm" name the packaged artifacts, as the service's proxy_artifact setting does
+    names = {"shipped": "lexical", "lexical": "lexical", "minilm": "minilm"}
+    path = str(artifact.default_dir(names[artifact_dir])) if artifact_dir in names else \
+        artifact_dir or str(artifact.default_dir())
+    preds = _load(path, encoder_dir, threads, bucket_step, ("int8",) if int8 else precisions, device)
     first = next(iter(preds.values()))
     model = first.meta.models[0] if first.meta.models else "unknown"
     import os
@@ -125,6 +131,7 @@ def run(artifact_dir: str | None, encoder_dir: str | None = None, *, threads: in
     runs = {k: {"artifact": path, "kind": p.meta.kind, "torch_threads": _threads(p), "max_length": p.meta.max_length,
                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
                 "precision": p.precision, "int8": p.precision == "int8", "max_batch": max_batch,
+                "device": _device_name(p),
                 "batch_wait_ms": batch_wait_ms, "bucket_step": bucket_step, "cache_keys": p.cache_keys,
                 "batch1": []} for k, p in preds.items()}
     for n in (32, 128, 256, 512):
@@ -149,7 +156,12 @@ def run(artifact_dir: str | None, encoder_dir: str | None = None, *, threads: in
             runs[k]["micro_batching_pad_to_max"] = asyncio.run(_runner_figures(
                 pred, path, encoder_dir, prompts, model, concurrency, seconds, max_batch, batch_wait_ms,
                 bucket_step, True))
-    lookup = cache_lookup(first.dim) if first.dim else []  # the lexical tier has no cache keys
+    lookup: list[dict] = []
+    if first.dim:  # the lexical tier has no cache keys
+        try:
+            lookup = cache_lookup(first.dim)
+        except ImportError as exc:  # faiss comes with the hf extra; a bare GPU image may lack it
+            print(f"semantic cache lookup not measured: {exc}", flush=True)
     for r in runs.values():
         r["cache_lookup"] = lookup
         r["machine"] = machine.describe()
@@ -158,7 +170,18 @@ def run(artifact_dir: str | None, encoder_dir: str | None = None, *, threads: in
     return {"runs": runs}
 
 
-def _load(path: str, encoder_dir, threads: int, bucket_step: int, precisions: tuple[str, ...]) -> dict:
+def _device_name(pred) -> str:
+    """Where `pred` runs: "cpu", or the GPU's name and torch's CUDA version."""
+    dev = getattr(pred, "device", None)
+    if dev is None or dev.type == "cpu":
+        return "cpu"
+    import torch
+
+    return f"{dev} {torch.cuda.get_device_name(dev)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
+
+
+def _load(path: str, encoder_dir, threads: int, bucket_step: int, precisions: tuple[str, ...],
+          device: str = "cpu") -> dict:
     """The predictors to measure: the lexical artifact as it is, or a MiniLM artifact per precision."""
     from polyserve.predictor.proxy import artifact
 
@@ -179,7 +202,7 @@ def _load(path: str, encoder_dir, threads: int, bucket_step: int, precisions: tu
         torch.set_num_threads(threads)
     preds: dict = {}
     for pr in precisions:
-        pred = ProxyPredictor.load(path, encoder_dir, bucket_step=bucket_step, precision=pr)
+        pred = ProxyPredictor.load(path, encoder_dir, bucket_step=bucket_step, precision=pr, device=device)
         preds[pred.precision if pred.precision not in preds else f"{pred.precision}#{len(preds)}"] = pred
     return preds
 
@@ -229,7 +252,7 @@ def render(res: dict) -> str:
 
     lines = [(f"artifact {res['artifact']}: torch threads {res['torch_threads']} "
               f"(OpenMP wait {res.get('omp_wait_policy', 'default')}), max_length {res['max_length']}, "
-              f"encoder {res.get('precision', 'int8' if res.get('int8') else 'fp32')}, "
+              f"encoder {res.get('precision', 'int8' if res.get('int8') else 'fp32')} on {res.get('device', 'cpu')}, "
               f"cache keys {res['cache_keys']}; {res.get('machine', {}).get('cpu', '')} "
               f"{'+'.join(res.get('machine', {}).get('simd', []))}; micro-batches of <= {res['max_batch']}, "
               f"wait {res['batch_wait_ms']} ms, buckets of {res['bucket_step']} tokens; "

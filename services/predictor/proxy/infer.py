@@ -5,8 +5,11 @@ Blocking and CPU-bound: the service calls it from a worker thread
 (`buckets.bucket_length`: 64, 128, 192, ...), not to `max_length`; a lone prompt is not padded.
 
 The encoder runs in float32, bfloat16 (default where the CPU has AMX /
-AVX512-BF16: about 2x faster at batch 1 and 4x on batches, same test accuracy)
-or dynamic int8 (`resolve_precision`); the pooled vectors and the head are float32.
+AVX512-BF16: about 2x faster at batch 1 and 4x on batches, same test accuracy) or
+dynamic int8 (CPU only; `resolve_precision`); the pooled
+vectors and the head are float32. ``device`` puts encoder and head on a CUDA GPU
+(``"cuda"``, ``"cuda:1"``); token ids go there per batch and the answers come back
+to the CPU, so a prediction's time includes the GPU's synchronisation.
 
 The same encoder pass also yields the semantic-cache key of each prompt: the
 L2-normalised mean of the last hidden states (sentence-transformers' pooling
@@ -37,14 +40,39 @@ from polyserve.predictor.proxy.buckets import bucket_length
 logger = logging.getLogger(__name__)
 
 
-def resolve_precision(meta: artifact.Meta, precision: str | None) -> str:
+def resolve_device(device: str | None) -> torch.device:
+    """`device` ("cpu", "cuda", "cuda:N"; None/"" = cpu) as a torch device; ValueError when it
+    names no device torch can use here (a CUDA one without a GPU, say)."""
+    try:
+        dev = torch.device(device or "cpu")
+    except RuntimeError as exc:
+        raise ValueError(f"device {device!r}: give cpu, cuda or cuda:N") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: give cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: torch {torch.__version__} sees no CUDA GPU here")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return dev
+
+
+def resolve_precision(meta: artifact.Meta, precision: str | None, device: torch.device | None = None) -> str:
     """The encoder precision to serve `meta`'s artifact with (see `ProxyPredictor.load`)."""
+    cuda = device is not None and device.type == "cuda"
     if precision in (None, "", "auto"):
-        # int8 only when the head was fitted on int8 features; otherwise bf16 where the CPU runs it
-        # natively (measured: the fp32-fitted shipped head keeps its test accuracy in bf16), else fp32
-        precision = "int8" if meta.precision == "int8" else "bf16" if M.bf16_fast() else "fp32"
+        # on a GPU fp32: MiniLM at these batch sizes is bound by kernel launches there, and bf16 was
+        # no faster on an H100 (docs/benchmarks/gpu.md). On the CPU int8 only when the head was fitted
+        # on int8 features; otherwise bf16 where the CPU runs it natively (measured: the fp32-fitted
+        # shipped head keeps its test accuracy in bf16), else fp32
+        if cuda:
+            precision = "fp32"
+        else:
+            precision = "int8" if meta.precision == "int8" else "bf16" if M.bf16_fast() else "fp32"
     if precision not in M.PRECISIONS:
         raise ValueError(f"precision {precision!r} is not one of auto, {', '.join(M.PRECISIONS)}")
+    if precision == "int8" and cuda:
+        raise ValueError("precision int8 (torch's dynamic quantization) runs on the CPU only: "
+                         "on a CUDA device give fp32 or bf16")
     return precision
 
 
@@ -60,10 +88,12 @@ class ProxyPredictor:
     """Encoder + LoRA + head of one artifact, ready for inference (eval mode, no grad)."""
 
     def __init__(self, meta: artifact.Meta, encoder, head: M.Head, tokenizer, *, bucket_step: int = 64,
-                 cache_keys: str = "tuned", key_space: str = "base", precision: str = "fp32"):
+                 cache_keys: str = "tuned", key_space: str = "base", precision: str = "fp32",
+                 device: torch.device | str = "cpu"):
         self.meta = meta
-        self.encoder = encoder.eval()
-        self.head = head.eval()
+        self.device = torch.device(device)
+        self.encoder = encoder.eval().to(self.device)
+        self.head = head.eval().to(self.device)
         self.tok = tokenizer
         self.pad_id = tokenizer.pad_token_id or 0
         self.bucket_step = bucket_step
@@ -75,16 +105,19 @@ class ProxyPredictor:
 
     @classmethod
     def load(cls, path: str | Path, encoder_dir: str | None = None, *, bucket_step: int = 64,
-             cache_keys: str = "tuned", int8: bool = False, precision: str | None = None) -> "ProxyPredictor":
+             cache_keys: str = "tuned", int8: bool = False, precision: str | None = None,
+             device: str | None = None) -> "ProxyPredictor":
         """Load an artifact; ArtifactError when it is missing or was trained with another tokenizer.
 
         `precision` of the encoder (`model.to_precision`): ``fp32``, ``bf16`` or
         ``int8``; None or ``auto``: int8 when the artifact's head was fitted on
         int8 features (`Meta.precision`), else bf16 when this CPU runs bfloat16
         natively (`model.bf16_fast`: AMX or AVX512-BF16), else fp32.
-        `int8=True` is ``precision="int8"``."""
+        `int8=True` is ``precision="int8"``. `device`: see `resolve_device` (int8 is CPU-only;
+        ``auto`` on a GPU is fp32)."""
         meta = artifact.read_meta(path)
-        precision = resolve_precision(meta, "int8" if int8 else precision)
+        dev = resolve_device(device)
+        precision = resolve_precision(meta, "int8" if int8 else precision, dev)
         enc_dir = enc_mod.resolve_encoder_dir(encoder_dir)
         fp = enc_mod.tokenizer_fingerprint(enc_dir)
         if fp != meta.tokenizer_fingerprint:
@@ -107,7 +140,7 @@ class ProxyPredictor:
         if meta.lora_rank > 0 and cache_keys == "tuned":
             space = "lora-" + hashlib.sha256((Path(path) / artifact.LORA).read_bytes()).hexdigest()[:12]
         return cls(meta, encoder, head, tok, bucket_step=bucket_step, cache_keys=cache_keys, key_space=space,
-                   precision=precision)
+                   precision=precision, device=dev)
 
     # ---------------------------------------------------------------- inference
     def token_ids(self, prompts: list[str]) -> list[list[int]]:
@@ -128,6 +161,8 @@ class ProxyPredictor:
         for i, x in enumerate(ids):
             input_ids[i, :len(x)] = torch.as_tensor(x)
             mask[i, :len(x)] = 1
+        if self.device.type != "cpu":
+            return input_ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True)
         return input_ids, mask
 
     @torch.inference_mode()
@@ -145,13 +180,13 @@ class ProxyPredictor:
                 keys = M.pool(base, mask, "mean")
             else:
                 keys = M.pool(hidden, mask, "mean")
-            keys = torch.nn.functional.normalize(keys.float(), dim=-1).numpy().astype(np.float32)
+            keys = torch.nn.functional.normalize(keys.float(), dim=-1).cpu().numpy().astype(np.float32)
         return pooled, keys
 
     @torch.inference_mode()
     def answer(self, pooled: torch.Tensor, models: list[str]) -> list[ProxyAnswer]:
         midx = torch.as_tensor([self.meta.model_index(m) for m in models])
-        out = self.head(pooled, midx).float().numpy()
+        out = self.head(pooled, midx.to(self.device)).float().cpu().numpy()
         mcs = [self.meta.classes_for(m) for m in models]
         value, cls, tokens = M.decode_outputs(self.meta.objective, out, mcs, self.scale)
         return [ProxyAnswer(int(c), int(t), float(v), bool(i)) for c, t, v, i in

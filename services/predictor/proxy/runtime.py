@@ -76,7 +76,8 @@ class ModelRunner:
 
     def __init__(self, artifact_dir: str, encoder_dir: str | None = None, *, max_batch: int = 16,
                  batch_wait_ms: float = 2.0, max_queue: int = 256, bucket_step: int = 64, threads: int = 0,
-                 cache_keys: str = "tuned", int8: bool = False, precision: str | None = None, calibrate: bool = True):
+                 cache_keys: str = "tuned", int8: bool = False, precision: str | None = None, calibrate: bool = True,
+                 device: str = "cpu"):
         self.artifact_dir = artifact_dir
         self.encoder_dir = encoder_dir
         self.max_batch = max_batch
@@ -87,6 +88,7 @@ class ModelRunner:
         self.int8 = int8
         self.precision = precision
         self.calibrate = calibrate
+        self.device = device  # the MiniLM tier's torch device; the lexical tier always runs on the CPU
         self.queue: asyncio.Queue[_Job] = asyncio.Queue(maxsize=max_queue)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="predictor-model")
         self.predictor = None
@@ -129,7 +131,8 @@ class ModelRunner:
         if self.threads:
             torch.set_num_threads(self.threads)
         pred = ProxyPredictor.load(self.artifact_dir, self.encoder_dir, bucket_step=self.bucket_step,
-                                   cache_keys=self.cache_keys, int8=self.int8, precision=self.precision)
+                                   cache_keys=self.cache_keys, int8=self.int8, precision=self.precision,
+                                   device=self.device)
         pred.predict(["warm up"], [pred.meta.models[0] if pred.meta.models else ""])  # first-call costs
         return pred, time.monotonic() - t
 
