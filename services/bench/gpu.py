@@ -7,7 +7,10 @@
 * `roofline`: decode tokens/s at batch 1 of the hf engine's random Llama on CUDA (sized with
   `--hidden`/`--layers` so weights dominate), against the memory-bandwidth bound: every decode
   step reads all weights once, so tokens/s <= bandwidth / weight bytes. The peak bandwidth is
-  NVML's max memory clock x bus width x 2 (DDR), or `--peak-gb-s` when given.
+  NVML's max memory clock x bus width x 2 (DDR), or `--peak-gb-s` when given. Timed as the hf
+  engine decodes (one forward per token over a `DynamicCache`, `decode_rate`), and, for
+  comparison, through transformers' `generate()`, which was 5.5x slower per token on an H100
+  (docs/benchmarks/gpu.md).
 
 Nothing here changes clocks, power limits or modes. Without an NVIDIA GPU it says so and
 exits 2. Figures are printed with the device's name; record them with the device.
@@ -53,20 +56,27 @@ def energy(args: argparse.Namespace) -> dict:
     for label in ("idle", "load"):
         import threading
 
-        worker = threading.Thread(target=_burn, args=(args.seconds, args.index)) if label == "load" else None
-        e0, t0, p_prev = nvml.nvmlDeviceGetTotalEnergyConsumption(h) / 1e3, time.monotonic(), None
-        integrated, samples = 0.0, 0
+        # the load runs past the window at both ends (CUDA start-up before, queued kernels after), so
+        # counter and samples see the same steady load over the same window
+        lead = min(4.0, args.seconds)
+        worker = threading.Thread(target=_burn, args=(args.seconds + 2 * lead, args.index)) if label == "load" \
+            else None
         if worker:
             worker.start()
+            time.sleep(lead)
+        e0, t0, p_prev = nvml.nvmlDeviceGetTotalEnergyConsumption(h) / 1e3, time.monotonic(), None
+        integrated, samples = 0.0, 0
         while time.monotonic() - t0 < args.seconds:
             time.sleep(args.interval)
             p, t = nvml.nvmlDeviceGetPowerUsage(h) / 1e3, time.monotonic()
             integrated += (p if p_prev is None else (p + p_prev[0]) / 2) * (t - (p_prev[1] if p_prev else t0))
             p_prev, samples = (p, t), samples + 1
+        counter = nvml.nvmlDeviceGetTotalEnergyConsumption(h) / 1e3 - e0  # the same window as the samples
+        window = time.monotonic() - t0
         if worker:
             worker.join()
-        counter = nvml.nvmlDeviceGetTotalEnergyConsumption(h) / 1e3 - e0
-        out["windows"].append({"window": label, "seconds": round(time.monotonic() - t0, 2), "samples": samples,
+        out["windows"].append({"window": label, "seconds": round(window, 2), "samples": samples,
+                               "counter_w": round(counter / window, 1), "samples_mean_w": round(integrated / window, 1),
                                "counter_j": round(counter, 1), "integrated_j": round(integrated, 1),
                                "integrated_over_counter": round(integrated / counter, 4) if counter else None})
     return out
@@ -88,19 +98,40 @@ def roofline(args: argparse.Namespace) -> dict:
     model = build_random_model(0, device=f"cuda:{args.index}", dtype=torch.bfloat16, arch=arch)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     ids = torch.ones(1, 16, dtype=torch.long, device=model.device)
+    sync = torch.cuda.synchronize
+    decode_rate(model, ids, 8, sync)  # warm-up
+    tps = decode_rate(model, ids, args.tokens, sync)
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)  # warm-up
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         model.generate(ids, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
-        torch.cuda.synchronize()
-        secs = time.perf_counter() - t
-    tps = args.tokens / secs
+        sync()
+        generate_tps = args.tokens / (time.perf_counter() - t)
     bound = peak / weight_bytes
     return {"device": nvml.nvmlDeviceGetName(h), "weights_gb": round(weight_bytes / 1e9, 3),
             "peak_gb_s": round(peak / 1e9, 1), "decode_tokens_per_s": round(tps, 1),
+            "generate_tokens_per_s": round(generate_tps, 1),
             "bound_tokens_per_s": round(bound, 1), "fraction_of_bound": round(tps / bound, 3),
             "achieved_gb_s": round(tps * weight_bytes / 1e9, 1)}
+
+
+def decode_rate(model, ids, tokens: int, sync=lambda: None) -> float:
+    """Greedy decode tokens/s at batch 1 after a prefill of `ids`, one forward per token over a
+    `DynamicCache` as the hf engine decodes; `sync` waits for the device (CUDA) before each clock read."""
+    import torch
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        out = model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
+        cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        sync()
+        t = time.perf_counter()
+        for _ in range(tokens):
+            out = model(nxt, past_key_values=cache, use_cache=True)
+            cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        sync()
+        return tokens / (time.perf_counter() - t)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ from polyserve.shared import settings as settings_mod
 from polyserve.shared.settings import CommonSettings, SettingsError
 
 ENGINES = ("sim", "hf", "vllm", "encoder", "openai-http")
-LORA_COLD_START = ("cpu_assisted", "on_demand")
+LORA_COLD_START = ("auto", "cpu_assisted", "on_demand")
 # ssjf_refine (preemptive: pauses running requests, their KV kept): the sim and hf engines
 SCHEDULING = ("fcfs", "priority", "ssjf", "ssjf_class", "ssjf_refine")
 
@@ -63,7 +63,9 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
     encoder_threads: int = 1  # encoder engine: torch threads
     encoder_profile: str = ""  # encoder engine: runtime profile JSON
     # hf engine: LoRA adapter tiers (services/worker/lora_cache.py) and cold start (CaraServe §4)
-    lora_cold_start: str = "cpu_assisted"  # cpu_assisted | on_demand (wait for the device copy)
+    # auto (on_demand on CUDA, cpu_assisted on the CPU: measured, hf_lora.cold_start_for) | cpu_assisted |
+    # on_demand (wait for the device copy)
+    lora_cold_start: str = "auto"
     lora_device_slots: int = 8  # adapters installed on the device at once
     lora_device_mb: float = 0.0  # device byte budget for adapters (0 = slots only)
     lora_host_slots: int = 64  # host-memory copies (inclusive of those on the device)

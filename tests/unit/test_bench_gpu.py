@@ -41,3 +41,25 @@ def test_energy_counter_and_integrated_power_agree_on_a_constant_load(monkeypatc
     for w in res["windows"]:
         assert w["samples"] >= 5 and w["counter_j"] == pytest.approx(60, rel=0.2)
         assert w["integrated_over_counter"] == pytest.approx(1.0, rel=0.15)
+
+
+@pytest.mark.torch
+def test_decode_rate_times_one_forward_per_token():
+    """The roofline's decode loop (run here on the CPU with the small random Llama): one model call
+    per token after the prefill, each fed the previous step's cache."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from polyserve.worker.engines.hf_model import build_random_model
+
+    model = build_random_model(0)
+    calls: list[int] = []
+
+    def count(module, args, kwargs):
+        calls.append((kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).shape[1])
+
+    hook = model.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        rate = gpu.decode_rate(model, torch.ones(1, 5, dtype=torch.long), 6)
+    finally:
+        hook.remove()
+    assert rate > 0 and calls == [5] + [1] * 6

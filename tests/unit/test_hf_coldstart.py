@@ -23,6 +23,7 @@ pytest.importorskip("peft")
 from polyserve.proto import SamplingParams  # noqa: E402
 from polyserve.worker.engine import Delta, EngineError, EngineRequest, Finished  # noqa: E402
 from polyserve.worker.engines import hf_batch  # noqa: E402
+from polyserve.worker.engines.hf_lora import cold_start_for  # noqa: E402
 from polyserve.worker.engines.hf import HfEngine  # noqa: E402
 from polyserve.worker.lora import create_random_adapter  # noqa: E402
 from tests.helpers import wait_for  # noqa: E402
@@ -246,6 +247,20 @@ async def test_an_adapter_that_does_not_fit_the_model_is_a_400_and_leaves_nothin
             await eng.load_adapter("bad", str(bad))
         assert err.value.status == 400
         assert eng.load().adapters == [] and "bad" not in eng.cache and eng.max_adapters == 8
+    finally:
+        await eng.stop()
+
+
+async def test_auto_cold_start_is_on_demand_on_cuda_and_cpu_assisted_on_the_cpu():
+    torch = pytest.importorskip("torch")
+    assert cold_start_for("auto", torch.device("cuda")) == "on_demand"  # only named: nothing runs on it
+    assert cold_start_for("auto", torch.device("cpu")) == "cpu_assisted"
+    assert cold_start_for("cpu_assisted", torch.device("cuda")) == "cpu_assisted"  # a setting is kept
+    eng = _engine()  # the default setting, resolved when the engine knows its device
+    assert eng.cold_start == "auto"
+    await eng.start()
+    try:
+        assert eng.cold_start == "cpu_assisted"
     finally:
         await eng.stop()
 

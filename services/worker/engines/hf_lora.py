@@ -4,7 +4,8 @@ Adapters live in three tiers (`lora_cache`): disk, host (a CPU copy, pinned on C
 hosts) and device (installed in the PEFT model). `AdapterManager.load` reads the host
 copy and, if the device has a free slot, starts the device copy in the background. A
 request for an adapter that is not on the device starts its copy (evicting the
-coldest unpinned device adapter if the device is full) and then, by `cold_start`:
+coldest unpinned device adapter if the device is full) and then, by `cold_start`
+("auto", the default: on_demand on CUDA, cpu_assisted on the CPU; `cold_start_for`):
 "cpu_assisted" (CaraServe §4) -> it is admitted at once and its prefill (and any
 decode step before the copy lands) adds the LoRA delta computed on the CPU from the
 host copy (`cpu_hooks`); "on_demand" -> it waits in the queue (not blocking others)
@@ -50,7 +51,18 @@ from polyserve.worker.lora_cache import DEVICE, DISK, HOST, AdapterCache, CacheE
 
 logger = logging.getLogger(__name__)
 
-COLD_START = ("cpu_assisted", "on_demand")
+COLD_START = ("auto", "cpu_assisted", "on_demand")
+
+
+def cold_start_for(setting: str, device: torch.device) -> str:
+    """The cold-start rule an engine on `device` runs: "auto" is on_demand on CUDA and cpu_assisted on
+    the CPU. Measured (docs/benchmarks/gpu.md, lora.md): on an H100 the CPU-assisted prefill, one
+    device<->host round trip per targeted layer, took 6-10x the cached TTFT while waiting for the
+    copy and PEFT's install took 3-5x; on the CPU, where the "copy" is a clone, CPU-assisted was
+    0.92-0.96x and on-demand 1.4-1.5x."""
+    if setting != "auto":
+        return setting
+    return "on_demand" if device.type == "cuda" else "cpu_assisted"
 _HEARTBEAT_TIER = {DEVICE: "gpu", HOST: "host", DISK: "disk"}
 
 
@@ -74,7 +86,7 @@ class AdapterManager:
 
     def __init__(self, settings: Any, lock: asyncio.Lock, wake: asyncio.Event,
                  on_copy_failed: Callable[[str, EngineError], None]):
-        self.cold_start = getattr(settings, "lora_cold_start", "cpu_assisted") or "cpu_assisted"
+        self.cold_start = getattr(settings, "lora_cold_start", "auto") or "auto"  # resolved in `start`
         if self.cold_start not in COLD_START:
             raise EngineError(f"lora_cold_start {self.cold_start!r} is unknown; choose one of "
                               f"{', '.join(COLD_START)}", 400)
@@ -102,6 +114,7 @@ class AdapterManager:
     def start(self, batch, model_name: str) -> None:
         """Serve adapters into `batch` (an `hf_batch.Batch`); call on the event loop."""
         self._batch, self._model_name = batch, model_name
+        self.cold_start = cold_start_for(self.cold_start, batch.device)
         self._loop = asyncio.get_running_loop()
         self._copier = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-copy")
 
