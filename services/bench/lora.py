@@ -8,7 +8,11 @@ token) runs through the `hf` engine in three states of its adapter:
   host -> device copy (and its install in the PEFT model), then prefills;
 * ``cold_cpu_assisted``: the adapter is only in host memory; the prefill starts at once
   with the LoRA delta x·A·B computed on the CPU from the host copy while the copy runs
-  in the background (the base model's x·W runs on the device).
+  in the background (the base model's x·W runs on the device);
+* ``cold_on_demand_peft``: as ``cold_on_demand`` with the engine's slot reuse off
+  (`hf_slots`): the eviction deletes the adapter's PEFT modules and the install is PEFT's
+  own, as before slots; in the other cold states the eviction parks the modules and the
+  install copies into them.
 
 TTFT is the engine's own figure (first token time - arrival, `RequestStats.ttft_ms`).
 States are interleaved per trial; the median and the spread over `--trials` are shown.
@@ -37,7 +41,7 @@ from pathlib import Path
 
 from polyserve.shared import machine
 
-STATES = ("cached", "cold_cpu_assisted", "cold_on_demand")
+STATES = ("cached", "cold_cpu_assisted", "cold_on_demand", "cold_on_demand_peft")
 CPU_ARCH = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
                 num_key_value_heads=8)
 CUDA_ARCH = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
@@ -67,19 +71,24 @@ async def _ttft(eng, rid: str, prompt: str, adapter: str | None) -> float:
 
 
 async def _one(eng, rid: str, prompt: str, name: str, state: str) -> float:
-    if state == "cached":
-        await eng.ensure_on_device(name)
-    else:
-        await eng.demote_adapter(name)
-        eng.cold_start = "cpu_assisted" if state == "cold_cpu_assisted" else "on_demand"
-    ms = await _ttft(eng, rid, prompt, name)
-    await eng.ensure_on_device(name)  # let a cold copy land before the next measurement
+    eng._batch.slots.reuse = state != "cold_on_demand_peft"
+    try:
+        if state == "cached":
+            await eng.ensure_on_device(name)
+        else:
+            await eng.demote_adapter(name)
+            eng.cold_start = "cpu_assisted" if state == "cold_cpu_assisted" else "on_demand"
+        ms = await _ttft(eng, rid, prompt, name)
+        await eng.ensure_on_device(name)  # let a cold copy land before the next measurement
+    finally:
+        eng._batch.slots.reuse = True
     if state != "cached":
-        copies.setdefault(name, []).append((eng.lora_stats["last_copy_ms"], eng.lora_stats["last_install_ms"]))
+        copies.setdefault((name, state), []).append((eng.lora_stats["last_copy_ms"],
+                                                     eng.lora_stats["last_install_ms"]))
     return ms
 
 
-copies: dict[str, list[tuple[float, float]]] = {}  # adapter -> (device copy ms, PEFT install ms) per cold run
+copies: dict[tuple[str, str], list[tuple[float, float]]] = {}  # (adapter, state) -> (copy ms, install ms) per cold run
 
 
 async def run(args) -> dict:
@@ -134,10 +143,12 @@ async def run(args) -> dict:
                     for state in STATES:
                         samples[state].append(await _one(eng, f"{name}-{state}-{t}", prompt, name, state))
                 host = eng._loras[name].host
-                cp = copies.get(name, [])[-2 * args.trials:]
+                cp = copies.get((name, "cold_on_demand"), [])[-args.trials:]
+                peft = copies.get((name, "cold_on_demand_peft"), [])[-args.trials:]
                 result["ranks"][r] = {"adapter_mb": round(host.nbytes / (1 << 20), 3),
                                       "copy_ms": statistics.median(c for c, _ in cp),
                                       "install_ms": statistics.median(i for _, i in cp),
+                                      "install_peft_ms": statistics.median(i for _, i in peft),
                                       **{s: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v),
                                              "samples_ms": [round(x, 3) for x in v]} for s, v in samples.items()}}
             result["lora_stats"] = dict(eng.lora_stats)
@@ -153,12 +164,15 @@ def render(result: dict) -> str:
              f"model {result['model']} {result['arch'] or ''} {result['dtype']}, targets {','.join(result['targets'])}, "
              f"prompt {result['prompt_tokens']} tokens, {result['trials']} trials, TTFT medians in ms "
              f"(base model without adapter: {result['base_ttft_ms']:.1f} ms)",
-             f"{'rank':>5} {'MB':>7} {'cached':>9} {'cpu-assist':>11} {'on-demand':>10} {'cpu/cached':>11} "
-             f"{'on-dem/cached':>14} {'copy':>7} {'install':>8}"]
+             "(on-demand: the install copies into the evicted adapter's kept modules; PEFT: PEFT's own install)",
+             f"{'rank':>5} {'MB':>7} {'cached':>9} {'cpu-assist':>11} {'on-demand':>10} {'PEFT':>8} "
+             f"{'cpu/cached':>11} {'on-dem/cached':>14} {'PEFT/cached':>12} {'copy':>7} {'install':>8} "
+             f"{'PEFT inst':>10}"]
     for r, row in result["ranks"].items():
-        c, a, o = (row[s]["median_ms"] for s in ("cached", "cold_cpu_assisted", "cold_on_demand"))
-        lines.append(f"{r:>5} {row['adapter_mb']:>7.2f} {c:>9.1f} {a:>11.1f} {o:>10.1f} {a / c:>11.2f} "
-                     f"{o / c:>14.2f} {row['copy_ms']:>7.1f} {row['install_ms']:>8.1f}")
+        c, a, o, p = (row[s]["median_ms"] for s in STATES)
+        lines.append(f"{r:>5} {row['adapter_mb']:>7.2f} {c:>9.1f} {a:>11.1f} {o:>10.1f} {p:>8.1f} {a / c:>11.2f} "
+                     f"{o / c:>14.2f} {p / c:>12.2f} {row['copy_ms']:>7.1f} {row['install_ms']:>8.1f} "
+                     f"{row['install_peft_ms']:>10.1f}")
     lines.append(f"load average: start {tuple(round(x, 2) for x in result['loadavg_start'])}, "
                  f"end {tuple(round(x, 2) for x in result['loadavg_end'])}")
     return "\n".join(lines)

@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from polyserve.proto import SamplingParams, TokenLogprob
 from polyserve.worker.engine import Delta
 from polyserve.worker.engines import hf_grammar, hf_logprobs
+from polyserve.worker.engines.hf_slots import AdapterSlots
 from polyserve.worker.engines.hf_text import IncrementalDetokenizer, StopMatcher
 
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
@@ -293,6 +294,7 @@ class Batch:
         self.cache = None  # padded: a DynamicCache of [B, kv_heads, L, head_dim] per layer
         self.mask: torch.Tensor | None = None  # padded: [B, L] 1 = real token, 0 = padding
         self.cpu_lora: dict = {}  # adapter name -> lora.HostLora: computed on the CPU until on the device
+        self.slots = AdapterSlots()  # adapter name -> its PEFT modules; evicted ones kept for reuse
         self.cpu_steps = 0  # forwards that ran at least one row CPU-assisted
         self.cells = 0  # row x KV-column cells attended over by decode steps (padding included)
 
@@ -304,12 +306,11 @@ class Batch:
         return 0 if self.mask is None else int(self.mask.shape[1])
 
     def install_adapter(self, name: str, config, state: dict) -> None:
-        from polyserve.worker.engines.hf_model import install_adapter
-        install_adapter(self, name, config, state)
+        self.slots.install(self, name, config, state)
 
-    def remove_adapter(self, name: str) -> None:
-        from polyserve.worker.engines.hf_model import remove_adapter
-        remove_adapter(self, name)
+    def remove_adapter(self, name: str, park: bool = True) -> None:
+        """Evict (`park`: its modules kept for the next install of the same shape) or unload."""
+        self.slots.remove(self, name, park)
 
     def _forward(self, input_ids, adapters: list[str], **kw):
         assisted: dict[str, list[int]] = {}
@@ -317,7 +318,7 @@ class Batch:
             if a in self.cpu_lora:
                 assisted.setdefault(a, []).append(i)
         if self.lora:
-            kw["adapter_names"] = [BASE if a in assisted else a for a in adapters]
+            kw["adapter_names"] = [BASE if a in assisted or a == BASE else self.slots.peft_name(a) for a in adapters]
         kw.setdefault("use_cache", True)
         if not assisted:
             return self.model(input_ids=input_ids, **kw)

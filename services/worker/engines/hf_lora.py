@@ -194,6 +194,7 @@ class AdapterManager:
                 t0 = time.perf_counter()
                 await asyncio.to_thread(self._batch.install_adapter, name, entry.config, state)
                 self.stats["last_install_ms"] = (time.perf_counter() - t0) * 1e3
+                self.stats["slot_reuses"] = self._batch.slots.reused  # installs that copied into kept modules
             except Exception as exc:
                 self.cache.failed(name)
                 self.wanted.discard(name)
@@ -379,7 +380,9 @@ class AdapterManager:
         async with self._lock:
             entry = self.entries.pop(name, None)
             if entry is not None and name in self.cache and self.cache.tier(name) == DEVICE:
-                await asyncio.to_thread(self._batch.remove_adapter, name)
+                await asyncio.to_thread(self._batch.remove_adapter, name, False)
+            if self._batch is not None:  # no adapter left on the device: parked modules go too
+                self._batch.slots.release(self._batch)
             self._batch.cpu_lora.pop(name, None)
             self.wanted.discard(name)
             if name in self.cache:
