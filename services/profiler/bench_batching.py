@@ -280,6 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"--kv-layout {','.join(bad)}: choose from auto, ragged, padded (comma-separated)")
     _quiet_transformers()
+    from polyserve.worker.engines.hf_model import resolve_device
+    try:  # say what is wrong before loading anything
+        resolve_device(args.device)
+    except (ValueError, RuntimeError) as exc:
+        raise SystemExit(f"polyserve profile bench-batching: --device {args.device}: {exc}") from None
     if args.threads > 0:
         import torch
         torch.set_num_threads(args.threads)

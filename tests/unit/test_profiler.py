@@ -206,3 +206,14 @@ async def test_static_batches_gate_admission_and_continuous_refills():
         assert seen == [0, 0, 0]
     finally:
         await engine.stop()
+
+
+@pytest.mark.torch
+def test_bench_batching_names_a_device_it_cannot_use_before_loading_anything():
+    pytest.importorskip("torch")
+    with pytest.raises(SystemExit, match="--device tpu: "):
+        bench_batching.main(["--device", "tpu"])
+    import torch
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="--device cuda: device 'cuda' asked but CUDA is not available"):
+            bench_batching.main(["--device", "cuda"])
