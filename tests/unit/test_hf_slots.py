@@ -78,3 +78,20 @@ async def test_unloading_the_last_adapter_deletes_parked_modules_too(dirs):
         assert await _run(eng, "base-again", PROMPT) == base
     finally:
         await eng.stop()
+
+
+def test_weights_peft_placed_under_other_names_are_never_copied_into(dirs):
+    import types
+
+    from polyserve.worker.engines.hf_model import build_random_model
+    from polyserve.worker.engines.hf_slots import AdapterSlots
+
+    batch = types.SimpleNamespace(model=build_random_model(0), lora=False)
+    slots, host = AdapterSlots(), load_host_lora(read_adapter(dirs["a"]))
+    slots.install(batch, "a", host.config, dict(host.state))
+    peft_name = slots.peft_name("a")
+    assert peft_name != "a" and batch.lora and slots._live["a"].key is not None
+    odd = {"base_model.model.nowhere.lora_A.weight": next(iter(host.state.values()))}
+    assert AdapterSlots._describe(batch.model, peft_name, ("any",), odd).key is None
+    slots.remove(batch, "a", park=False)
+    assert batch.lora is False and slots.parked == 0

@@ -136,7 +136,10 @@ class AdapterSlots:
         for k in state:
             part = ".lora_A." if ".lora_A." in k else ".lora_B."
             head, _, tail = k.rpartition(part)
-            params[k] = named[f"{head}{part}{peft_name}.{tail}"]
+            target = named.get(f"{head}{part}{peft_name}.{tail}")
+            if target is None:  # a key PEFT placed elsewhere: this adapter's modules are not reused
+                return _Slot(peft_name, None, {}, [])
+            params[k] = target
         layers = [m for m in model.modules() if isinstance(getattr(m, "scaling", None), dict)
                   and peft_name in m.scaling]
         return _Slot(peft_name, key, params, layers)
