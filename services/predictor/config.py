@@ -38,7 +38,8 @@ class PredictorSettings(CommonSettings, frozen=True, kw_only=True):
     proxy_max_batch: int = 16
     """Micro-batching: most requests in one encoder batch."""
     proxy_batch_wait_ms: float = 2.0
-    """Micro-batching: longest wait for more requests after the first one of a batch."""
+    """Micro-batching: longest wait for more requests after the first one of a batch; spent only when
+    there is company (a request queued while the model ran, or the batch before had several)."""
     proxy_max_queue: int = 256
     """Requests waiting for the model; beyond, the historical mean answers at once."""
     proxy_bucket_step: int = 64

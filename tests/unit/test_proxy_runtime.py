@@ -72,6 +72,24 @@ async def test_batches_gather_and_split_by_length_bucket():
         await runner.stop()
 
 
+async def test_a_lone_request_does_not_wait_for_company_but_a_crowd_still_gathers():
+    """With nothing queued and the last batch alone, a request runs at once: the micro-batching wait
+    (here 400 ms) is spent only when there is company (a request queued while the model ran, or a
+    batch of several before)."""
+    fake = FakePredictor()
+    runner = await started(ModelRunner("x", max_batch=8, batch_wait_ms=400), fake)
+    try:
+        for i in range(3):  # one request in flight at a time
+            t = time.monotonic()
+            await runner.predict(f"alone {i}", "m", 5.0)
+            assert time.monotonic() - t < 0.3, "a lone request waited for the batch window"
+        assert [len(b) for b in fake.batches] == [1, 1, 1]
+        await asyncio.gather(*(runner.predict(f"crowd {i}", "m", 5.0) for i in range(5)))
+        assert [len(b) for b in fake.batches[3:]] == [5]  # queued together: one batch
+    finally:
+        await runner.stop()
+
+
 async def test_budget_and_queue_bound_fall_back():
     fake = FakePredictor(delay_s=0.3)
     runner = await started(ModelRunner("x", max_batch=1, batch_wait_ms=0, max_queue=2), fake)

@@ -6,7 +6,8 @@
 * **Inference** runs in one dedicated thread (torch uses its own intra-op
   threads inside it), so the event loop never blocks. Requests wait in a bounded
   queue; the batcher takes what queued while the model was busy, up to
-  ``max_batch`` requests, waiting at most ``batch_wait_ms`` for more, splits them
+  ``max_batch`` requests, waiting at most ``batch_wait_ms`` for more (only when
+  this batch or the one before it had more than one request), splits them
   by length bucket (64, 128, 192, ... tokens, Arlo's staircase) and runs one
   batch per bucket padded to the bucket (a lone request is not padded). A full
   queue or a result later than ``timeout_s`` makes the caller fall back
@@ -96,6 +97,7 @@ class ModelRunner:
         self.error = ""
         self.load_s = 0.0
         self.batches = 0
+        self._last_batch = 0  # requests the batcher took last time (the wait rule in `_batcher`)
         self.items = 0
         self._task: asyncio.Task | None = None
 
@@ -185,12 +187,18 @@ class ModelRunner:
 
     async def _batcher(self) -> None:
         loop = asyncio.get_running_loop()
+        ran = False  # the last pass ran the model: what is queued now came meanwhile
         while True:
+            queued_meanwhile, ran = ran and not self.queue.empty(), False
             jobs = [await self.queue.get()]
             while len(jobs) < self.max_batch and not self.queue.empty():  # what queued while the model ran
                 jobs.append(self.queue.get_nowait())
+            # Wait for more only when there is company: a lone request reaching an idle batcher after
+            # a batch that ran alone runs at once (at one request in flight the wait was pure latency);
+            # one that queued while the model ran, or a batch of several before, waits as before.
+            company = queued_meanwhile or len(jobs) > 1 or self._last_batch > 1
             deadline = loop.time() + self.batch_wait_s
-            while len(jobs) < self.max_batch and self.batch_wait_s > 0:
+            while company and len(jobs) < self.max_batch and self.batch_wait_s > 0:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     break
@@ -198,9 +206,11 @@ class ModelRunner:
                     jobs.append(await asyncio.wait_for(self.queue.get(), remaining))
                 except asyncio.TimeoutError:
                     break
+            self._last_batch = len(jobs)
             jobs = [j for j in jobs if not j.future.done()]  # callers that gave up
             if not jobs:
                 continue
+            ran = True
             try:
                 results = await loop.run_in_executor(self.pool, self._run, [(j.prompt, j.model) for j in jobs])
             except Exception as exc:  # noqa: BLE001 - answer every waiting caller
