@@ -166,6 +166,14 @@ def weight_bytes(spec: AdapterSpec) -> int:
     return (spec.path / WEIGHTS_FILES[1]).stat().st_size
 
 
+def lora_scaling(config, rank: int = 8, alpha: float = 8.0) -> float:
+    """PEFT's LoRA scaling of `config` (alpha / r, or alpha / sqrt(r) with rsLoRA); `rank` and `alpha`
+    when the config does not say."""
+    r = int(getattr(config, "r", rank))
+    a = float(getattr(config, "lora_alpha", alpha))
+    return a / math.sqrt(r) if getattr(config, "use_rslora", False) else a / r
+
+
 def load_host_lora(spec: AdapterSpec, pin: bool = False, config=None) -> HostLora:
     """Read an adapter from disk into host memory (pinned when `pin`, for async copies to CUDA)."""
     import torch
@@ -195,9 +203,7 @@ def load_host_lora(spec: AdapterSpec, pin: bool = False, config=None) -> HostLor
     modules = {m: (p["A"], p["B"]) for m, p in pairs.items() if "A" in p and "B" in p}
     if not modules:
         raise AdapterError(f"{spec.path}: no lora_A/lora_B weight pairs in the adapter")
-    r = int(getattr(config, "r", spec.rank))
-    alpha = float(getattr(config, "lora_alpha", spec.alpha))
-    scaling = alpha / math.sqrt(r) if getattr(config, "use_rslora", False) else alpha / r
+    scaling = lora_scaling(config, spec.rank, spec.alpha)
     return HostLora(spec=spec, config=config, state=state, modules=modules, scaling=scaling,
                     nbytes=sum(t.numel() * t.element_size() for t in state.values()), cpu_ok=cpu_ok)
 

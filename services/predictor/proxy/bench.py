@@ -157,13 +157,16 @@ def run(artifact_dir: str | None, encoder_dir: str | None = None, *, threads: in
                 pred, path, encoder_dir, prompts, model, concurrency, seconds, max_batch, batch_wait_ms,
                 bucket_step, True))
     lookup: list[dict] = []
+    skipped = ""
     if first.dim:  # the lexical tier has no cache keys
         try:
             lookup = cache_lookup(first.dim)
         except ImportError as exc:  # faiss comes with the hf extra; a bare GPU image may lack it
-            print(f"semantic cache lookup not measured: {exc}", flush=True)
+            skipped = f"semantic cache lookup not measured: {exc}"
     for r in runs.values():
         r["cache_lookup"] = lookup
+        if skipped:
+            r["cache_lookup_skipped"] = skipped
         r["machine"] = machine.describe()
     if len(runs) == 1:
         return next(iter(runs.values()))
@@ -271,6 +274,8 @@ def render(res: dict) -> str:
         gains = [f"{b['concurrency']} concurrent {b['predictions_per_s'] / max(1e-9, m['predictions_per_s']):.2f}x"
                  for b, m in zip(res["micro_batching_bucketed"], res["micro_batching_pad_to_max"])]
         lines.append("padding gain (bucketed / pad to max, predictions/s): " + ", ".join(gains))
+    if res.get("cache_lookup_skipped"):
+        lines.append(res["cache_lookup_skipped"])
     if res["cache_lookup"]:
         lines.append("semantic cache exact search (1 query):")
         for r in res["cache_lookup"]:

@@ -24,21 +24,16 @@ PEFT runs a mixed batch only over the adapters its rows name, so parked slots co
 from __future__ import annotations
 
 import itertools
-import math
 from typing import Any
 
 import torch
 
 from polyserve.worker.engines import hf_model
+from polyserve.worker.lora import lora_scaling
 
 # config fields that do not change the modules' shape (lora_alpha: set on install)
 _FREE_FIELDS = {"lora_alpha", "base_model_name_or_path", "revision", "peft_version", "inference_mode",
                 "init_lora_weights"}
-
-
-def _scaling(config) -> float:
-    r, alpha = int(config.r), float(config.lora_alpha)
-    return alpha / math.sqrt(r) if getattr(config, "use_rslora", False) else alpha / r
 
 
 def shape_key(config, state: dict[str, torch.Tensor]) -> tuple | None:
@@ -95,7 +90,7 @@ class AdapterSlots:
                 with torch.no_grad():
                     for k, t in state.items():
                         slot.params[k].copy_(t)
-                    scaling = _scaling(config)
+                    scaling = lora_scaling(config)
                     for layer in slot.layers:
                         layer.scaling[slot.peft_name] = scaling
                         layer.lora_alpha[slot.peft_name] = config.lora_alpha
