@@ -27,7 +27,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from polyserve.shared import durable
+from polyserve.shared import batching, durable
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,6 @@ ERROR_CODE = "Nats-Service-Error-Code"
 ERROR_DESC = "Nats-Service-Error"
 
 _encoder = msgspec.json.Encoder()
-COALESCE_S = 0.002  # publish_soon's window: events reach subscribers at most this much later
 RECONNECT_WAIT_S = 0.25  # between tries of one server; the cluster's other nodes are tried at once
 RECONNECT_BUFFER_MB = 64  # what a connection holds while reconnecting (env POLYSERVE_NATS_RECONNECT_BUFFER_MB)
 PING_INTERVAL_S, MAX_OUTSTANDING_PINGS = 5, 2  # nats-py's stale-connection check: reconnect after ~10-15 s
@@ -154,7 +153,7 @@ class Bus:
         self._mux_ids = itertools.count(1)
         self._mux_prefix = ""
         self._mux_sub: Any = None
-        self._soon: list[tuple[str, bytes, dict[str, str]]] = []  # publish_soon's pending messages
+        self._soon = batching.Pending(batching.batch_window_s())  # publish_soon's pending events
         self._soon_timer: asyncio.TimerHandle | None = None
         servers = len(nc.servers) if getattr(nc, "servers", None) else 1
         replicas = int(os.environ.get("POLYSERVE_NATS_EVENT_REPLICAS", "0") or 0) or durable.replicas_for(servers)
@@ -219,16 +218,19 @@ class Bus:
         await self.nc.publish(subject, encode(msg), reply=reply, headers=trace_headers() or None)
 
     def publish_soon(self, subject: str, msg: Any) -> None:
-        """Publish `msg` within `COALESCE_S`, with the messages of every other caller in that
-        window: one socket write for them all. For what no one waits on (events): a write to
-        nats-server was the gateway's largest single cost per request (py-spy; the client writes
-        what is pending once per loop iteration, so publishes in different iterations each cost
-        one). Encoded now, without trace headers: events name their request and no consumer reads
-        a trace context from them, while injecting one cost ~1% of the gateway's CPU (5 events per
-        request; cProfile, docs/benchmarks/overhead.md). `flush_soon()` sends what is pending at once."""
-        self._soon.append((subject, encode(msg), {}))
+        """Publish the event `msg` soon, with the events of every other caller: one socket write
+        for them all, and one message per subject (`shared/batching.py`: a lone event leaves
+        within 2 ms; while events keep coming, a subject's are sent once per batch window, as a
+        JSON array). For what no one waits on (events): a write to nats-server was the gateway's
+        largest single cost per request (py-spy; the client writes what is pending once per loop
+        iteration, so publishes in different iterations each cost one), and every message a
+        consumer's wake-up. Encoded now, without trace headers: events name their request and
+        no consumer reads a trace context from them, while injecting one cost ~1% of the
+        gateway's CPU (5 events per request; cProfile, docs/benchmarks/overhead.md).
+        `flush_soon()` sends what is pending at once."""
+        self._soon.add(subject, encode(msg))
         if self._soon_timer is None:
-            self._soon_timer = asyncio.get_running_loop().call_later(COALESCE_S, self._send_soon)
+            self._soon_timer = asyncio.get_running_loop().call_later(self._soon.delay(), self._send_soon)
 
     def _send_soon(self) -> None:
         self._soon_timer = None
@@ -236,14 +238,13 @@ class Bus:
             self._spawn(self.flush_soon())
 
     async def flush_soon(self) -> None:
-        """Send the messages of `publish_soon` now (best effort: logged when NATS refuses)."""
-        batch, self._soon = self._soon, []
-        for subject, data, headers in batch:  # nc.publish only queues: one write after the loop
-            try:
+        """Send the events of `publish_soon` now (best effort: logged when NATS refuses)."""
+        for subject, data in self._soon.take(durable.prefix_of):
+            try:  # nc.publish only queues: one write after the loop
                 if durable.prefix_of(subject) is not None:  # completed/failed: kept until stored
-                    await self.outbox.publish(subject, data, headers)
+                    await self.outbox.publish(subject, data, {})
                 else:
-                    await self.nc.publish(subject, data, headers=headers or None)
+                    await self.nc.publish(subject, data)
             except Exception as exc:  # noqa: BLE001 - events are best effort
                 logger.warning("could not publish on %s: %s", subject, exc)
 
@@ -307,18 +308,21 @@ class Bus:
         request events (`completed`, `failed`) come from a JetStream consumer
         (`shared/durable.py`): none is lost while this connection or its server restarts."""
 
+        many = list[msg_type]  # type: ignore[valid-type]
+
         async def on_msg(m: NatsMsg) -> None:
-            try:
-                obj = decode(m.data, msg_type)
+            try:  # one event, or several in one message (`shared/batching.py`)
+                objs = decode(m.data, many) if batching.is_batch(m.data) else (decode(m.data, msg_type),)
             except msgspec.DecodeError:
                 self.errors += 1
                 logger.warning("undecodable message on %s", m.subject)
                 return
-            try:
-                await handler(obj)
-            except Exception:
-                self.errors += 1
-                logger.exception("event handler for %s failed", m.subject)
+            for obj in objs:
+                try:
+                    await handler(obj)
+                except Exception:
+                    self.errors += 1
+                    logger.exception("event handler for %s failed", m.subject)
 
         if durable.prefix_of(subject) is not None:
             shared = self._shared.get((subject, queue))

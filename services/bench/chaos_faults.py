@@ -25,7 +25,7 @@ import redis
 
 from polyserve.cli import launcher
 from polyserve.proto import Keys
-from polyserve.shared import auth, infra
+from polyserve.shared import auth, batching, infra
 
 MODEL = "chaos-sim"
 
@@ -192,17 +192,14 @@ class Observer:
         return [u.strip() for u in current(self.state).nats_url.split(",") if u.strip()]
 
     def take(self, data: bytes) -> None:
-        try:
-            ev = json.loads(data)
-        except ValueError:
-            return
-        rid, kind = ev.get("request_id", ""), ev.get("event")
-        if kind == "admitted":
-            self.admitted.add(rid)
-        elif kind == "dispatched":
-            self.workers.setdefault(rid, []).append(ev.get("worker_id", ""))
-        elif kind in ("completed", "failed"):
-            self.terminal.setdefault(rid, []).append(kind)
+        for ev in batching.event_dicts(data):  # one event or several (shared/batching.py)
+            rid, kind = ev.get("request_id", ""), ev.get("event")
+            if kind == "admitted":
+                self.admitted.add(rid)
+            elif kind == "dispatched":
+                self.workers.setdefault(rid, []).append(ev.get("worker_id", ""))
+            elif kind in ("completed", "failed"):
+                self.terminal.setdefault(rid, []).append(kind)
 
     async def start(self) -> None:
         async def on(msg) -> None:

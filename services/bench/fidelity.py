@@ -34,7 +34,7 @@ from polyserve.bench import replay as br
 from polyserve.cli import launcher
 from polyserve.core import profiles
 from polyserve.core.profiles import profile_path
-from polyserve.shared import infra
+from polyserve.shared import batching, infra
 
 PROFILES = profiles.profiles_dir()
 ENGINE_PROFILES = {"sim": profile_path(profiles.DEFAULT_SIM), "hf": profile_path(profiles.HF_CPU)}
@@ -154,15 +154,15 @@ class EventLog:
                   "first_token": ("ttft_ms", "gateway_ttft_ms")}
 
         async def on(msg) -> None:
-            ev = json.loads(msg.data)
-            kind = ev.get("event", "")
-            self.kinds[kind] = self.kinds.get(kind, 0) + 1
-            if kind == "failed":
-                self.failed_reasons[f"{ev.get('status')} {ev.get('reason')}"] = \
-                    self.failed_reasons.get(f"{ev.get('status')} {ev.get('reason')}", 0) + 1
-            if kind in fields:
-                src, dst = fields[kind]
-                self.by_id.setdefault(ev.get("request_id", ""), {})[dst] = ev[src]
+            for ev in batching.event_dicts(msg.data):  # one event or several (shared/batching.py)
+                kind = ev.get("event", "")
+                self.kinds[kind] = self.kinds.get(kind, 0) + 1
+                if kind == "failed":
+                    reason = f"{ev.get('status')} {ev.get('reason')}"
+                    self.failed_reasons[reason] = self.failed_reasons.get(reason, 0) + 1
+                if kind in fields:
+                    src, dst = fields[kind]
+                    self.by_id.setdefault(ev.get("request_id", ""), {})[dst] = ev[src]
 
         await self.nc.subscribe(f"{self.prefix}.v1.events.request.>", cb=on)
         await self.nc.flush()

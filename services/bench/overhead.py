@@ -24,7 +24,7 @@ import httpx
 import numpy as np
 
 from polyserve.cli import launcher
-from polyserve.shared import infra, machine
+from polyserve.shared import batching, infra, machine
 
 
 async def _one(client: httpx.AsyncClient, url: str, body: dict) -> float:
@@ -82,16 +82,16 @@ async def stage_breakdown(nats_url: str, prefix: str, base: str, model: str, n: 
     stages: dict[str, list[float]] = {"predict_ms": [], "dispatch_ms": [], "ttft_ms": [], "e2e_ms": []}
 
     async def on_msg(msg) -> None:
-        ev = json.loads(msg.data)
-        kind = ev.get("event")
-        if kind == "predicted":
-            stages["predict_ms"].append(ev["latency_ms"])
-        elif kind == "dispatched":
-            stages["dispatch_ms"].append(ev["latency_ms"])
-        elif kind == "first_token":
-            stages["ttft_ms"].append(ev["ttft_ms"])
-        elif kind == "completed":
-            stages["e2e_ms"].append(ev["e2e_ms"])
+        for ev in batching.event_dicts(msg.data):  # one event or several (shared/batching.py)
+            kind = ev.get("event")
+            if kind == "predicted":
+                stages["predict_ms"].append(ev["latency_ms"])
+            elif kind == "dispatched":
+                stages["dispatch_ms"].append(ev["latency_ms"])
+            elif kind == "first_token":
+                stages["ttft_ms"].append(ev["ttft_ms"])
+            elif kind == "completed":
+                stages["e2e_ms"].append(ev["e2e_ms"])
 
     await nc.subscribe(f"{prefix}.v1.events.request.>", cb=on_msg)
     await nc.flush()

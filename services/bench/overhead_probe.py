@@ -34,10 +34,10 @@ import time
 from pathlib import Path
 
 import httpx
-import msgspec
 
 from polyserve.bench import overhead
 from polyserve.cli import launcher
+from polyserve.shared import batching
 
 SEGMENTS = (("client send -> admitted", None, "admitted"), ("admitted -> dispatched", "admitted", "dispatched"),
             ("dispatched -> first_token", "dispatched", "first_token"),
@@ -53,9 +53,9 @@ async def split(state: launcher.ClusterState, n: int, warmup: int = 20) -> dict[
     ts: dict[str, dict[str, float]] = {}
 
     async def on_msg(msg) -> None:
-        ev = msgspec.json.decode(msg.data)
-        if isinstance(ev, dict) and "request_id" in ev:
-            ts.setdefault(ev["request_id"], {})[ev.get("event", "")] = ev.get("ts", 0.0)
+        for ev in batching.event_dicts(msg.data):  # one event or several (shared/batching.py)
+            if "request_id" in ev:
+                ts.setdefault(ev["request_id"], {})[ev.get("event", "")] = ev.get("ts", 0.0)
 
     await nc.subscribe(f"{state.prefix}.v1.events.request.>", cb=on_msg)
     await nc.flush()

@@ -10,7 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
+
 from polyserve.cli import launcher
+from polyserve.shared import batching
 from polyserve.shared.auth import redact
 
 
@@ -130,10 +133,14 @@ def cmd_events(args: argparse.Namespace) -> int:
 
         async def on_msg(msg) -> None:
             nonlocal count
-            _say(f"[{msg.subject}] {msg.data.decode(errors='replace')}")
-            count += 1
-            if args.count and count >= args.count:
-                done.set()
+            # several events of one subject may share a message (shared/batching.py): one line each
+            lines = ([msgspec.json.encode(e) for e in batching.event_dicts(msg.data)]
+                     if batching.is_batch(msg.data) else [msg.data])
+            for data in lines:
+                _say(f"[{msg.subject}] {data.decode(errors='replace')}")
+                count += 1
+                if args.count and count >= args.count:
+                    done.set()
 
         await nc.subscribe(subject, cb=on_msg)
         _say(f"listening on {subject} at {redact(url)}; Ctrl-C to stop")

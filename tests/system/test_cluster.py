@@ -2,7 +2,6 @@
 started by `polyserve up`'s code, driven with the official openai client."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,6 +14,7 @@ import openai
 import pytest
 
 from polyserve.cli.status import cluster_status
+from polyserve.shared import batching
 from tests.helpers import assert_lifecycle, wait_until
 
 pytestmark = pytest.mark.system
@@ -44,9 +44,9 @@ class EventLog:
         ready.wait(10)
 
     async def _on(self, msg):
-        event = json.loads(msg.data)
+        got = batching.event_dicts(msg.data)  # one event or several in one message
         with self.changed:
-            self.events.append(event)
+            self.events.extend(got)
             self.changed.notify_all()
 
     def wait(self, pred, timeout=20.0, what="condition"):

@@ -30,7 +30,7 @@ from redis.sentinel import MasterNotFoundError, Sentinel
 
 from polyserve.cli import launcher
 from polyserve.proto import Keys
-from polyserve.shared import auth, durable, infra
+from polyserve.shared import auth, batching, durable, infra
 from polyserve.shared.bus import connect_options
 from polyserve.shared.state import connect_sync, parse_sentinel_url
 from tests.helpers import wait_until
@@ -109,8 +109,8 @@ async def _terminal_events(st, since: datetime, ids: set[str], timeout: float, r
     seen: dict[str, int] = {}
 
     async def on(m) -> None:
-        rid = json.loads(m.data)["request_id"]
-        seen[rid] = seen.get(rid, 0) + 1
+        for ev in batching.event_dicts(m.data):  # one event or several in one message
+            seen[ev["request_id"]] = seen.get(ev["request_id"], 0) + 1
 
     subs = []
     deadline = time.monotonic() + timeout
