@@ -23,8 +23,8 @@ pytest.importorskip("peft")
 from polyserve.proto import SamplingParams  # noqa: E402
 from polyserve.worker.engine import Delta, EngineError, EngineRequest, Finished  # noqa: E402
 from polyserve.worker.engines import hf_batch  # noqa: E402
-from polyserve.worker.engines.hf_lora import cold_start_for  # noqa: E402
 from polyserve.worker.engines.hf import HfEngine  # noqa: E402
+from polyserve.worker.engines.hf_lora import cold_start_for  # noqa: E402
 from polyserve.worker.lora import create_random_adapter  # noqa: E402
 from tests.helpers import wait_for  # noqa: E402
 
