@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("events", help="print events (like `nats sub 'polyserve.>'`)")
     ev.add_argument("--subject")
     ev.add_argument("--server")
-    ev.add_argument("--count", type=int, default=0, help="stop after this many messages")
+    ev.add_argument("--count", type=int, default=0, help="stop after this many events")
     ev.add_argument("--seconds", type=float, default=0, help="stop after this long")
     ev.set_defaults(fn=cmd_events)
 

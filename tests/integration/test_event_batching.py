@@ -99,3 +99,31 @@ async def test_a_quiet_flow_sends_at_once_and_batch_ms_0_sends_one_message_per_e
         assert len(raw) == 2 and loop.time() - t0 < 1.0, "a lone event goes out at once (2 ms)"
     finally:
         await pub.close()
+
+
+async def test_polyserve_events_prints_one_line_per_event_of_a_batch(infra_servers, subjects, tmp_path):
+    """`polyserve events` (the CLI, as a process) prints each event of a batch message on its own line."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "polyserve.cli", "--run-dir", str(tmp_path), "events",
+                             "--server", infra_servers.nats_url, "--subject", subjects.event("*"),
+                             "--count", "3", "--seconds", "20"], stdout=subprocess.PIPE, text=True)
+    loop = asyncio.get_running_loop()
+    tracer, _ = make_tracer("t")
+    pub = await Bus.connect(infra_servers.nats_url, tracer, "gateway")
+    try:
+        first = await asyncio.wait_for(loop.run_in_executor(None, proc.stdout.readline), 20)
+        assert "listening on" in first, first
+        await asyncio.sleep(0.3)  # its SUB reaches nats-server
+        for i in range(3):
+            pub.publish_soon(subjects.event("predicted"), _predicted(i))
+        out, _ = await asyncio.wait_for(loop.run_in_executor(None, proc.communicate), 25)
+    finally:
+        await pub.close()
+        if proc.poll() is None:
+            proc.kill()
+    lines = out.splitlines()
+    assert len(lines) == 3, out
+    assert [json.loads(ln.split("] ", 1)[1])["request_id"] for ln in lines] == ["r0", "r1", "r2"]
