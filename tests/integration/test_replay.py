@@ -54,7 +54,9 @@ def drop_chunks(gw, should_drop) -> list[TokenChunk]:
     return lost
 
 
-async def sse(url: str, body: dict, timeout: float = 30) -> list[str]:
+async def sse(url: str, body: dict, timeout: float = 30, started: list | None = None) -> list[str]:
+    """The `data:` payloads of a streamed completion; `started` (if given) gets one item at its
+    first token."""
     out = []
     async with httpx.AsyncClient(base_url=url, timeout=timeout) as h:
         async with h.stream("POST", "/v1/completions", json=dict(body, stream=True)) as r:
@@ -62,6 +64,8 @@ async def sse(url: str, body: dict, timeout: float = 30) -> list[str]:
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     out.append(line[6:])
+                    if started is not None and len(out) == 1:
+                        started.append(body.get("prompt"))
     return out
 
 
@@ -174,8 +178,14 @@ async def test_nats_server_killed_and_restarted_mid_stream_loses_nothing_silentl
         async with running(disp, worker, gw):
             await wait_for(lambda: _served(gw.url), timeout=20, what="the worker serving")
             req = dict(REQ, max_tokens=60, min_tokens=60)
-            streams = [asyncio.ensure_future(sse(gw.url, dict(req, prompt=f"p{i}"))) for i in range(6)]
-            await asyncio.sleep(0.6)  # mid-stream: 60 tokens take about 2 s here
+            started: list = []
+            streams = [asyncio.ensure_future(sse(gw.url, dict(req, prompt=f"p{i}"), started=started))
+                       for i in range(6)]
+            # mid-stream: every stream has its first token (60 tokens take about 2 s here); a request
+            # that reached the gateway only after the kill is another test (CI once sent one so late
+            # on a loaded machine that the dispatcher had expired the worker meanwhile: a 503)
+            await wait_for(lambda: len(started) == 6, timeout=20, what="six streams under way")
+            await asyncio.sleep(0.3)
             assert not any(s.done() for s in streams)
             proc.kill()
             proc.wait(5)
