@@ -28,7 +28,12 @@ from typing import Any
 import msgspec
 
 COALESCE_S = 0.002  # a lone event leaves at most this much later
-BATCH_S = 0.010  # while busy, a subject's events are sent at most once per this window
+# While busy, a subject's events are sent at most once per this window. 50 ms, not 10: on the
+# 2-core EPYC the four consumers of `completed` and nats-server paid per message, and 10 -> 50 ms
+# cut the cluster's CPU per json c8 request by ~10% (100 ms: no further gain within noise;
+# docs/benchmarks/overhead.md, twelfth session). What it costs: under load an observer (the
+# dispatcher's books, `polyserve events`) hears of a request's step up to 50 ms after it.
+BATCH_S = 0.050
 MAX_BYTES = 256 * 1024  # one message holds at most this much (nats-server refuses > 1 MB by default)
 
 
