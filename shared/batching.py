@@ -68,16 +68,35 @@ def event_dicts(data: bytes) -> list[dict[str, Any]]:
     return [e for e in obj if isinstance(e, dict)] if isinstance(obj, list) else []
 
 
-class Pending:
-    """The events waiting for the next send, grouped by subject (first-seen order) and the
-    timing rule of the module docstring. Subjects for which `take`'s `durable(subject)` is not
-    None go last: the terminal events, so that in any one send a request's earlier events leave before its
+class Cadence:
+    """The timing rule of the module docstring: the first item after a quiet spell leaves `lone_s`
+    later; while items keep coming (the previous send was less than `window_s` ago) the next send
+    waits until one window after the previous one. Also the gateway's prediction batches
+    (`gateway/predict_batch.py`)."""
+
+    def __init__(self, window_s: float, lone_s: float = COALESCE_S):
+        self.window_s = window_s
+        self.lone_s = lone_s
+        self._last_send = -1e9
+
+    def delay(self) -> float:
+        """Seconds until the send that the first item added now should wait for."""
+        since = time.monotonic() - self._last_send
+        return max(self.lone_s, self.window_s - since) if since < self.window_s else self.lone_s
+
+    def sent(self) -> None:
+        self._last_send = time.monotonic()
+
+
+class Pending(Cadence):
+    """The events waiting for the next send, grouped by subject (first-seen order), sent by the
+    `Cadence` rule. Subjects for which `take`'s `durable(subject)` is not None go last: the
+    terminal events, so that in any one send a request's earlier events leave before its
     terminal one."""
 
     def __init__(self, window_s: float):
-        self.window_s = window_s
+        super().__init__(window_s)
         self._groups: dict[str, list[bytes]] = {}
-        self._last_send = -1e9
 
     def __bool__(self) -> bool:
         return bool(self._groups)
@@ -87,18 +106,28 @@ class Pending:
             subject = f"{subject}\0{len(self._groups)}"
         self._groups.setdefault(subject, []).append(data)
 
-    def delay(self) -> float:
-        """Seconds until the send that the first event added now should wait for."""
-        since = time.monotonic() - self._last_send
-        return max(COALESCE_S, self.window_s - since) if since < self.window_s else COALESCE_S
-
     def take(self, durable: Any) -> list[tuple[str, bytes]]:
-        """(subject, payload) to publish now, non-durable subjects first; empties the groups."""
+        """(subject, payload) to publish now, in `send_rank` order; empties the groups."""
         groups, self._groups = self._groups, {}
-        self._last_send = time.monotonic()
+        self.sent()
         out = [(s.split("\0", 1)[0], join(part)) for s, items in groups.items() for part in _parts(items)]
-        out.sort(key=lambda sd: durable(sd[0]) is not None)  # stable: first-seen order otherwise
+        out.sort(key=lambda sd: send_rank(sd[0], durable))  # stable: first-seen order otherwise
         return out
+
+
+# A request's steps, in the order its events are sent within one send (`send_rank`).
+STAGES = {"admitted": 0, "predicted": 1, "dispatched": 2, "first_token": 3}
+
+
+def send_rank(subject: str, durable: Any) -> int:
+    """Where a subject's message goes in a send: a request's events by its lifecycle (`STAGES`),
+    other subjects after them, the terminal (durable) ones last. First-seen order is not enough:
+    one send may hold an earlier request's `first_token` before this request's `admitted`, and a
+    subject's events travel together, so this request's `first_token` would overtake its
+    `admitted` (seen in tests once the window was 50 ms)."""
+    if durable(subject) is not None:
+        return len(STAGES) + 1
+    return STAGES.get(subject.rsplit(".", 1)[-1], len(STAGES))
 
 
 def _parts(items: list[bytes]) -> list[list[bytes]]:

@@ -6,7 +6,9 @@ prediction only orders a worker queue it is not in, so the request does not wait
 `completed` event's estimate and the predictor's own accuracy figures. Asked one by one, each
 cost two NATS messages and a wake-up of the gateway, nats-server and the predictor (the
 predictor's whole CPU per request, and about a tenth of the control plane's: docs/benchmarks/
-overhead.md); gathered for `predict_batch_ms`, a batch of them costs the same two messages.
+overhead.md); gathered, a batch of them costs the same two messages. They are gathered as request events
+are (`shared/batching.Cadence`): a lone prediction after a quiet spell is asked within 2 ms,
+while requests keep coming once per `predict_batch_ms`.
 
 The batch's budget is `predict_timeout_s` per 8 items (the proxy model answers a batch in
 about the time of a few single predictions); an item not answered in it gets the gateway's
@@ -20,6 +22,7 @@ import logging
 import math
 
 from polyserve.proto import PredictBatch, Prediction, Predictions, PredictRequest
+from polyserve.shared.batching import COALESCE_S, Cadence
 from polyserve.shared.bus import BusError
 
 logger = logging.getLogger(__name__)
@@ -28,11 +31,13 @@ MAX_BATCH = 64  # a batch this full goes at once
 
 
 class PredictBatcher:
-    """Gathers PredictRequests for `window_s` (or until MAX_BATCH) and asks them in one message."""
+    """Gathers PredictRequests by the `Cadence` rule (or until MAX_BATCH) and asks them in one
+    message; `window_s` 0 asks each at once."""
 
     def __init__(self, gs, window_s: float):
         self.gs = gs
         self.window_s = window_s
+        self.cadence = Cadence(window_s, min(COALESCE_S, window_s))
         self._items: list[tuple[PredictRequest, asyncio.Future]] = []
         self._timer: asyncio.TimerHandle | None = None
         self.batches = 0  # batches sent (tests and the overhead benchmark read it)
@@ -45,7 +50,7 @@ class PredictBatcher:
         if len(self._items) >= MAX_BATCH:
             self._send_now()
         elif self._timer is None:
-            self._timer = loop.call_later(self.window_s, self._send_now)
+            self._timer = loop.call_later(self.cadence.delay(), self._send_now)
         return fut
 
     def _send_now(self) -> None:
@@ -54,6 +59,7 @@ class PredictBatcher:
             self._timer = None
         batch, self._items = self._items, []
         if batch:
+            self.cadence.sent()
             self.gs.spawn(self._send(batch))
 
     async def _send(self, batch: list[tuple[PredictRequest, asyncio.Future]]) -> None:

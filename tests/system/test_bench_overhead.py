@@ -44,13 +44,13 @@ def test_split_probe_accounts_for_every_segment(capsys):
 
 def test_messages_probe_counts_every_service_per_request(capsys):
     """`overhead_probe msgs`: nats-server's own counters per connection; the gateway publishes
-    at least the generate request and the `completed` event of each request, the worker at least
-    its acceptance, a chunk and the done chunk."""
+    at least the generate request of each request (its events travel in batches: shared/
+    batching.py), the worker at least its acceptance, a chunk and the done chunk."""
     assert overhead_probe.main(["msgs", "--requests", "30"]) == 0
     rows = {line.split()[0]: line.split()[1:3] for line in capsys.readouterr().out.splitlines()[1:]
             if len(line.split()) >= 3}
     pub = {name: float(v[0]) for name, v in rows.items() if v[0].replace(".", "").isdigit()}
-    assert pub["gateway"] >= 2 and pub["worker"] >= 3, rows
+    assert pub["gateway"] >= 1 and pub["worker"] >= 3, rows
     assert {"predictor", "dispatcher", "planner", "gpu-agent"} <= set(pub), rows
 
 

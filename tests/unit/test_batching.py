@@ -80,3 +80,62 @@ def test_a_large_burst_is_cut_into_messages_below_the_size_cap(monkeypatch):
     assert len(out) > 1 and all(len(d) <= 100 for _, d in out)
     ids = [e["request_id"] for _, d in out for e in batching.event_dicts(d)]
     assert ids == [f"r{i}" for i in range(10)], "every event once, in order"
+
+
+async def test_prediction_batches_follow_the_same_cadence(monkeypatch):
+    """gateway/predict_batch.py: a lone prediction after a quiet spell is asked within the short
+    delay, not a whole window later; while requests keep coming the next batch waits until one
+    window after the previous; window 0 asks at once."""
+    import asyncio
+    import time
+
+    from polyserve.gateway.predict_batch import PredictBatcher
+    from polyserve.proto import PredictRequest
+
+    sent: list[tuple[float, int]] = []
+
+    class Gs:
+        def spawn(self, coro):
+            coro.close()  # the batch's own send is tested with a real predictor elsewhere
+
+    def record(self, batch):
+        sent.append((time.monotonic(), len(batch)))
+        return original(self, batch)
+
+    original = PredictBatcher._send
+    monkeypatch.setattr(PredictBatcher, "_send", record)
+    b = PredictBatcher(Gs(), window_s=0.3)
+    t0 = time.monotonic()
+    b.ask(PredictRequest(request_id="a", model="m", input_tokens=1))
+    await asyncio.sleep(0.1)
+    assert len(sent) == 1 and sent[0][0] - t0 < 0.08, "a lone prediction waits the short delay only"
+    b.ask(PredictRequest(request_id="b", model="m", input_tokens=1))
+    b.ask(PredictRequest(request_id="c", model="m", input_tokens=1))
+    await asyncio.sleep(0.1)
+    assert len(sent) == 1, "busy: the next batch waits for the window"
+    await asyncio.sleep(0.3)
+    assert len(sent) == 2 and sent[1][1] == 2 and sent[1][0] - sent[0][0] >= 0.29
+    now = PredictBatcher(Gs(), window_s=0.0)
+    now.ask(PredictRequest(request_id="d", model="m", input_tokens=1))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert len(sent) == 3, "window 0: asked at once"
+
+
+def test_a_send_keeps_each_requests_events_in_lifecycle_order():
+    """One send may hold an earlier request's first_token before this request's admitted: the
+    subjects go by the request's lifecycle, not first-seen, so r1's first_token cannot overtake
+    its admitted; terminal events still last, other subjects between."""
+    p = batching.Pending(0.05)
+    ev = "x.v1.events.request."
+    p.add(ev + "first_token", _ev("first_token", 0))
+    p.add(ev + "completed", _ev("completed", 0))
+    p.add(ev + "admitted", _ev("admitted", 1))
+    p.add("x.v1.events.other", _ev("other", 1))
+    p.add(ev + "dispatched", _ev("dispatched", 1))
+    p.add(ev + "first_token", _ev("first_token", 1))
+    p.add(ev + "predicted", _ev("predicted", 1))
+    sent = [(e["event"], e["request_id"]) for _, d in p.take(durable.prefix_of) for e in batching.event_dicts(d)]
+    r1 = [k for k, r in sent if r == "r1"]
+    assert r1 == ["admitted", "predicted", "dispatched", "first_token", "other"], sent
+    assert sent[-1] == ("completed", "r0")
