@@ -16,9 +16,11 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     # 129-token prior; Predicted.source "local-history" / "local-prior"); it never fails a request.
     predict_timeout_s: float = 0.05
     # A request placed on a free batch slot starts at once and does not wait for its prediction;
-    # those predictions are gathered for up to this long and asked in one message (PredictBatch:
-    # two NATS messages per batch instead of per request). 0 = each asked at once.
-    predict_batch_ms: float = 10.0
+    # those predictions are asked in one message (PredictBatch: two NATS messages per batch instead
+    # of per request): a lone one within 2 ms, while requests keep coming once per this window
+    # (as request events, shared/batching.py). 10 -> 50 ms halved the predictor's CPU per json c8
+    # request on the EPYC (docs/benchmarks/overhead.md, twelfth session). 0 = each asked at once.
+    predict_batch_ms: float = 50.0
     # Per try: a timeout is retried once (the queue group may pick another dispatcher replica),
     # then the gateway places locally (least outstanding from the heartbeats; policy "local-fallback").
     dispatch_timeout_s: float = 0.5
