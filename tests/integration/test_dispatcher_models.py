@@ -164,6 +164,8 @@ async def test_withdrawn_request_moves_to_another_worker_and_completes(plane, ma
         first = asyncio.create_task(p.client.completions.create(
             model=MODEL, prompt="a long one", max_tokens=40, extra_body={"min_tokens": 40}))
         await wait_for(lambda: p.worker.engine.load().running == 1, what="first request running")
+        # its first_token event may come up to a batch window later (shared/batching.py)
+        await wait_for(lambda: any(isinstance(e, FirstToken) for e in events), what="the first request's first_token")
         second = asyncio.create_task(p.client.completions.create(
             model=MODEL, prompt="the queued one", max_tokens=3, extra_body={"min_tokens": 3}))
         await wait_for(lambda: p.worker.engine.load().waiting == 1, what="second request queued")

@@ -114,6 +114,9 @@ async def test_max_tokens_reaches_predictor_and_dispatcher(plane, bus, subjects)
         big = await p.client.completions.create(model=MODEL, prompt="no cap", max_tokens=500)
         for rid in (small.id, chat.id, big.id):
             await wait_for(lambda rid=rid: of("dispatch", rid) and of("predict", rid), what=f"requests of {rid}")
+            # events leave up to a batch window after the answer (shared/batching.py)
+            await wait_for(lambda rid=rid: any(getattr(e, "request_id", None) == rid and kind(e) == "predicted"
+                                               for e in seen["events"]), what=f"predicted event of {rid}")
         # the predictor's prior is 129 tokens: clamped for the small caps, kept under 500
         # (this deployment's policy does not read the prediction: the gateway asks the dispatcher at the
         # same time as the predictor, so without it; admission.USES_PREDICTION; test_gateway_overhead.py)

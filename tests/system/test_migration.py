@@ -108,6 +108,8 @@ async def test_killed_worker_streams_and_queue_continue_on_another(make_settings
         started = [asyncio.Event() for _ in range(4)]
         tasks = [asyncio.ensure_future(stream(client, f"prompt {i}", started[i])) for i in range(4)]
         await wait_for(lambda: sum(e.is_set() for e in started) >= 2, timeout=20, what="two streams under way")
+        # all four are placed by now; their events leave up to a batch window later (shared/batching.py)
+        await wait_for(lambda: sum(tag(e) == "dispatched" for e in events) >= 4, what="four dispatched events")
         dispatched = {e.request_id: e.worker_id for e in events if tag(e) == "dispatched"}
         victim = "w-a"
         assert list(dispatched.values()).count(victim) == 2, dispatched  # one running, one queued
@@ -141,6 +143,7 @@ async def test_no_worker_left_or_no_migration_allowed_is_an_explicit_error(make_
             started = asyncio.Event()
             task = asyncio.ensure_future(stream(client, "alone", started))
             await asyncio.wait_for(started.wait(), 20)
+            await wait_for(lambda: any(tag(e) == "dispatched" for e in events), what="the dispatched event")
             victim = next(e.worker_id for e in events if tag(e) == "dispatched")
             os.kill(procs[victim].pid, signal.SIGKILL)
             with pytest.raises(openai.APIError) as err:
