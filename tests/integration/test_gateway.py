@@ -125,7 +125,12 @@ async def test_max_tokens_reaches_predictor_and_dispatcher(plane, bus, subjects)
             d = of("dispatch", rid)
             assert (d.max_tokens, d.predicted_tokens) == (cap, 0)
             ev = next(e for e in seen["events"] if getattr(e, "request_id", None) == rid and kind(e) == "predicted")
-            assert ev.tokens_estimate == predicted
+            if cap == 500 and ev.source == "history":
+                # the predictor may have learnt from the first two requests' `completed` events by
+                # now (their order against this prediction is timing: failed once in CI): unclamped
+                assert 0 < ev.tokens_estimate < cap, ev
+            else:
+                assert ev.tokens_estimate == predicted, ev
 
 
 async def test_one_trace_spans_every_service(plane, span_exporter):
