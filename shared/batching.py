@@ -89,10 +89,9 @@ class Cadence:
 
 
 class Pending(Cadence):
-    """The events waiting for the next send, grouped by subject (first-seen order), sent by the
-    `Cadence` rule. Subjects for which `take`'s `durable(subject)` is not None go last: the
-    terminal events, so that in any one send a request's earlier events leave before its
-    terminal one."""
+    """The events waiting for the next send, grouped by subject, sent by the `Cadence` rule; in a
+    send the subjects go in `send_rank` order (a request's lifecycle, the terminal events last),
+    so that no event of a request overtakes an earlier one of the same request."""
 
     def __init__(self, window_s: float):
         super().__init__(window_s)
