@@ -36,8 +36,7 @@ class PredictBatcher:
 
     def __init__(self, gs, window_s: float):
         self.gs = gs
-        self.window_s = window_s
-        self.cadence = Cadence(window_s, min(COALESCE_S, window_s))
+        self.cadence = Cadence(window_s, min(COALESCE_S, window_s))  # holds the window
         self._items: list[tuple[PredictRequest, asyncio.Future]] = []
         self._timer: asyncio.TimerHandle | None = None
         self.batches = 0  # batches sent (tests and the overhead benchmark read it)

@@ -1,9 +1,14 @@
 """Events of one subject sent together as one message (shared/batching.py, issue 15)."""
 from __future__ import annotations
 
+import asyncio
+import time
+
 import msgspec
 import pytest
 
+from polyserve.gateway.predict_batch import PredictBatcher
+from polyserve.proto import PredictRequest
 from polyserve.shared import batching, durable
 
 pytestmark = pytest.mark.unit
@@ -86,12 +91,6 @@ async def test_prediction_batches_follow_the_same_cadence(monkeypatch):
     """gateway/predict_batch.py: a lone prediction after a quiet spell is asked within the short
     delay, not a whole window later; while requests keep coming the next batch waits until one
     window after the previous; window 0 asks at once."""
-    import asyncio
-    import time
-
-    from polyserve.gateway.predict_batch import PredictBatcher
-    from polyserve.proto import PredictRequest
-
     sent: list[tuple[float, int]] = []
 
     class Gs:
