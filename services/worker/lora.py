@@ -208,6 +208,18 @@ def load_host_lora(spec: AdapterSpec, pin: bool = False, config=None) -> HostLor
                     nbytes=sum(t.numel() * t.element_size() for t in state.values()), cpu_ok=cpu_ok)
 
 
+def linear_features(mod) -> tuple[int, int] | None:
+    """(in, out) features of a layer LoRA can target: an nn.Linear, or transformers' `Conv1D` (GPT-2
+    and its kin: a linear layer whose weight is stored (in, out), so it has no `in_features`);
+    None for anything else."""
+    if hasattr(mod, "in_features") and hasattr(mod, "out_features"):
+        return int(mod.in_features), int(mod.out_features)
+    weight = getattr(mod, "weight", None)
+    if type(mod).__name__ == "Conv1D" and weight is not None and weight.dim() == 2:
+        return int(weight.shape[0]), int(weight.shape[1])
+    return None
+
+
 def check_fits(host: HostLora, model) -> None:
     """Raise AdapterError unless every target module exists in `model` with matching shapes."""
     root = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -216,8 +228,7 @@ def check_fits(host: HostLora, model) -> None:
             mod = root.get_submodule(path)
         except AttributeError:
             raise AdapterError(f"the model has no module {path!r} that the adapter targets") from None
-        mod = getattr(mod, "base_layer", mod)
-        fan_in, fan_out = getattr(mod, "in_features", None), getattr(mod, "out_features", None)
+        fan_in, fan_out = linear_features(getattr(mod, "base_layer", mod)) or (None, None)
         if (a.shape[1], b.shape[0]) != (fan_in, fan_out) or a.shape[0] != b.shape[1]:
             raise AdapterError(f"module {path}: adapter A {tuple(a.shape)} / B {tuple(b.shape)} do not fit "
                                f"in_features={fan_in}, out_features={fan_out}")
@@ -288,11 +299,14 @@ def create_random_adapter(base, rank: int, out_dir: str | Path, seed: int = 0,
     scaling = alpha / rank
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
+    conv1d = False
     for mod_name, module in model.named_modules():
-        # nn.Linear, or a PEFT LoRA layer wrapping one (it exposes the same features and weight)
-        if mod_name.split(".")[-1] not in targets or not hasattr(module, "in_features"):
+        # nn.Linear or Conv1D, or a PEFT LoRA layer wrapping one (it exposes the same weight)
+        features = linear_features(getattr(module, "base_layer", module))
+        if mod_name.split(".")[-1] not in targets or features is None:
             continue
-        fan_in, fan_out = module.in_features, module.out_features
+        fan_in, fan_out = features
+        conv1d = conv1d or type(getattr(module, "base_layer", module)).__name__ == "Conv1D"
         w_std = init_std if module.weight.is_meta else float(module.weight.detach().float().std())
         a = torch.randn(rank, fan_in, generator=gen) / math.sqrt(fan_in)  # A x has the scale of x
         b_std = strength * w_std * math.sqrt(fan_in) / (math.sqrt(rank) * scaling)
@@ -301,11 +315,11 @@ def create_random_adapter(base, rank: int, out_dir: str | Path, seed: int = 0,
         tensors[f"{key}.lora_A.weight"] = a.contiguous()
         tensors[f"{key}.lora_B.weight"] = b.contiguous()
     if not tensors:
-        raise AdapterError(f"no Linear modules named {list(targets)} in base {base_name!r}")
+        raise AdapterError(f"no Linear or Conv1D modules named {list(targets)} in base {base_name!r}")
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, bias="none",
-                        task_type="CAUSAL_LM", base_model_name_or_path=base_name)
+                        task_type="CAUSAL_LM", base_model_name_or_path=base_name, fan_in_fan_out=conv1d)
     config.save_pretrained(str(out))
     save_file(tensors, str(out / WEIGHTS_FILES[0]), metadata={"format": "pt", "polyserve": f"random seed={seed}"})
     return out

@@ -176,7 +176,8 @@ class HfEngine(Refine, Engine):
         self.loras.start(self._batch, self.model_name)
         self._stopping = False
         self._task = asyncio.create_task(self._loop(), name=f"hf-engine-{self.model_name}")
-        logger.info("hf engine serving %s (%s) on %s", self.model_name, self._bundle.source, self._bundle.device)
+        logger.info("hf engine serving %s (%s) on %s, %s KV layout", self.model_name, self._bundle.source,
+                    self._bundle.device, self._batch.layout)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -278,6 +279,8 @@ class HfEngine(Refine, Engine):
                 "max_input_len": self.max_input_len, "kv_capacity_tokens": self.kv_capacity}
         if self._bundle is not None:
             card.update(self._bundle.card())
+        if self._batch is not None:  # the layout in use (a model whose attention cannot be ragged runs padded)
+            card["kv_layout"] = self._batch.layout
         return card
 
     def format_chat(self, messages: list[dict]) -> str:

@@ -254,11 +254,15 @@ def _ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 def use_ragged_attention(model) -> bool:
-    """Route `model`'s attention through `_ragged_attention`; False if the model does not use sdpa."""
+    """Route `model`'s attention through `_ragged_attention`; False if the model does not use sdpa
+    or does not dispatch its attention through transformers' `AttentionInterface` (Falcon,
+    StableLM: their own sdpa/eager branches would take the registered name for eager)."""
     from transformers import AttentionInterface
     config = model.config
     if getattr(config, "_attn_implementation", None) not in ("sdpa", _RAGGED) or getattr(config, "sliding_window",
                                                                                          None):
+        return False
+    if not getattr(type(model), "_supports_attention_backend", False):
         return False
     AttentionInterface.register(_RAGGED, _ragged_attention)
     config._attn_implementation = _RAGGED

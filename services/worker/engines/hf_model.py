@@ -186,7 +186,7 @@ def _load_checkpoint(name: str, path: str, dev: torch.device, dt: torch.dtype) -
         raise FileNotFoundError(f"{root} is not a Hugging Face checkpoint directory (no config.json)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory must never reach for the hub
     tok = AutoTokenizer.from_pretrained(str(root))
-    model = AutoModelForCausalLM.from_pretrained(str(root), dtype=dt, attn_implementation="sdpa")
+    model = _from_pretrained(AutoModelForCausalLM, root, dt)
     model = model.to(dev).eval()
     max_pos = int(getattr(model.config, "max_position_embeddings", 0) or tok.model_max_length or 4096)
     bos, add_special = getattr(tok, "bos_token_id", None), True
@@ -194,10 +194,45 @@ def _load_checkpoint(name: str, path: str, dev: torch.device, dt: torch.dtype) -
     if full and plain and full[-1] != plain[-1]:
         # an encoder-style tokenizer ([CLS] x [SEP]): a prompt must not end in a separator/EOS
         add_special, bos = False, (full[0] if full[0] != plain[0] else bos)
-    logger.info("loaded %s from %s on %s (%s)", name, root, dev, dt)
+    logger.info("loaded %s from %s on %s (%s, %s attention)", name, root, dev, dt, model.config._attn_implementation)
     return ModelBundle(model=model, tokenizer=tok, name=name or root.name, source=str(root), device=dev,
-                       dtype=dt, eos_ids=_eos_ids(model, tok), bos_id=bos, add_special_tokens=add_special,
-                       max_positions=max_pos)
+                       dtype=dt, eos_ids=_in_vocab(model, _eos_ids(model, tok), "end-of-sequence"), bos_id=bos,
+                       add_special_tokens=add_special, max_positions=max_pos)
+
+
+def _from_pretrained(auto_cls, root: Path, dt: torch.dtype):
+    """The checkpoint with sdpa attention, or transformers' eager attention for an architecture
+    that has no sdpa path (Gemma 2's logit soft-capping, BLOOM's ALiBi): it would refuse sdpa."""
+    try:
+        return auto_cls.from_pretrained(str(root), dtype=dt, attn_implementation="sdpa")
+    except ValueError as exc:
+        if "scaled_dot_product_attention" not in str(exc) and "sdpa" not in str(exc):
+            raise
+        logger.info("%s has no sdpa attention in transformers; loading it with eager attention", root.name)
+        return auto_cls.from_pretrained(str(root), dtype=dt, attn_implementation="eager")
+
+
+def output_vocab(model) -> int:
+    """How many token ids the model's logits cover (its output embedding's rows)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if weight is not None:
+        return int(weight.shape[0])
+    return int(getattr(model.config, "vocab_size", 0) or 0)
+
+
+def _in_vocab(model, ids: set[int], what: str) -> set[int]:
+    """`ids` the model's logits can hold. A tokenizer with tokens past the model's embedding (an
+    added special token the checkpoint was never resized for) names ids no logit has: indexing
+    the logits with them would fail every request, so they are left out, with a warning."""
+    width = output_vocab(model)
+    if not width:
+        return ids
+    kept = {i for i in ids if 0 <= i < width}
+    if kept != ids:
+        logger.warning("the tokenizer's %s ids %s lie past the model's %d output tokens; left out",
+                       what, sorted(ids - kept), width)
+    return kept
 
 
 def kv_bytes_per_token(model) -> int:
