@@ -72,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_workload_args(ap: argparse.ArgumentParser, traces: Path) -> None:
     """Traces, the profile and the grid's axes (policy x order x kernel x rate)."""
     ap.add_argument("--trace", action="append", default=None,
-                    help=f"Azure LLM trace CSV or {SYNTHETIC_HELP}, repeatable "
+                    help="CSV trace (Azure LLM columns TIMESTAMP, ContextTokens, GeneratedTokens, or BurstGPT-style "
+                         "Timestamp, Request tokens, Response tokens; see simulator/trace.py), a Mooncake .jsonl, "
+                         f"servegen:/muserve: specs or {SYNTHETIC_HELP}, repeatable "
                          f"(default {traces / 'azure_llm_2023_conv.csv'})")
     ap.add_argument("--synthetic-lengths", default=str(traces / "azure_llm_2023_conv.csv"),
                     help="Azure CSV whose (input, output) length pairs synthetic traces draw from")

@@ -1,8 +1,10 @@
 """Workload inputs of the simulator: request traces and LoRA adapters.
 
 * Azure LLM inference traces (``TIMESTAMP,ContextTokens,GeneratedTokens``, e.g.
-  ``../shared/datasets/traces/azure_llm_2023_conv.csv``): arrivals in seconds from the
-  first request, input and output lengths. `window` takes a time slice of the original
+  ``../shared/datasets/traces/azure_llm_2023_conv.csv``), or any CSV with such columns under
+  other usual names (BurstGPT's ``Timestamp,Request tokens,Response tokens``, ``arrival_time,
+  input_tokens,output_tokens``, ...): arrivals in seconds from the first request, input and
+  output lengths. `window` takes a time slice of the original
   timeline, rescales the rate (inter-arrival times ÷ `rate_scale`) and cuts the result
   to a duration.
 * Synthetic load steps (`synthetic_step`, CLI ``--trace synthetic:step:BASE:PEAK:AT_S:DURATION_S[:RAMP_S]``):
@@ -55,19 +57,61 @@ class Trace:
 
 
 def _seconds(ts: str) -> float:
-    day, _, clock = ts.strip().partition(" ")
-    h, m, s = clock.split(":")
-    return date.fromisoformat(day).toordinal() * 86400.0 + int(h) * 3600 + int(m) * 60 + float(s)
+    """A trace's time field in seconds: a number (seconds, as BurstGPT's), or a date and time
+    ("2023-11-16 18:17:03.9799600" as Azure's, seven fractional digits included; "T" allowed)."""
+    ts = ts.strip()
+    try:
+        return float(ts)
+    except ValueError:
+        pass
+    day, _, clock = ts.replace("T", " ").partition(" ")
+    h, m, sec = clock.rstrip("Z").split(":")
+    return date.fromisoformat(day).toordinal() * 86400.0 + int(h) * 3600 + int(m) * 60 + float(sec)
+
+
+# Column names a CSV trace may use, compared lower-case without spaces, "_" or "-": Azure's (the
+# first), BurstGPT's ("Timestamp", "Request tokens", "Response tokens") and the usual generic ones.
+TIME_COLUMNS = ("TIMESTAMP", "arrival_time", "arrival_s", "arrival", "time")
+INPUT_COLUMNS = ("ContextTokens", "Request tokens", "input_tokens", "prompt_tokens", "input_len", "input_length")
+OUTPUT_COLUMNS = ("GeneratedTokens", "Response tokens", "output_tokens", "completion_tokens", "output_len",
+                  "output_length")
+
+
+def _key(name: str) -> str:
+    return "".join(c for c in name.lower() if c not in " _-")
+
+
+def _column(header: list[str], names: Sequence[str], what: str, path) -> str:
+    """The header's column for `what`, by the first of `names` it has."""
+    have = {_key(h): h for h in header}
+    for n in names:
+        if _key(n) in have:
+            return have[_key(n)]
+    raise ValueError(f"{path}: no {what} column; a CSV trace needs one of {', '.join(names)} "
+                     f"(its header: {', '.join(header) or 'empty'})")
 
 
 def load_azure_llm(path: str | Path) -> Trace:
-    """An Azure LLM inference trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens)."""
+    """A CSV request trace: Azure LLM inference's (TIMESTAMP, ContextTokens, GeneratedTokens), or
+    any CSV with an arrival time, input and output token columns under the names `TIME_COLUMNS`,
+    `INPUT_COLUMNS` and `OUTPUT_COLUMNS` list (e.g. BurstGPT's). A row whose output is 0 (a failed
+    request in BurstGPT) counts as one token."""
     t, i, o = [], [], []
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            t.append(_seconds(row["TIMESTAMP"]))
-            i.append(int(row["ContextTokens"]))
-            o.append(int(row["GeneratedTokens"]))
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.DictReader(f)
+        header = [h for h in (reader.fieldnames or []) if h is not None]
+        cols = (_column(header, TIME_COLUMNS, "arrival time", path), _column(header, INPUT_COLUMNS, "input tokens", path),
+                _column(header, OUTPUT_COLUMNS, "output tokens", path))
+        for line, row in enumerate(reader, start=2):
+            try:
+                t.append(_seconds(row[cols[0]]))
+                i.append(int(float(row[cols[1]])))
+                o.append(int(float(row[cols[2]])))
+            except (TypeError, ValueError, AttributeError) as exc:
+                raise ValueError(f"{path}, line {line}: cannot read {[row.get(c) for c in cols]} as "
+                                 f"(time, input tokens, output tokens): {exc}") from None
+            if i[-1] < 0 or o[-1] < 0:
+                raise ValueError(f"{path}, line {line}: negative token count")
     if not t:
         raise ValueError(f"{path}: no requests")
     arr = np.asarray(t)

@@ -40,12 +40,16 @@ def load_mooncake(path: str | Path) -> Trace:
     """A Mooncake JSONL trace (timestamp in ms)."""
     t, i, o = [], [], []
     with open(path) as f:
-        for line in f:
+        for n, line in enumerate(f, start=1):
             if line.strip():
-                row = json.loads(line)
-                t.append(float(row["timestamp"]) / 1000.0)
-                i.append(int(row["input_length"]))
-                o.append(int(row["output_length"]))
+                try:
+                    row = json.loads(line)
+                    t.append(float(row["timestamp"]) / 1000.0)
+                    i.append(int(row["input_length"]))
+                    o.append(int(row["output_length"]))
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise ValueError(f"{path}, line {n}: a Mooncake trace line is a JSON object with timestamp "
+                                     f"(ms), input_length and output_length ({type(exc).__name__}: {exc})") from None
     if not t:
         raise ValueError(f"{path}: no requests")
     arr = np.asarray(t)

@@ -181,6 +181,30 @@ def test_azure_trace_window_and_rate_scale():
     assert fast.arrival[-1] <= 100 and abs(fast.rate / window(full, start_s=600, end_s=1200).rate - 2) < 0.1
 
 
+def test_csv_traces_under_other_column_names_load_and_a_wrong_one_says_what_it_needs(tmp_path: Path):
+    burst = tmp_path / "burstgpt.csv"  # BurstGPT's layout: seconds, a model column, a failed request's 0 output
+    burst.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                     "45,GPT-4,1087,0,1087,Conversation log\n5,ChatGPT,472,18,490,Conversation log\n")
+    tr = load_azure_llm(burst)
+    assert tr.arrival.tolist() == [0.0, 40.0] and tr.input_len.tolist() == [472, 1087]
+    assert tr.output_len.tolist() == [18, 1]
+    iso = tmp_path / "iso.csv"
+    iso.write_text("arrival_time,input_tokens,output_tokens\n2024-05-01T10:00:00.5Z,10,3\n2024-05-01T10:00:02Z,20,4\n")
+    assert load_azure_llm(iso).arrival.tolist() == [0.0, 1.5]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("when,in,out\n1,2,3\n")
+    with pytest.raises(ValueError, match=r"no arrival time column; a CSV trace needs one of TIMESTAMP.*its header: when, in, out"):
+        load_azure_llm(bad)
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,3\n2,many,3\n")
+    with pytest.raises(ValueError, match="line 3: cannot read"):
+        load_azure_llm(bad)
+    from polyserve.simulator.workloads import load_mooncake
+    jl = tmp_path / "t.jsonl"
+    jl.write_text('{"timestamp": 0, "input_length": 5, "output_length": 2}\n{"ts": 5}\n')
+    with pytest.raises(ValueError, match="line 2: a Mooncake trace line is a JSON object with timestamp"):
+        load_mooncake(jl)
+
+
 @pytest.mark.skipif(not FUNCS.exists(), reason=f"dataset not present: {FUNCS}")
 def test_adapters_from_azure_functions_popularity():
     ads = make_adapters(FUNCS, n=100, ranks=(8, 16, 32, 64), seed=0)
