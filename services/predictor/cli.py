@@ -7,6 +7,7 @@
     polyserve predictor bench [--artifact DIR]
     polyserve predictor train-lexical --out services/predictor/artifacts/lexical-gbm [--ood]
     polyserve predictor eval --ood [--json ood.json]      # in- and out-of-distribution folds
+    polyserve predictor score rows.jsonl [--json out.json] # the shipped predictor on data of your own
 
 The datasets default to ``../shared/datasets/text`` beside the checkout
 (``--data-dir``); training needs the ``hf`` extra (torch, transformers, peft).
@@ -156,6 +157,25 @@ def cmd_train_lexical(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_score(args: argparse.Namespace) -> int:
+    from polyserve.predictor.proxy import artifact, lexical, score
+
+    path = args.artifact or str(artifact.default_dir())
+    try:
+        pred = lexical.LexicalPredictor.load(path, args.encoder_dir)
+        rows = score.read_rows(args.rows, pred.tok)
+    except (ValueError, OSError, artifact.ArtifactError) as exc:
+        _say(f"polyserve predictor score: {exc}")
+        return 2
+    _say(f"scoring {path} on {len(rows)} rows of {args.rows} ...")
+    out = score.run(rows, pred)
+    print(score.render(out))
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(score.to_json(out), artifact=path, rows_file=args.rows), indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from polyserve.predictor.proxy import artifact, evaluate, train
 
@@ -295,6 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--minilm-artifact", help="the MiniLM artifact of --ood (default: the shipped one)")
     e.add_argument("--write-meta", help="--ood: store the figures and ood_confusion in this lexical artifact")
     e.set_defaults(fn=cmd_eval)
+
+    sc = sub.add_parser("score", help="the shipped (lexical) predictor as served, on JSON lines of your own data")
+    sc.add_argument("rows", help="JSON lines: prompt, model, output_tokens or response, optional source")
+    sc.add_argument("--artifact", help="a lexical-gbm artifact directory (default: the shipped one)")
+    sc.add_argument("--encoder-dir", help="the tokenizer's checkpoint (default: packaged all-MiniLM-L6-v2)")
+    sc.add_argument("--json", help="also write the figures to this file")
+    sc.set_defaults(fn=cmd_score)
 
     tl = sub.add_parser("train-lexical", help="the fast tier: prompt features + gradient-boosted trees")
     data_flags(tl)
