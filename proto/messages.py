@@ -151,6 +151,16 @@ class GenerateRequest(Msg, kw_only=True):
     # The tenant of the API key that sent it ("" without keys): `ssjf_refine` keeps its length
     # tables per client too (a client's requests look alike: docs/experiments/sjf.md).
     tenant: str = ""
+    # A chat request's messages (role, text), which the gateway rendered into `prompt` as a
+    # role-prefixed transcript: a worker whose model has a chat template of its own (hf, vllm)
+    # formats them with it instead (Engine.chat_prompt). None: a completion, or a chat with tools
+    # (the transcript carries the tool definitions and calls).
+    chat: "list[ChatTurn] | None" = None
+
+
+class ChatTurn(Msg, kw_only=True):
+    role: str
+    content: str
 
 
 class Resume(Msg, kw_only=True):

@@ -183,9 +183,10 @@ COMPLETIONS: dict[str, Rule] = {
 
 CHAT: dict[str, Rule] = {
     **SAMPLING,
-    "messages": H("text content (strings or `text` parts), rendered as a role-prefixed transcript (assistant "
-                  "`tool_calls` as the calls' JSON, `tool` results as `tool:` lines); other content parts are "
-                  "refused"),
+    "messages": H("text content (strings or `text` parts); an hf or vllm worker whose checkpoint has a chat "
+                  "template formats them with it (one BOS; a template that refuses them is a 400), otherwise, "
+                  "and whenever `tools` are listed or called, a role-prefixed transcript (assistant `tool_calls` "
+                  "as the calls' JSON, `tool` results as `tool:` lines); other content parts are refused"),
     "max_completion_tokens": H("as max_tokens (wins over it)", 3),
     "logprobs": LP("`logprobs.content`: token, logprob, bytes and `top_logprobs` per token; log-softmax of "
                    "the raw model distribution (vLLM's default `raw_logprobs`); sim: simulated values",
@@ -213,12 +214,14 @@ CHAT: dict[str, Rule] = {
     "audio": R("text output only", (None,), {"voice": "alloy", "format": "wav"}),
     "prediction": R("no predicted outputs", (None,), {"type": "content", "content": "x"}),
     "web_search_options": R("no web search", (None,), {}),
-    "add_generation_prompt": R("the transcript always ends with the assistant's turn", (None, True), False),
-    "continue_final_message": R("the transcript always opens a new assistant turn", (None, False), True),
+    "add_generation_prompt": R("the prompt always ends with the assistant's turn", (None, True), False),
+    "continue_final_message": R("the prompt always opens a new assistant turn", (None, False), True),
     "add_special_tokens": R("the engine adds the special tokens its model needs", (None, False), True),
     "documents": R("no RAG documents in the prompt", (None,), [{"text": "x"}]),
-    "chat_template": R("a role-prefixed transcript, not a chat template", (None,), "{{ messages }}"),
-    "chat_template_kwargs": R("a role-prefixed transcript, not a chat template", (None, {}), {"x": 1}),
+    "chat_template": R("the checkpoint's own chat template or the transcript; none from the request", (None,),
+                       "{{ messages }}"),
+    "chat_template_kwargs": R("the checkpoint's own chat template or the transcript; none from the request",
+                              (None, {}), {"x": 1}),
     "media_io_kwargs": R("no multimodal inputs", (None, {}), {"x": {}}),
     "return_prompt_text": R("responses carry the completion only", (None, False), True),
 }
@@ -227,14 +230,14 @@ CHAT: dict[str, Rule] = {
 MESSAGE: dict[str, Rule] = {
     "role": H("system, developer, user, assistant, tool"),
     "content": H("a string or `text` parts; image, audio and file parts are refused"),
-    "name": I("the role-prefixed transcript has no participant names"),
+    "name": I("a message reaches the prompt as its role and text only"),
     "tool_call_id": I("a tool message is rendered as `tool: <content>`"),
     "tool_calls": H("an assistant's calls, rendered into the transcript as `{\"name\": ..., \"arguments\": "
                     "...}`"),
     "function_call": R("OpenAI's deprecated functions API: send `tool_calls`", (None,)),
-    "reasoning_content": I("earlier reasoning is not part of the transcript"),
-    "reasoning": I("earlier reasoning is not part of the transcript"),
-    "refusal": I("an assistant refusal is not part of the transcript"),
+    "reasoning_content": I("earlier reasoning is not part of the prompt"),
+    "reasoning": I("earlier reasoning is not part of the prompt"),
+    "refusal": I("an assistant refusal is not part of the prompt"),
 }
 
 EMBEDDINGS: dict[str, Rule] = {
@@ -267,13 +270,14 @@ EMBEDDINGS: dict[str, Rule] = {
 TOKENIZE: dict[str, Rule] = {
     "model": H("a deployment whose tokenizer the gateway can load (\"Which tokenizer\" above); optional with one deployment"),
     "prompt": H("text, tokenized as the engine tokenizes prompts"),
-    "messages": H("rendered as the transcript the gateway sends for chat completions"),
+    "messages": H("rendered as the gateway's role-prefixed transcript (a chat on a worker whose checkpoint has "
+                  "a chat template runs that template instead, so its count can differ)"),
     "add_special_tokens": H("default: what the engine does for a prompt", False),
     "add_generation_prompt": H("false leaves the closing `assistant:` line out", False),
     "return_token_strs": H("adds `token_strs`", True),
     "continue_final_message": R("the transcript always opens a new assistant turn", (None, False), True),
-    "chat_template": R("a role-prefixed transcript, not a chat template", (None,), "{{ messages }}"),
-    "chat_template_kwargs": R("a role-prefixed transcript, not a chat template", (None, {}), {"x": 1}),
+    "chat_template": R("the gateway's transcript, not a chat template", (None,), "{{ messages }}"),
+    "chat_template_kwargs": R("the gateway's transcript, not a chat template", (None, {}), {"x": 1}),
     "media_io_kwargs": R("no multimodal inputs", (None, {}), {"x": {}}),
     "mm_processor_kwargs": R("no multimodal inputs", (None, {}), {"x": 1}),
     "tools": R(LATER, (None, []), [{"type": "function", "function": {"name": "f", "parameters": {}}}]),

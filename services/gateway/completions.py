@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from opentelemetry import trace
 
-from polyserve.proto import SamplingParams, TokenChunk
+from polyserve.proto import ChatTurn, SamplingParams, TokenChunk
 
 from . import compat, disconnect, logprobs, policy, tools
 from .admission import Admission, admit
@@ -42,12 +42,15 @@ async def completions(body: CompletionBody, request: Request, gs: Gateway) -> Re
 async def chat(body: ChatBody, request: Request, gs: Gateway) -> Response:
     tl = tools.parse_tools(body)
     calls = any((m.model_extra or {}).get("tool_calls") for m in body.messages)
-    prompt = tools.render_chat(body.messages, tl) if tl.listed or calls else policy.render_chat(body.messages)
-    return await serve(gs, request, body, [prompt], chat=True, tl=tl)
+    if tl.listed or calls:  # the transcript carries the tool definitions and calls
+        return await serve(gs, request, body, [tools.render_chat(body.messages, tl)], chat=True, tl=tl)
+    # the worker formats the messages with the model's own chat template where it has one
+    turns = [ChatTurn(role=m.role, content=policy.message_text(m)) for m in body.messages]
+    return await serve(gs, request, body, [policy.render_chat(body.messages)], chat=True, tl=tl, turns=turns)
 
 
 async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatBody, prompts: list[str],
-                chat: bool, tl: tools.Tools | None = None) -> Response:
+                chat: bool, tl: tools.Tools | None = None, turns: list[ChatTurn] | None = None) -> Response:
     """Validate, admit and run the prompts; a stream keeps the in-flight slot until it ends."""
     s = gs.settings
     chars = sum(len(p) for p in prompts)
@@ -66,7 +69,7 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
     headers = compat.ignored_header(compat.check("chat" if chat else "completions", body, engine))
     batch_id = "cmpl-" + uuid.uuid4().hex[:24] if len(prompts) > 1 else ""  # one prompt: the run's own id
     runs = [RequestRun(gs=gs, deployment=adm.deployment, prompt=p, params=params, stream=bool(body.stream),
-                       adapter=adm.adapter, priority=body.priority,
+                       adapter=adm.adapter, priority=body.priority, chat=turns,
                        **({"request_id": f"{batch_id}-{i}"} if batch_id else {}))
             for i, p in enumerate(prompts)]
     rid = batch_id or runs[0].request_id

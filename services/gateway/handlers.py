@@ -18,6 +18,7 @@ from polyserve.proto import (
     AdapterSpec,
     Admitted,
     CancelRequest,
+    ChatTurn,
     Completed,
     Deployment,
     Dispatched,
@@ -99,6 +100,7 @@ class RequestRun(Delivery):
     _fresh: bool = False  # moved to a new worker that has sent nothing yet (its first-token limit)
     _peeked: tuple[Any, TokenChunk] | None = None  # (message, its chunk) decoded by `has_next`
     tenant: str = field(default_factory=tenancy.current_tenant)  # the API key's tenant; "" without keys
+    chat: list[ChatTurn] | None = None  # a chat's messages, for a worker whose model has a chat template
 
     def _ms(self) -> float:
         return (time.monotonic() - self.t0) * 1e3
@@ -290,7 +292,8 @@ class RequestRun(Delivery):
                                predicted_tokens=p.tokens_estimate if p else 0,
                                length_class=p.length_class if p else -1,
                                window=self.gs.settings.stream_window, resume=resume, stream=self.stream,
-                               last_on_done=not self.stream and self.params.n == 1, tenant=self.tenant)
+                               last_on_done=not self.stream and self.params.n == 1, tenant=self.tenant,
+                               chat=self.chat)
 
     async def _next(self, first: bool) -> TokenChunk:
         """The next chunk in `seq` order. Chunks that overtook a missing one are held and

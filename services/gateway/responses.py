@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 from pydantic import BaseModel, ConfigDict, Field
 
-from polyserve.proto import SamplingParams
+from polyserve.proto import ChatTurn, SamplingParams
 
 from . import compat, disconnect, policy, tenancy
 from .admission import Admission, admit
@@ -194,9 +194,16 @@ class Turn:
     def store(self) -> bool:
         return self.body.store is not False
 
-    def prompt(self) -> str:
+    def messages(self) -> list[ChatMessage]:
         head = [ChatMessage(role="system", content=self.body.instructions)] if self.body.instructions else []
-        return policy.render_chat(head + [ChatMessage(**m) for m in self.conversation])
+        return head + [ChatMessage(**m) for m in self.conversation]
+
+    def prompt(self) -> str:
+        return policy.render_chat(self.messages())
+
+    def turns(self) -> list[ChatTurn]:
+        """The messages for a worker whose model has a chat template (GenerateRequest.chat)."""
+        return [ChatTurn(role=m.role, content=policy.message_text(m)) for m in self.messages()]
 
     def message(self, text: str | None, status: str) -> dict[str, Any]:
         content = [] if text is None else [part(text)]
@@ -268,7 +275,7 @@ async def create(body: ResponsesBody, request: Request, gs: Gateway) -> Response
         raise InvalidInput(f"the conversation is {len(prompt)} characters; the limit is "
                            f"{gs.settings.max_prompt_chars}", "input")
     run = RequestRun(gs=gs, deployment=adm.deployment, prompt=prompt, params=params, stream=bool(body.stream),
-                     adapter=adm.adapter, priority=body.priority, request_id=turn.rid)
+                     adapter=adm.adapter, priority=body.priority, request_id=turn.rid, chat=turn.turns())
     span = adm.begin("gateway response", request.headers)
     span.set_attribute("polyserve.request_id", turn.rid)
     handed_off = False

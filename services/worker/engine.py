@@ -126,6 +126,11 @@ class Engine(abc.ABC):
         """What /v1/models reports about the served model."""
         return {"engine": self.name, "simulated": self.simulated}
 
+    def chat_prompt(self, messages: list[dict]) -> str | None:
+        """The prompt the model's own chat template makes of a chat's `messages` (role, content),
+        or None when the model has none: the gateway's role-prefixed transcript is used then."""
+        return None
+
     def has_adapter(self, name: str) -> bool:
         """Whether LoRA adapter `name` is loaded on this engine."""
         return any(a.name == name for a in self.load().adapters)
@@ -201,3 +206,21 @@ def make_stats(input_tokens: int, output_tokens: int, arrival: float, start: flo
         prefill_ms=(first - start) * 1e3,
         decode_ms=decode_s * 1e3,
     )
+
+
+def templated_chat(tokenizer, messages: list[dict], adds_bos: bool) -> str | None:
+    """`messages` through the tokenizer's chat template, ending with the assistant's turn (None
+    when it has no template). A template that writes the BOS token's text itself (Llama 3, Mistral,
+    Gemma) would get a second BOS from a tokenizer that adds one (`adds_bos`), so that text is
+    dropped here. A template that refuses the messages (e.g. roles that do not alternate) is the
+    client's 400."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 - jinja's TemplateError, a template's raise_exception, ...
+        raise EngineError(f"the model's chat template refused these messages: {exc}", 400) from exc
+    bos = getattr(tokenizer, "bos_token", None)
+    if adds_bos and isinstance(bos, str) and bos and text.startswith(bos):
+        text = text[len(bos):]
+    return text

@@ -179,10 +179,14 @@ class WorkerHandlers:
                 await self.ensure_adapter(req.adapter, req.adapter_path)
             except EngineError as exc:
                 raise BusError(exc.status, f"adapter {req.adapter}: {exc}") from exc
-        prompt, params, cont = req.prompt, req.params, ""
+        try:
+            base = self._prompt(req)
+        except EngineError as exc:
+            raise BusError(exc.status, str(exc)) from exc
+        prompt, params, cont = base, req.params, ""
         if req.resume is not None:
             check_resume(req, self.engine)
-            prompt, params, cont = req.prompt + req.resume.text, resumed_params(req), req.resume.text
+            prompt, params, cont = base + req.resume.text, resumed_params(req), req.resume.text
         ereq = EngineRequest(request_id=req.request_id, prompt=prompt, params=params,
                              adapter=req.adapter, priority=req.priority,
                              predicted_tokens=max(0, req.predicted_tokens - (req.resume.tokens if cont else 0)),
@@ -206,7 +210,7 @@ class WorkerHandlers:
             self.migrated_in += 1
             logger.info("worker %s continues %s after %d token(s) streamed elsewhere (migration %d)",
                         self.worker_id, req.request_id, req.resume.tokens, req.resume.migrations)
-        task = asyncio.create_task(self._stream(req, stream, first, box), name=f"stream:{req.request_id}")
+        task = asyncio.create_task(self._stream(req, stream, first, box, base), name=f"stream:{req.request_id}")
         self.streams.add(task)
         task.add_done_callback(self.streams.discard)
         return GenerateAccepted(request_id=req.request_id, worker_id=self.worker_id,
@@ -280,8 +284,16 @@ class WorkerHandlers:
         return WithdrawReply(request_id=req.request_id, worker_id=self.worker_id, withdrawn=ok,
                              reason="" if ok else "started, finished or unknown on this worker")
 
+    def _prompt(self, req: GenerateRequest) -> str:
+        """What the engine runs: a chat's messages through the model's own chat template when it
+        has one (`Engine.chat_prompt`), else the gateway's prompt (its transcript of a chat)."""
+        if req.chat is None:
+            return req.prompt
+        templated = self.engine.chat_prompt([{"role": t.role, "content": t.content} for t in req.chat])
+        return req.prompt if templated is None else templated
+
     async def _stream(self, req: GenerateRequest, stream: AsyncIterator, first: asyncio.Future,
-                      box: Outbox) -> None:
+                      box: Outbox, prompt: str) -> None:
         simulated = self.engine.simulated
         seq, tokens = 0, 0
         reasons: dict[int, str] = {}
@@ -317,7 +329,7 @@ class WorkerHandlers:
                     for d in tail:
                         await self._send(req, box, _chunk(req, seq, d, simulated))
                         seq += 1
-                    stats = self._whole(req, ev.stats)
+                    stats = self._whole(req, ev.stats, prompt)
             except Withdrawn:
                 target = self._redirects.pop(req.request_id, None)
                 if target is not None:
@@ -358,11 +370,11 @@ class WorkerHandlers:
                 logger.exception("cannot send the final chunk of %s", req.request_id)
             self._linger(req.request_id, box)
 
-    def _whole(self, req: GenerateRequest, stats: RequestStats) -> RequestStats:
+    def _whole(self, req: GenerateRequest, stats: RequestStats, prompt: str) -> RequestStats:
         """A migrated stream's usage as the client sees it: its own prompt and the whole output."""
         if req.resume is None:
             return stats
-        return msgspec.structs.replace(stats, input_tokens=self.engine.count_tokens(req.prompt),
+        return msgspec.structs.replace(stats, input_tokens=self.engine.count_tokens(prompt),
                                        output_tokens=stats.output_tokens + req.resume.tokens)
 
     async def drain(self, timeout: float) -> None:

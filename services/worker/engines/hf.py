@@ -56,6 +56,7 @@ from polyserve.worker.engine import (
     free_adapter,
     make_stats,
     relay,
+    templated_chat,
 )
 from polyserve.worker.engines import hf_grammar
 from polyserve.worker.engines.hf_batch import LAYOUTS, Batch, Paused, Row
@@ -287,6 +288,13 @@ class HfEngine(Refine, Engine):
         """Chat messages as one prompt, with the model's chat template when it has one."""
         from polyserve.worker.engines.hf_model import format_chat
         return format_chat(self._bundle.tokenizer, messages)
+
+    def chat_prompt(self, messages: list[dict]) -> str | None:
+        """The checkpoint's chat template applied to `messages` (None: it has none, or no model yet)."""
+        b = self._bundle
+        if b is None:
+            return None
+        return templated_chat(b.tokenizer, messages, adds_bos=b.bos_id is not None and b.encode("")[:1] == [b.bos_id])
 
     # ----------------------------------------------------------------- adapters (see hf_lora)
     async def load_adapter(self, name: str, path: str, wait: bool = False) -> AdapterInfo:

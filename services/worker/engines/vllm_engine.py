@@ -84,6 +84,7 @@ from polyserve.worker.engine import (
     free_adapter,
     make_stats,
     relay,
+    templated_chat,
 )
 from polyserve.worker.engines import vllm_api
 from polyserve.worker.lora import AdapterError, AdapterRegistry, check_name, read_adapter
@@ -410,6 +411,16 @@ class VllmEngine(Engine):
                 "max_input_len": self.max_input_len, "max_model_len": self.max_model_len,
                 "kv_capacity_tokens": self.kv_capacity, "scheduling": self.scheduling,
                 "note": "vllm adapter: untested on a GPU in this project so far"}
+
+    def chat_prompt(self, messages: list[dict]) -> str | None:
+        """The model's chat template applied to `messages` (None: its tokenizer has none). vLLM adds
+        the tokenizer's special tokens to a text prompt (`encode` below), so a BOS the template writes
+        is dropped."""
+        tok = self._tokenizer  # vLLM's get_tokenizer(): the HF tokenizer (a cached subclass of its class)
+        if tok is None:
+            return None
+        bos_id = getattr(tok, "bos_token_id", None)
+        return templated_chat(tok, messages, adds_bos=bos_id is not None and tok.encode("")[:1] == [bos_id])
 
     def format_chat(self, messages: list[dict]) -> str:
         """Chat messages as one prompt, with the model's chat template when it has one."""

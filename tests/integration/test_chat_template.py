@@ -1,0 +1,78 @@
+"""Chat completions through the gateway, with the official `openai` client, on an hf worker whose
+checkpoint has a chat template of its own: the worker formats the messages with it (not the
+gateway's role-prefixed transcript), with one BOS where the template writes one too; a template
+that refuses the messages is the client's 400; a chat with tools keeps the transcript."""
+from __future__ import annotations
+
+import copy
+
+import openai
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from polyserve.gateway.policy import render_chat  # noqa: E402
+from polyserve.gateway.schemas import ChatMessage  # noqa: E402
+from tests.integration.conftest import MODEL  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.torch]
+# Llama-3 style: the template writes the BOS token's text itself; roles must alternate
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
+            "{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+            "{{ raise_exception('conversation roles must alternate') }}{% endif %}"
+            "<{{ m['role'] }}> {{ m['content'] }} </{{ m['role'] }}> {% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+MESSAGES = [{"role": "system", "content": "you are terse"}, {"role": "user", "content": "name a colour"}]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from polyserve.worker.engines.hf_model import save_random_checkpoint
+    out = save_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "templated", seed=0)
+    tok = copy.deepcopy(AutoTokenizer.from_pretrained(str(out)))
+    tok.bos_token = tok.cls_token  # the WordPiece tokenizer's [CLS] plays BOS (the engine prepends it)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(str(out))
+    return out
+
+
+def hf(checkpoint) -> dict:
+    return {"engine": "hf", "model": MODEL, "model_path": str(checkpoint), "deployment": MODEL}
+
+
+async def test_chat_runs_the_models_own_template_with_one_bos(plane, checkpoint):
+    async with plane(worker_kw=hf(checkpoint)) as p:
+        engine = p.worker.engine
+        templated = engine._bundle.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+        assert templated.startswith("[CLS]<system>")
+        prompt = engine.chat_prompt(MESSAGES)
+        assert prompt == templated.removeprefix("[CLS]")
+        ids = engine._bundle.encode(prompt)
+        assert ids.count(engine._bundle.bos_id) == 1 and ids[0] == engine._bundle.bos_id
+        chat = await p.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+        same = await p.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+        assert chat.choices[0].message.content == same.choices[0].text
+        assert chat.usage.prompt_tokens == same.usage.prompt_tokens == len(ids)
+        transcript = render_chat([ChatMessage(**m) for m in MESSAGES])
+        assert len(engine._bundle.encode(transcript)) != len(ids)  # so the count above is the template's
+        streamed = await p.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8,
+                                                          temperature=0, stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in streamed if c.choices])
+        assert text == chat.choices[0].message.content
+
+
+async def test_a_template_that_refuses_the_messages_is_a_400_and_tools_keep_the_transcript(plane, checkpoint):
+    async with plane(worker_kw=hf(checkpoint)) as p:
+        with pytest.raises(openai.BadRequestError) as err:
+            await p.client.chat.completions.create(
+                model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+        assert "conversation roles must alternate" in str(err.value)
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+        out = await p.client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=tools, max_tokens=4,
+                                                     temperature=0)
+        assert out.usage.prompt_tokens > 0
+        # still served, from the transcript with the tool definitions: not the template's count
+        assert out.usage.prompt_tokens != len(p.worker.engine._bundle.encode(p.worker.engine.chat_prompt(MESSAGES)))
