@@ -39,6 +39,8 @@ LoRA: vLLM's runtime endpoints `/v1/load_lora_adapter` / `/v1/unload_lora_adapte
 (openai_http_lora.py); a server without them makes adapter loads fail with 501.
 
 Tokens: `count_tokens` uses `upstream_tokenizer` (or `model_path`'s tokenizer.json), else 1.3 x words.
+Chat: with a chat template in that directory, a chat's messages are formatted with it here and
+sent as the completion's prompt (`chat_prompt`); without one, the gateway's transcript.
 """
 from __future__ import annotations
 
@@ -64,8 +66,10 @@ from polyserve.worker.engine import (
     EngineRequest,
     Finished,
     check_request,
+    load_chat_tokenizer,
     make_stats,
     relay,
+    templated_chat,
 )
 from polyserve.worker.engines import openai_http_wire
 from polyserve.worker.engines.openai_http_lora import UpstreamLoRA
@@ -149,6 +153,7 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
         self.upstream_models: list[str] = []
         self.poller: MetricsPoller | None = None
         self._tokenizer: Any = None
+        self._chat_tok: Any = None  # the HF tokenizer with a chat template; False: none (chat_prompt)
         self._client: Any = None
         self._http: httpx.AsyncClient | None = None
         self._flights: dict[str, _Flight] = {}
@@ -454,6 +459,13 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
         except Exception as exc:  # noqa: BLE001 - fall back to the estimate
             logger.warning("cannot read tokenizer %s (%s); counting tokens as 1.3 x words", path, exc)
             return None
+
+    def chat_prompt(self, messages: list[dict]) -> str | None:
+        """The checkpoint's chat template (the `upstream_tokenizer` or `model_path` directory), applied
+        here: the upstream's /v1/completions then runs what its /v1/chat/completions would."""
+        if self._chat_tok is None:
+            self._chat_tok = load_chat_tokenizer(self.tokenizer_path) or False
+        return templated_chat(self._chat_tok, messages) if self._chat_tok else None
 
     def count_tokens(self, text: str) -> int:
         """Exact with `upstream_tokenizer` (or model_path's tokenizer.json), else 1.3 x words."""

@@ -417,10 +417,7 @@ class VllmEngine(Engine):
         the tokenizer's special tokens to a text prompt (`encode` below), so a BOS the template writes
         is dropped."""
         tok = self._tokenizer  # vLLM's get_tokenizer(): the HF tokenizer (a cached subclass of its class)
-        if tok is None:
-            return None
-        bos_id = getattr(tok, "bos_token_id", None)
-        return templated_chat(tok, messages, adds_bos=bos_id is not None and tok.encode("")[:1] == [bos_id])
+        return None if tok is None else templated_chat(tok, messages)
 
     def format_chat(self, messages: list[dict]) -> str:
         """Chat messages as one prompt, with the model's chat template when it has one."""
