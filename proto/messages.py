@@ -151,16 +151,27 @@ class GenerateRequest(Msg, kw_only=True):
     # The tenant of the API key that sent it ("" without keys): `ssjf_refine` keeps its length
     # tables per client too (a client's requests look alike: docs/experiments/sjf.md).
     tenant: str = ""
-    # A chat request's messages (role, text), which the gateway rendered into `prompt` as a
-    # role-prefixed transcript: a worker whose model has a chat template of its own (hf, vllm)
-    # formats them with it instead (Engine.chat_prompt). None: a completion, or a chat with tools
-    # (the transcript carries the tool definitions and calls).
+    # A chat request's messages (role, text): a worker whose model has a chat template of its own
+    # (hf, vllm, openai-http with a checkpoint) formats them with it (Engine.chat_prompt), any other
+    # runs their role-prefixed transcript (`chat_transcript`), which `prompt` carries too unless it
+    # is longer than INLINE_TRANSCRIPT_CHARS (then "": the messages alone, so a long chat is not on
+    # the wire twice). None: a completion, or a chat with tools (`prompt` is its transcript, with
+    # the tool definitions and calls).
     chat: "list[ChatTurn] | None" = None
+
+
+INLINE_TRANSCRIPT_CHARS = 65_536
 
 
 class ChatTurn(Msg, kw_only=True):
     role: str
     content: str
+
+
+def chat_transcript(turns: "list[ChatTurn]") -> str:
+    """A chat as a role-prefixed transcript: one `role: text` line per message, then `assistant:`
+    (the gateway's rendering for engines without a chat template)."""
+    return "\n".join(f"{t.role}: {t.content}" for t in turns) + "\nassistant:"
 
 
 class Resume(Msg, kw_only=True):

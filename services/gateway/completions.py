@@ -45,8 +45,8 @@ async def chat(body: ChatBody, request: Request, gs: Gateway) -> Response:
     if tl.listed or calls:  # the transcript carries the tool definitions and calls
         return await serve(gs, request, body, [tools.render_chat(body.messages, tl)], chat=True, tl=tl)
     # the worker formats the messages with the model's own chat template where it has one
-    turns = [ChatTurn(role=m.role, content=policy.message_text(m)) for m in body.messages]
-    return await serve(gs, request, body, [policy.render_chat(body.messages)], chat=True, tl=tl, turns=turns)
+    return await serve(gs, request, body, [policy.render_chat(body.messages)], chat=True, tl=tl,
+                       turns=policy.chat_turns(body.messages))
 
 
 async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatBody, prompts: list[str],

@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from polyserve.proto import (
+    INLINE_TRANSCRIPT_CHARS,
     AdapterSpec,
     Admitted,
     CancelRequest,
@@ -285,8 +286,10 @@ class RequestRun(Delivery):
 
     def _generate(self, inbox: str, resume: Resume | None = None) -> GenerateRequest:
         p, a = self.prediction, self.adapter
+        inline = self.chat is None or len(self.prompt) <= INLINE_TRANSCRIPT_CHARS  # else the worker rebuilds it
         return GenerateRequest(request_id=self.request_id, deployment=self.deployment.id,
-                               model=self.deployment.model, prompt=self.prompt, input_tokens=self.input_tokens,
+                               model=self.deployment.model, prompt=self.prompt if inline else "",
+                               input_tokens=self.input_tokens,
                                params=self.params, stream_to=inbox, adapter=a.name if a else None,
                                adapter_path=a.path if a else "", priority=admission.fair_priority(self.priority),
                                predicted_tokens=p.tokens_estimate if p else 0,

@@ -7,7 +7,7 @@ import re
 import time
 from typing import Any
 
-from polyserve.proto import SamplingParams
+from polyserve.proto import ChatTurn, SamplingParams, chat_transcript
 
 from . import limits
 from .schemas import ChatBody, ChatMessage, CompletionBody
@@ -59,10 +59,14 @@ def render_chat(messages: list[ChatMessage]) -> str:
     """A plain role-prefixed transcript ending with the assistant's turn.
 
     Engines with a chat template of their own receive the messages too."""
-    lines = [f"{m.role}: {message_text(m)}" for m in messages]
-    text = "\n".join(lines) + "\nassistant:"
+    text = chat_transcript(chat_turns(messages))
     check_text(text, "messages")
     return text
+
+
+def chat_turns(messages: list[ChatMessage]) -> list[ChatTurn]:
+    """The messages as the worker receives them (`GenerateRequest.chat`): role and text."""
+    return [ChatTurn(role=m.role, content=message_text(m)) for m in messages]
 
 
 def completion_prompts(body: CompletionBody, max_prompts: int) -> list[str]:

@@ -203,7 +203,7 @@ class Turn:
 
     def turns(self) -> list[ChatTurn]:
         """The messages for a worker whose model has a chat template (GenerateRequest.chat)."""
-        return [ChatTurn(role=m.role, content=policy.message_text(m)) for m in self.messages()]
+        return policy.chat_turns(self.messages())
 
     def message(self, text: str | None, status: str) -> dict[str, Any]:
         content = [] if text is None else [part(text)]

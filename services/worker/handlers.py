@@ -44,6 +44,7 @@ from polyserve.proto import (
     TokenChunk,
     Withdraw,
     WithdrawReply,
+    chat_transcript,
 )
 from polyserve.shared.bus import Bus, BusError, encode
 from polyserve.worker.engine import Delta, Engine, EngineError, EngineOverloaded, EngineRequest, Finished, Withdrawn
@@ -290,7 +291,9 @@ class WorkerHandlers:
         if req.chat is None:
             return req.prompt
         templated = self.engine.chat_prompt([{"role": t.role, "content": t.content} for t in req.chat])
-        return req.prompt if templated is None else templated
+        if templated is not None:
+            return templated
+        return req.prompt or chat_transcript(req.chat)  # a long chat comes without its transcript
 
     async def _stream(self, req: GenerateRequest, stream: AsyncIterator, first: asyncio.Future,
                       box: Outbox, prompt: str) -> None:

@@ -76,3 +76,24 @@ async def test_a_template_that_refuses_the_messages_is_a_400_and_tools_keep_the_
         assert out.usage.prompt_tokens > 0
         # still served, from the transcript with the tool definitions: not the template's count
         assert out.usage.prompt_tokens != len(p.worker.engine._bundle.encode(p.worker.engine.chat_prompt(MESSAGES)))
+
+
+async def test_a_long_chat_travels_once_and_the_worker_rebuilds_its_transcript(plane, monkeypatch):
+    """Past INLINE_TRANSCRIPT_CHARS the gateway sends the messages without their transcript (a long
+    chat would be on the wire twice); a sim worker (no template) runs the transcript it rebuilds."""
+    from polyserve.proto import INLINE_TRANSCRIPT_CHARS
+    long = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "word " * 16_000}]
+    transcript = render_chat([ChatMessage(**m) for m in long])
+    assert len(transcript) > INLINE_TRANSCRIPT_CHARS
+    from polyserve.worker.handlers import WorkerHandlers
+    seen, prompt_of = [], WorkerHandlers._prompt
+
+    def spy(self, req):
+        seen.append((len(req.prompt), req.chat is not None))
+        return prompt_of(self, req)
+    monkeypatch.setattr(WorkerHandlers, "_prompt", spy)
+    async with plane(worker_kw={"max_input_len": 60_000}) as p:
+        chat = await p.client.chat.completions.create(model=MODEL, messages=long, max_tokens=4)
+        assert seen == [(0, True)]  # the messages alone
+        same = await p.client.completions.create(model=MODEL, prompt=transcript, max_tokens=4)
+        assert chat.usage.prompt_tokens == same.usage.prompt_tokens > 16_000
