@@ -270,14 +270,16 @@ EMBEDDINGS: dict[str, Rule] = {
 TOKENIZE: dict[str, Rule] = {
     "model": H("a deployment whose tokenizer the gateway can load (\"Which tokenizer\" above); optional with one deployment"),
     "prompt": H("text, tokenized as the engine tokenizes prompts"),
-    "messages": H("rendered as the gateway's role-prefixed transcript (a chat on a worker whose checkpoint has "
-                  "a chat template runs that template instead, so its count can differ)"),
+    "messages": H("through the checkpoint's chat template where it has one (hf, vllm, openai-http), as the "
+                  "workers run a chat, else the gateway's role-prefixed transcript"),
     "add_special_tokens": H("default: what the engine does for a prompt", False),
-    "add_generation_prompt": H("false leaves the closing `assistant:` line out", False),
+    "add_generation_prompt": H("false leaves the assistant's opening (the transcript's `assistant:`) out", False),
     "return_token_strs": H("adds `token_strs`", True),
     "continue_final_message": R("the transcript always opens a new assistant turn", (None, False), True),
-    "chat_template": R("the gateway's transcript, not a chat template", (None,), "{{ messages }}"),
-    "chat_template_kwargs": R("the gateway's transcript, not a chat template", (None, {}), {"x": 1}),
+    "chat_template": R("the checkpoint's own chat template or the transcript; none from the request", (None,),
+                       "{{ messages }}"),
+    "chat_template_kwargs": R("the checkpoint's own chat template or the transcript; none from the request",
+                              (None, {}), {"x": 1}),
     "media_io_kwargs": R("no multimodal inputs", (None, {}), {"x": {}}),
     "mm_processor_kwargs": R("no multimodal inputs", (None, {}), {"x": 1}),
     "tools": R(LATER, (None, []), [{"type": "function", "function": {"name": "f", "parameters": {}}}]),

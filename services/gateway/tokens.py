@@ -18,6 +18,7 @@ there is exactly one deployment."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from polyserve.proto import Deployment
 from . import compat
 from .context import Gateway, GatewayState
 from .errors import GatewayError
-from .policy import InvalidRequest, render_chat
+from .policy import InvalidRequest, chat_turns, render_chat
 from .schemas import ChatMessage
 
 NO_IDS = {"sim": "the sim engine has no tokenizer: it counts ceil(1.3 x whitespace words) as prompt tokens "
@@ -64,6 +65,8 @@ class DeploymentTokenizer:
     tok: object  # polyserve.core.encoder_text.TextTokenizer
     engine: str
     max_model_len: int
+    path: str = ""  # the checkpoint directory
+    chat_template: bool = False  # it has one, which the workers run chats with (hf, vllm, openai-http)
 
     def encode(self, text: str, add_special_tokens: bool | None) -> list[int]:
         t = self.tok.tokenizer
@@ -121,7 +124,9 @@ async def deployment_tokenizer(gs: GatewayState, dep: Deployment) -> DeploymentT
         raise GatewayError(501, f"no tokenizer for '{dep.id}': {exc}") from exc
     workers = [hb.max_input_len for hb in await _live(gs, dep) if hb.max_input_len > 0]
     limit = min(tok.max_positions, max(workers)) if workers else tok.max_positions
-    return DeploymentTokenizer(tok, dep.engine, limit)
+    from polyserve.core.chat_template import has_template
+    templated = dep.engine in ("hf", "vllm", "openai-http") and has_template(path)
+    return DeploymentTokenizer(tok, dep.engine, limit, str(path), templated)
 
 
 async def _live(gs: GatewayState, dep: Deployment) -> list:
@@ -159,17 +164,41 @@ async def tokenize(body: TokenizeBody, gs: Gateway) -> JSONResponse:
             unknown += compat.check_fields("tokenize", {k: v for k, v in compat.given(msg).items()
                                                         if k not in ("role", "content")},
                                            dep.engine, compat.MESSAGE, prefix=f"messages[{i}].")
-        text = render_chat(body.messages)
-        if not body.add_generation_prompt:
-            text = text.removesuffix("\nassistant:")
+        dt = await deployment_tokenizer(gs, dep)
+        text = await _templated(dt, body) if dt.chat_template else None
+        if text is None:
+            text = render_chat(body.messages)
+            if not body.add_generation_prompt:
+                text = text.removesuffix("\nassistant:")
     else:
         text = body.prompt
-    dt = await deployment_tokenizer(gs, dep)
+        dt = await deployment_tokenizer(gs, dep)
     ids = dt.encode(text, body.add_special_tokens)
     out = {"count": len(ids), "max_model_len": dt.max_model_len, "tokens": ids}
     if body.return_token_strs:
         out["token_strs"] = dt.strs(ids)
     return JSONResponse(out, headers=compat.ignored_header(unknown))
+
+
+@functools.lru_cache(maxsize=8)
+def _chat_tokenizer(path: str):
+    """The checkpoint's HF tokenizer, loaded once per directory (a load takes ~0.5 s)."""
+    from polyserve.core import chat_template
+    return chat_template.load_tokenizer(path)
+
+
+async def _templated(dt: DeploymentTokenizer, body: TokenizeBody) -> str | None:
+    """The messages through the checkpoint's chat template, as its workers run a chat (None: the
+    template could not be loaded). A template that refuses them is the 400 a chat would get."""
+    from polyserve.core import chat_template
+    tok = await asyncio.to_thread(_chat_tokenizer, dt.path)
+    if tok is None:
+        return None
+    try:
+        return chat_template.render(tok, [{"role": t.role, "content": t.content} for t in chat_turns(body.messages)],
+                                    add_generation_prompt=body.add_generation_prompt)
+    except chat_template.TemplateRefused as exc:
+        raise InvalidRequest(str(exc), "messages") from exc
 
 
 async def detokenize(body: DetokenizeBody, gs: Gateway) -> JSONResponse:

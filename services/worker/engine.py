@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from polyserve.core import chat_template
 from polyserve.proto import AdapterInfo, RequestStats, SamplingParams, TokenLogprob
 
 
@@ -210,45 +210,12 @@ def make_stats(input_tokens: int, output_tokens: int, arrival: float, start: flo
 
 
 def templated_chat(tokenizer, messages: list[dict], adds_bos: bool | None = None) -> str | None:
-    """`messages` through the tokenizer's chat template, ending with the assistant's turn (None
-    when it has no template). A template that writes the BOS token's text itself (Llama 3, Mistral,
-    Gemma) would get a second BOS from a tokenizer that adds one to a text prompt (`adds_bos`;
-    None: whether `tokenizer.encode` does), so that text is dropped here. A template that refuses
-    the messages (e.g. roles that do not alternate) is the client's 400."""
-    if not getattr(tokenizer, "chat_template", None):
-        return None
-    if adds_bos is None:
-        bos_id = getattr(tokenizer, "bos_token_id", None)
-        adds_bos = bos_id is not None and list(tokenizer.encode(""))[:1] == [bos_id]
+    """`core.chat_template.render` for an engine: a template that refuses the messages is the
+    client's 400 (EngineError)."""
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # noqa: BLE001 - jinja's TemplateError, a template's raise_exception, ...
-        raise EngineError(f"the model's chat template refused these messages: {exc}", 400) from exc
-    bos = getattr(tokenizer, "bos_token", None)
-    if adds_bos and isinstance(bos, str) and bos and text.startswith(bos):
-        text = text[len(bos):]
-    return text
+        return chat_template.render(tokenizer, messages, adds_bos=adds_bos)
+    except chat_template.TemplateRefused as exc:
+        raise EngineError(str(exc), 400) from exc
 
 
-def load_chat_tokenizer(path: str):
-    """The HF tokenizer of the checkpoint directory `path` when it has a chat template (in
-    tokenizer_config.json or chat_template.jinja), else None (no directory, no template, or no
-    transformers installed: the gateway's transcript is used)."""
-    import json
-    from pathlib import Path
-
-    root = Path(path).expanduser() if path else None
-    if root is None or not root.is_dir():
-        return None
-    cfg = root / "tokenizer_config.json"
-    try:
-        has = (root / "chat_template.jinja").is_file() or (
-            cfg.is_file() and bool(json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")))
-        if not has:
-            return None
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(str(root))
-    except Exception as exc:  # noqa: BLE001 - a tokenizer we cannot read: the transcript, as before
-        logging.getLogger(__name__).warning("cannot load the chat template of %s (%s); chats run as the "
-                                            "gateway's transcript", root, exc)
-        return None
+load_chat_tokenizer = chat_template.load_tokenizer

@@ -64,6 +64,26 @@ async def test_chat_runs_the_models_own_template_with_one_bos(plane, checkpoint)
         assert text == chat.choices[0].message.content
 
 
+async def test_tokenize_counts_a_chat_as_the_worker_runs_it(plane, state, checkpoint):
+    import httpx
+
+    from polyserve.proto import Deployment
+    # a deployment whose model is the checkpoint directory, so the gateway can load its tokenizer
+    await state.put_deployment(Deployment(id="templated", model=str(checkpoint), engine="hf"))
+    worker = {"engine": "hf", "model": "templated", "model_path": str(checkpoint), "deployment": "templated"}
+    async with plane(worker_kw=worker) as p:
+        chat = await p.client.chat.completions.create(model="templated", messages=MESSAGES, max_tokens=2,
+                                                      temperature=0)
+        async with httpx.AsyncClient(base_url=p.url, timeout=20) as http:
+            got = await http.post("/tokenize", json={"model": "templated", "messages": MESSAGES})
+            refused = await http.post("/tokenize", json={"model": "templated", "messages": [
+                {"role": "user", "content": "a"}, {"role": "user", "content": "b"}]})
+        assert got.status_code == 200, got.text
+        assert got.json()["count"] == chat.usage.prompt_tokens
+        assert got.json()["tokens"] == p.worker.engine._bundle.encode(p.worker.engine.chat_prompt(MESSAGES))
+        assert refused.status_code == 400 and "conversation roles must alternate" in refused.text
+
+
 async def test_a_template_that_refuses_the_messages_is_a_400_and_tools_keep_the_transcript(plane, checkpoint):
     async with plane(worker_kw=hf(checkpoint)) as p:
         with pytest.raises(openai.BadRequestError) as err:

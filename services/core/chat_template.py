@@ -1,0 +1,62 @@
+"""A chat's messages through a checkpoint's own chat template (transformers' `apply_chat_template`),
+as the workers (hf, vllm, openai-http) run chats and the gateway's `/tokenize` counts them. No
+template: None, and the gateway's role-prefixed transcript (`proto.chat_transcript`) is used.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+class TemplateRefused(ValueError):
+    """The template raised for these messages (e.g. roles that do not alternate): the client's 400."""
+
+
+def render(tokenizer, messages: list[dict], adds_bos: bool | None = None,
+           add_generation_prompt: bool = True) -> str | None:
+    """`messages` through the tokenizer's chat template, ending with the assistant's turn (None
+    when it has no template). A template that writes the BOS token's text itself (Llama 3, Mistral,
+    Gemma) would get a second BOS from a tokenizer that adds one to a text prompt (`adds_bos`;
+    None: whether `tokenizer.encode` does), so that text is dropped here."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    if adds_bos is None:
+        bos_id = getattr(tokenizer, "bos_token_id", None)
+        adds_bos = bos_id is not None and list(tokenizer.encode(""))[:1] == [bos_id]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # noqa: BLE001 - jinja's TemplateError, a template's raise_exception, ...
+        raise TemplateRefused(f"the model's chat template refused these messages: {exc}") from exc
+    bos = getattr(tokenizer, "bos_token", None)
+    if adds_bos and isinstance(bos, str) and bos and text.startswith(bos):
+        text = text[len(bos):]
+    return text
+
+
+def has_template(path: str | Path) -> bool:
+    """Whether the checkpoint directory `path` has a chat template (tokenizer_config.json or chat_template.jinja)."""
+    root = Path(path).expanduser()
+    if (root / "chat_template.jinja").is_file():
+        return True
+    cfg = root / "tokenizer_config.json"
+    try:
+        return cfg.is_file() and bool(json.loads(cfg.read_text(encoding="utf-8")).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
+def load_tokenizer(path: str):
+    """The HF tokenizer of the checkpoint directory `path` when it has a chat template, else None
+    (no directory, no template, or no transformers installed: the transcript is used)."""
+    root = Path(path).expanduser() if path else None
+    if root is None or not root.is_dir() or not has_template(root):
+        return None
+    try:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(str(root))
+    except Exception as exc:  # noqa: BLE001 - a tokenizer we cannot read: the transcript, as before
+        logger.warning("cannot load the chat template of %s (%s); chats run as the transcript", root, exc)
+        return None
