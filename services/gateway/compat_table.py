@@ -183,10 +183,11 @@ COMPLETIONS: dict[str, Rule] = {
 
 CHAT: dict[str, Rule] = {
     **SAMPLING,
-    "messages": H("text content (strings or `text` parts); an hf or vllm worker whose checkpoint has a chat "
-                  "template formats them with it (one BOS; a template that refuses them is a 400), otherwise, "
-                  "and whenever `tools` are listed or called, a role-prefixed transcript (assistant `tool_calls` "
-                  "as the calls' JSON, `tool` results as `tool:` lines); other content parts are refused"),
+    "messages": H("text content (strings or `text` parts); an hf, vllm or openai-http worker whose checkpoint "
+                  "has a chat template formats them with it (one BOS; a template that refuses them is a 400), "
+                  "otherwise, and whenever `tools` are listed or called, a role-prefixed transcript (assistant "
+                  "`tool_calls` as the calls' JSON, `tool` results as `tool:` lines); other content parts are "
+                  "refused"),
     "max_completion_tokens": H("as max_tokens (wins over it)", 3),
     "logprobs": LP("`logprobs.content`: token, logprob, bytes and `top_logprobs` per token; log-softmax of "
                    "the raw model distribution (vLLM's default `raw_logprobs`); sim: simulated values",

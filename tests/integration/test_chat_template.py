@@ -88,7 +88,8 @@ async def test_a_template_that_refuses_the_messages_is_a_400_and_tools_keep_the_
     async with plane(worker_kw=hf(checkpoint)) as p:
         with pytest.raises(openai.BadRequestError) as err:
             await p.client.chat.completions.create(
-                model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+                model=MODEL, max_tokens=4,
+                messages=[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
         assert "conversation roles must alternate" in str(err.value)
         tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
         out = await p.client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=tools, max_tokens=4,

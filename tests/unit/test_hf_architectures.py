@@ -34,7 +34,8 @@ pytestmark = [pytest.mark.unit, pytest.mark.torch]
 
 SMALL = dict(num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512)
 ARCHS = {  # name: (config class, model class, config fields, (layout, attention) the engine must pick)
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, initializer_range=0.2),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel",
+             dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, initializer_range=0.2),
              ("ragged", "polyserve_ragged")),
     "falcon": ("FalconConfig", "FalconForCausalLM", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4),
                ("padded", "sdpa")),
