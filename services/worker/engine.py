@@ -217,5 +217,3 @@ def templated_chat(tokenizer, messages: list[dict], adds_bos: bool | None = None
     except chat_template.TemplateRefused as exc:
         raise EngineError(str(exc), 400) from exc
 
-
-load_chat_tokenizer = chat_template.load_tokenizer

@@ -12,7 +12,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
-from polyserve.worker.engine import EngineError, load_chat_tokenizer, templated_chat  # noqa: E402
+from polyserve.core.chat_template import load_tokenizer as load_chat_tokenizer  # noqa: E402
+from polyserve.worker.engine import EngineError, templated_chat  # noqa: E402
 from polyserve.worker.engines.hf_model import fallback_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.unit

@@ -292,8 +292,8 @@ class HfEngine(Refine, Engine):
     def chat_prompt(self, messages: list[dict]) -> str | None:
         """The checkpoint's chat template applied to `messages` (None: it has none, or no model yet)."""
         b = self._bundle
-        if b is None:
-            return None
+        if b is None or not getattr(b.tokenizer, "chat_template", None):
+            return None  # (before the BOS probe: most chats on the random model have no template)
         return templated_chat(b.tokenizer, messages, adds_bos=b.bos_id is not None and b.encode("")[:1] == [b.bos_id])
 
     # ----------------------------------------------------------------- adapters (see hf_lora)

@@ -57,6 +57,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from polyserve.core import chat_template
 from polyserve.worker.engine import (
     Delta,
     Engine,
@@ -66,7 +67,6 @@ from polyserve.worker.engine import (
     EngineRequest,
     Finished,
     check_request,
-    load_chat_tokenizer,
     make_stats,
     relay,
     templated_chat,
@@ -464,7 +464,7 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
         """The checkpoint's chat template (the `upstream_tokenizer` or `model_path` directory), applied
         here: the upstream's /v1/completions then runs what its /v1/chat/completions would."""
         if self._chat_tok is None:
-            self._chat_tok = load_chat_tokenizer(self.tokenizer_path) or False
+            self._chat_tok = chat_template.load_tokenizer(self.tokenizer_path) or False
         return templated_chat(self._chat_tok, messages) if self._chat_tok else None
 
     def count_tokens(self, text: str) -> int:
