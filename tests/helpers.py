@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from polyserve.shared.lifecycle import ServiceBase
 
@@ -79,3 +81,59 @@ def assert_lifecycle(kinds: list[str]) -> None:
     assert kinds.count("predicted") == 1 and kinds.count("dispatched") == 1, kinds
     if "first_token" in kinds:
         assert kinds.index("dispatched") < kinds.index("first_token"), kinds
+
+
+class LoopbackHTTP:
+    """A threaded HTTP server on a free 127.0.0.1 port standing in for another program's API:
+    subclasses answer `answer(method, path, body) -> (status, bytes, content type)`, or with a
+    fourth item True to cut the answer short (a Content-Length it never reaches, then the
+    connection closed); the JSON body of every POST is kept in `posts` as (path, body). Use as a
+    context manager."""
+
+    def __init__(self):
+        self.posts: list[tuple[str, dict]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _reply(self, method: str) -> None:
+                raw = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
+                body = json.loads(raw) if raw else {}
+                if method == "POST":
+                    outer.posts.append((self.path, body))
+                status, data, ctype, *cut = outer.answer(method, self.path, body)
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data) + (100_000 if cut and cut[0] else 0)))
+                self.end_headers()
+                self.wfile.write(data)
+                if cut and cut[0]:
+                    self.wfile.flush()
+                    self.connection.shutdown(2)
+
+            def do_GET(self):
+                self._reply("GET")
+
+            def do_POST(self):
+                self._reply("POST")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def answer(self, method: str, path: str, body: dict) -> tuple[int, bytes, str]:
+        raise NotImplementedError
+
+    def paths(self) -> list[str]:
+        return [p for p, _ in self.posts]
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)

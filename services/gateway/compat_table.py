@@ -184,7 +184,8 @@ COMPLETIONS: dict[str, Rule] = {
 CHAT: dict[str, Rule] = {
     **SAMPLING,
     "messages": H("text content (strings or `text` parts); an hf, vllm or openai-http worker whose checkpoint "
-                  "has a chat template formats them with it (one BOS; a template that refuses them is a 400), "
+                  "has a chat template formats them with it (one BOS; a template that refuses them is a 400); an "
+                  "openai-http worker without one sends them to its upstream's /v1/chat/completions (`upstream_chat`); "
                   "otherwise, and whenever `tools` are listed or called, a role-prefixed transcript (assistant "
                   "`tool_calls` as the calls' JSON, `tool` results as `tool:` lines); other content parts are "
                   "refused"),

@@ -89,6 +89,9 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
     upstream_include_usage: bool = True  # ask for stream_options.include_usage (token counts)
     upstream_extra_body: str = ""  # JSON object merged into every request body
     upstream_tokenizer: str = ""  # tokenizer.json (or its directory) for exact counts; "" = model_path's
+    # Chats without a chat template in that directory: auto = the upstream's /v1/chat/completions
+    # until it shows it cannot take them, then the transcript; chat = always; completions = never.
+    upstream_chat: str = "auto"
 
     def validate(self) -> None:
         """Raise SettingsError naming the worker setting that cannot be used."""
@@ -132,6 +135,8 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
                                 "must be > 0, upstream_start_timeout_s >= 0")
         if self.upstream_extra_body:
             _check_json_object(self.upstream_extra_body, "upstream_extra_body")
+        if self.upstream_chat not in ("auto", "chat", "completions"):
+            raise SettingsError(f"upstream_chat {self.upstream_chat!r} is unknown; choose auto, chat or completions")
 
 
 def _check_json_object(text: str, name: str) -> None:

@@ -52,6 +52,10 @@ class EngineRequest:
     # token (the sim's leading space) look here.
     continuation: str = ""
     tenant: str = ""  # who sent it (GenerateRequest.tenant): queue_order.client_of reads it
+    # A chat's messages (role, content) when `chat_prompt` did not format them (no chat template
+    # here): `prompt` is then the gateway's transcript. An engine that can hand the messages to
+    # something holding the model's template does (openai-http: the upstream's chat endpoint).
+    messages: list[dict] | None = None
 
 
 @dataclass

@@ -181,7 +181,7 @@ class WorkerHandlers:
             except EngineError as exc:
                 raise BusError(exc.status, f"adapter {req.adapter}: {exc}") from exc
         try:
-            base = self._prompt(req)
+            base, messages = self._prompt(req)
         except EngineError as exc:
             raise BusError(exc.status, str(exc)) from exc
         prompt, params, cont = base, req.params, ""
@@ -191,7 +191,8 @@ class WorkerHandlers:
         ereq = EngineRequest(request_id=req.request_id, prompt=prompt, params=params,
                              adapter=req.adapter, priority=req.priority,
                              predicted_tokens=max(0, req.predicted_tokens - (req.resume.tokens if cont else 0)),
-                             length_class=req.length_class, continuation=cont, tenant=req.tenant)
+                             length_class=req.length_class, continuation=cont, tenant=req.tenant,
+                             messages=messages)
         try:
             # Engines admit either in the generate() call (sim) or, as async
             # generators, before the first suspension of their first __anext__;
@@ -285,15 +286,17 @@ class WorkerHandlers:
         return WithdrawReply(request_id=req.request_id, worker_id=self.worker_id, withdrawn=ok,
                              reason="" if ok else "started, finished or unknown on this worker")
 
-    def _prompt(self, req: GenerateRequest) -> str:
+    def _prompt(self, req: GenerateRequest) -> tuple[str, list[dict] | None]:
         """What the engine runs: a chat's messages through the model's own chat template when it
-        has one (`Engine.chat_prompt`), else the gateway's prompt (its transcript of a chat)."""
+        has one (`Engine.chat_prompt`), else the gateway's prompt (its transcript of a chat) with
+        the messages beside it (`EngineRequest.messages`)."""
         if req.chat is None:
-            return req.prompt
-        templated = self.engine.chat_prompt([{"role": t.role, "content": t.content} for t in req.chat])
+            return req.prompt, None
+        messages = [{"role": t.role, "content": t.content} for t in req.chat]
+        templated = self.engine.chat_prompt(messages)
         if templated is not None:
-            return templated
-        return req.prompt or chat_transcript(req.chat)  # a long chat comes without its transcript
+            return templated, None
+        return req.prompt or chat_transcript(req.chat), messages  # a long chat comes without its transcript
 
     async def _stream(self, req: GenerateRequest, stream: AsyncIterator, first: asyncio.Future,
                       box: Outbox, prompt: str) -> None:

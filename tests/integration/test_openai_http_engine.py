@@ -22,9 +22,7 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -43,9 +41,10 @@ from polyserve.shared.settings import SettingsError
 from polyserve.worker.config import WorkerSettings
 from polyserve.worker.engine import Delta, EngineError, EngineRequest, Finished
 from polyserve.worker.engines import make_engine
-from polyserve.worker.engines.openai_http import OpenAIHttpEngine, parse_metrics, server_root
+from polyserve.worker.engines.openai_http import OpenAIHttpEngine
+from polyserve.worker.engines.openai_http_metrics import parse_metrics, server_root
 from polyserve.worker.service import WorkerService
-from tests.helpers import running, wait_for
+from tests.helpers import LoopbackHTTP, running, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.torch]  # torch: saves a model; the upstream runs one
 
@@ -307,76 +306,30 @@ async def test_metrics_absent_falls_back_to_in_flight_count(upstream):
         assert eng.load().running == 0
 
 
-class _LocalServer:
+class _LocalServer(LoopbackHTTP):
     """A loopback HTTP server for what transformers serve lacks: Prometheus /metrics with vLLM's
     gauge names, and (optionally) a /v1 that lists models and cuts a stream short."""
 
     def __init__(self, metrics: str = "", models: list[str] | None = None, truncate_stream: bool = False,
                  lora: bool = False):
-        self.metrics = metrics
-        self.posts: list[tuple[str, dict]] = []
-        outer = self
+        super().__init__()
+        self.metrics, self.models, self.truncate_stream, self.lora = metrics, models, truncate_stream, lora
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_GET(self):
-                if self.path == "/metrics" and outer.metrics:
-                    body = outer.metrics.encode()
-                    self.send_response(200)
-                    self.send_header("Content-Type", "text/plain; version=0.0.4")
-                elif self.path == "/v1/models" and models is not None:
-                    body = json.dumps({"object": "list", "data": [{"id": m, "object": "model"} for m in models]}
-                                      ).encode()
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/json")
-                else:
-                    body = b"not found"
-                    self.send_response(404)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_POST(self):
-                raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                outer.posts.append((self.path, json.loads(raw or b"{}")))
-                if lora and self.path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
-                    body = json.loads(raw)
-                    ok = body.get("lora_name") != "broken"
-                    text = b"Success" if ok else b'{"error": {"message": "cannot read adapter", "code": 400}}'
-                    self.send_response(200 if ok else 400)
-                    self.send_header("Content-Length", str(len(text)))
-                    self.end_headers()
-                    self.wfile.write(text)
-                    return
-                if self.path == "/v1/completions" and truncate_stream:
-                    self.send_response(200)
-                    self.send_header("Content-Type", "text/event-stream")
-                    self.send_header("Content-Length", "100000")  # promises more than it sends
-                    self.end_headers()
-                    chunk = {"id": "x", "object": "text_completion", "created": 0, "model": "m",
-                             "choices": [{"index": 0, "text": "hi", "finish_reason": None}]}
-                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                    self.wfile.flush()
-                    self.connection.shutdown(2)
-                    return
-                self.send_response(404)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5)
+    def answer(self, method: str, path: str, body: dict) -> tuple:
+        if method == "GET" and path == "/metrics" and self.metrics:
+            return 200, self.metrics.encode(), "text/plain; version=0.0.4"
+        if method == "GET" and path == "/v1/models" and self.models is not None:
+            return 200, json.dumps({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]}
+                                   ).encode(), "application/json"
+        if method == "POST" and self.lora and path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            ok = body.get("lora_name") != "broken"
+            return (200, b"Success", "text/plain") if ok else \
+                (400, b'{"error": {"message": "cannot read adapter", "code": 400}}', "application/json")
+        if method == "POST" and path == "/v1/completions" and self.truncate_stream:
+            chunk = {"id": "x", "object": "text_completion", "created": 0, "model": "m",
+                     "choices": [{"index": 0, "text": "hi", "finish_reason": None}]}
+            return 200, f"data: {json.dumps(chunk)}\n\n".encode(), "text/event-stream", True
+        return 404, b"not found", "text/plain"
 
 
 def _vllm_metrics(model: str, running: int, waiting: int, usage: float) -> str:
@@ -397,10 +350,9 @@ def _vllm_metrics(model: str, running: int, waiting: int, usage: float) -> str:
 def test_metric_names_are_vllms_and_parse():
     surface = json.loads((Path(__file__).resolve().parents[2] / "services" / "worker" / "engines" /
                           "vllm_surface.json").read_text())
-    from polyserve.worker.engines import openai_http
+    from polyserve.worker.engines import openai_http_metrics as om
 
-    for name in (openai_http.RUNNING_METRICS[0], openai_http.WAITING_METRICS[0], openai_http.KV_FRACTION_METRICS[0],
-                 openai_http.KV_INFO_METRIC):
+    for name in (om.RUNNING_METRICS[0], om.WAITING_METRICS[0], om.KV_FRACTION_METRICS[0], om.KV_INFO_METRIC):
         assert name in surface["metrics"], f"{name} is not a metric of vLLM {surface['vllm_version']}"
     m = parse_metrics(_vllm_metrics("m", 3, 2, 0.25), {"m"})
     assert (m.running, m.waiting, m.kv_fraction, m.kv_capacity) == (3, 2, 0.25, 16000)
@@ -539,3 +491,29 @@ async def test_openai_client_through_polyserve_to_transformers_serve(upstream_pl
         with pytest.raises(openai.APIStatusError) as err:
             await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body={"top_k": 3})
         assert err.value.status_code == 502 and "answered 422" in err.value.message and "top_k" in err.value.message
+
+
+async def test_a_chat_without_a_local_template_is_the_upstreams_own_chat(upstream_plane, upstream):
+    """No checkpoint directory on the worker: a chat goes to transformers serve's /v1/chat/completions as
+    messages, so the server applies the checkpoint's template, and the client gets what a client of
+    that server directly would get (greedy), streamed or not."""
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    direct_client = openai.AsyncOpenAI(base_url=upstream.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    try:
+        direct = await direct_client.chat.completions.create(model=upstream.model, messages=messages, max_tokens=5,
+                                                             temperature=0)
+    finally:
+        await direct_client.close()
+    assert direct.choices[0].message.content
+    async with upstream_plane(model_path="") as (client, worker):
+        assert worker.engine.model_card()["chat"] == "/v1/chat/completions"
+        chat = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0)
+        assert chat.choices[0].message.content == direct.choices[0].message.content
+        assert chat.usage.prompt_tokens == direct.usage.prompt_tokens and chat.usage.completion_tokens == 5
+        stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                                      stream=True)
+        text = ""
+        async for chunk in stream:
+            for c in chunk.choices:
+                text += c.delta.content or ""
+        assert text == direct.choices[0].message.content

@@ -7,15 +7,14 @@ without logprobs) or rejects them with a 400. Runs no model."""
 from __future__ import annotations
 
 import json
-import threading
 import types
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from polyserve.proto import SamplingParams, StructuredOutput
 from polyserve.worker.engine import Delta, EngineError, EngineRequest, Finished
 from polyserve.worker.engines.openai_http import OpenAIHttpEngine
+from tests.helpers import LoopbackHTTP
 
 pytestmark = pytest.mark.integration
 
@@ -34,44 +33,30 @@ def _lp(tokens: list[str], k: int, first_none: bool = False, offset: int = 0) ->
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
-class StandIn:
+class StandIn(LoopbackHTTP):
     """mode: "vllm" (answers with logprobs/echo), "ignore" (drops them, as transformers serve),
     "reject" (400 with vLLM's error body)."""
 
     def __init__(self, mode: str = "vllm"):
-        self.bodies: list[dict] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def _send(self, status: int, body: bytes, ctype: str = "application/json"):
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self):
-                self._send(200, json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode())
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                outer.bodies.append(body)
-                if mode == "reject" and ("logprobs" in body or "response_format" in body
-                                         or "structured_outputs" in body):
-                    msg = {"error": {"message": "logprobs are not allowed here", "type": "BadRequestError",
-                                     "param": "logprobs", "code": 400}}
-                    return self._send(400, json.dumps(msg).encode())
-                self._send(200, *outer.answer(body))
-
+        super().__init__()
         self.mode = mode
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def answer(self, body: dict) -> tuple[bytes, str]:
+    @property
+    def bodies(self) -> list[dict]:
+        return [b for _, b in self.posts]
+
+    def answer(self, method: str, path: str, body: dict) -> tuple[int, bytes, str]:
+        if method == "GET":
+            return 200, json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode(), \
+                "application/json"
+        if self.mode == "reject" and ("logprobs" in body or "response_format" in body
+                                      or "structured_outputs" in body):
+            msg = {"error": {"message": "logprobs are not allowed here", "type": "BadRequestError",
+                             "param": "logprobs", "code": 400}}
+            return 400, json.dumps(msg).encode(), "application/json"
+        return (200, *self.completion(body))
+
+    def completion(self, body: dict) -> tuple[bytes, str]:
         k = body.get("logprobs")
         with_lp = k is not None and self.mode == "vllm"
         usage = {"prompt_tokens": len(PROMPT_TOKENS), "completion_tokens": len(OUTPUT),
@@ -95,15 +80,6 @@ class StandIn:
         events.append({**base, "object": "text_completion", "choices": [], "usage": usage})
         sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
         return sse.encode(), "text/event-stream"
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5)
 
 
 async def run(up: StandIn, stream: bool = True, **params) -> list[Delta]:

@@ -10,7 +10,8 @@ from polyserve.shared.settings import SettingsError
 from polyserve.worker.config import WorkerSettings
 from polyserve.worker.engine import EngineRequest
 from polyserve.worker.engines import ENGINES
-from polyserve.worker.engines.openai_http import OpenAIHttpEngine, parse_metrics
+from polyserve.worker.engines.openai_http import OpenAIHttpEngine
+from polyserve.worker.engines.openai_http_metrics import parse_metrics
 
 
 def test_settings_from_env_and_validation():

@@ -6,11 +6,12 @@ production-stack drive vLLM. Tested in this project against `transformers serve`
 (tests/integration/test_openai_http_engine.py); vLLM, SGLang and TGI speak the same wire
 format but were not run here.
 
-Requests (the official `openai` async client, `AsyncOpenAI.completions.create`):
-- every request goes to `POST /v1/completions` with the prompt the worker received (the
-  gateway renders chat messages into that prompt, so the upstream's own chat template is
-  not applied); the model is `upstream_model`, or the adapter's name when the request
-  names a LoRA adapter (vLLM serves adapters as model names);
+Requests (the official `openai` async client):
+- a completion, and a chat whose messages this worker formats with its own checkpoint's chat
+  template, go to `POST /v1/completions`; other chats to `POST /v1/chat/completions` as
+  messages, so the upstream applies the model's template (openai_http_chat.py, `upstream_chat`);
+  the model is `upstream_model`, or the adapter's name when the request names a LoRA adapter
+  (vLLM serves adapters as model names);
 - streamed (`upstream_stream`, the default) with `stream_options.include_usage` (off with
   `upstream_include_usage=false` for servers that reject it): each SSE chunk's text becomes
   a Delta counted as one token; the upstream's `usage` (prompt and completion tokens) gives
@@ -19,9 +20,9 @@ Requests (the official `openai` async client, `AsyncOpenAI.completions.create`):
   and min_tokens only when set (> 0), as extra body fields (vLLM and SGLang accept them; a
   server that does not, such as `transformers serve`, answers 422); `upstream_extra_body`
   (JSON) is merged into every request;
-- logprobs (`logprobs: k`), prompt logprobs (`echo: true`, sent unstreamed) and structured outputs
-  (`response_format`, vLLM's `structured_outputs`): openai_http_wire.py; a server that ignores
-  them is a 502 that says so, one that rejects them (4xx) passes its message on;
+- logprobs, prompt logprobs (`echo: true`, sent unstreamed) and structured outputs:
+  openai_http_wire.py; a server that ignores them is a 502 that says so, one that rejects them
+  (4xx) passes its message on;
 - cancel() cancels the request's task, which closes the HTTP response: the upstream sees
   the client disconnect and stops generating (vLLM aborts the request, `transformers serve`
   cancels its streamer);
@@ -39,8 +40,6 @@ LoRA: vLLM's runtime endpoints `/v1/load_lora_adapter` / `/v1/unload_lora_adapte
 (openai_http_lora.py); a server without them makes adapter loads fail with 501.
 
 Tokens: `count_tokens` uses `upstream_tokenizer` (or `model_path`'s tokenizer.json), else 1.3 x words.
-Chat: with a chat template in that directory, a chat's messages are formatted with it here and
-sent as the completion's prompt (`chat_prompt`); without one, the gateway's transcript.
 """
 from __future__ import annotations
 
@@ -51,7 +50,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -71,19 +69,9 @@ from polyserve.worker.engine import (
     relay,
     templated_chat,
 )
-from polyserve.worker.engines import openai_http_wire
+from polyserve.worker.engines import openai_http_chat, openai_http_wire
 from polyserve.worker.engines.openai_http_lora import UpstreamLoRA
-from polyserve.worker.engines.openai_http_metrics import (  # noqa: F401
-    KV_FRACTION_METRICS,
-    KV_INFO_METRIC,
-    RUNNING_METRICS,
-    WAITING_METRICS,
-    MetricsPoller,
-    UpstreamLoad,
-    parse_metrics,
-    server_root,
-    words_estimate,
-)
+from polyserve.worker.engines.openai_http_metrics import MetricsPoller, exact_tokenizer, server_root, words_estimate
 from polyserve.worker.lora import AdapterRegistry
 
 logger = logging.getLogger(__name__)
@@ -113,7 +101,7 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
 
     name = "openai-http"
     simulated = False
-    resumable = True  # request migration: /v1/completions with prompt + output so far (chat too: rendered)
+    resumable = True  # request migration: prompt + output so far (a chat on the chat route: openai_http_chat)
 
     def __init__(self, settings: Any):
         def g(key: str, default: Any) -> Any:
@@ -138,6 +126,12 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
         self.stream = bool(g("upstream_stream", True))
         self.include_usage = bool(g("upstream_include_usage", True))
         self.structured_style = str(g("upstream_structured", "") or "structured_outputs")  # or "guided"
+        self.chat_mode = str(g("upstream_chat", "auto") or "auto")
+        if self.chat_mode not in openai_http_chat.CHAT_MODES:
+            raise EngineError(f"upstream_chat {self.chat_mode!r} is unknown; choose one of "
+                              f"{', '.join(openai_http_chat.CHAT_MODES)}", 400)
+        self.chats_answered = 0  # chats the upstream's chat endpoint answered (upstream_chat auto)
+        self.chat_refusal = ""  # why chats go as transcripts now (auto, after the upstream refused one)
         extra = g("upstream_extra_body", "") or {}
         try:
             self.extra_body: dict = json.loads(extra) if isinstance(extra, str) else dict(extra)
@@ -178,7 +172,7 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
         self._http = httpx.AsyncClient(timeout=timeout, headers=headers, limits=limits)
         self._client = openai.AsyncOpenAI(base_url=self.api_url, api_key=self.api_key or "EMPTY", max_retries=0,
                                           timeout=timeout, http_client=self._http)
-        self._tokenizer = self._load_tokenizer()
+        self._tokenizer = exact_tokenizer(self.tokenizer_path)
         await self._wait_upstream()
         self._stopping = False
         if self.metrics_url is not None:
@@ -275,26 +269,32 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
         extra.update(openai_http_wire.request_fields(p, self.structured_style))
         return kw, extra
 
+    def _chat_messages(self, req: EngineRequest) -> list[dict] | None:
+        """The messages to send to the upstream's chat endpoint, or None: a completion."""
+        if req.messages is None or req.params.prompt_logprobs is not None or self.chat_mode == "completions":
+            return None
+        return None if self.chat_refusal else req.messages
+
     async def _pump(self, fl: _Flight) -> None:
         """Send the request and turn the upstream's answer into events (a task, so cancel() can close it)."""
         import openai
 
-        kw, extra = self.request_body(fl.req)
         try:
-            if self.stream and fl.req.params.prompt_logprobs is None:  # echo: one answer, split at its usage
-                if self.include_usage:
-                    kw["stream_options"] = {"include_usage": True}
-                stream = await self._client.completions.create(stream=True, extra_body=extra or None, **kw)
-                try:
-                    async for chunk in stream:
-                        if fl.done:
-                            break
-                        self._on_chunk(fl, chunk)
-                finally:
-                    await stream.close()  # closes the HTTP response: the upstream sees the disconnect
+            messages = self._chat_messages(fl.req)
+            if messages is None:
+                await self._call(fl, *self.request_body(fl.req))
             else:
-                resp = await self._client.completions.create(stream=False, extra_body=extra or None, **kw)
-                self._on_chunk(fl, resp, whole=True)
+                try:
+                    await self._call(fl, *openai_http_chat.chat_body(*self.request_body(fl.req), messages,
+                                                                     fl.req.continuation, self.structured_style),
+                                     chat=True)
+                    self.chats_answered += 1
+                except openai.APIStatusError as exc:
+                    if fl.seen or self.chat_mode == "chat" or not openai_http_chat.refuses_chats(
+                            exc.status_code, openai_http_wire.detail(exc), self.chats_answered > 0):
+                        raise
+                    self._refuse_chats(exc)
+                    await self._call(fl, *self.request_body(fl.req))  # the transcript, as a completion
             if not fl.done:
                 self._end(fl)
         except EngineError as exc:  # an answer without the logprobs or echo it was asked for
@@ -305,16 +305,40 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
             raise
         except openai.APIStatusError as exc:
             self._fail(fl, EngineError(f"upstream {self.api_url} answered {exc.status_code}: "
-                                       f"{_detail(exc)}", exc.status_code))
+                                       f"{openai_http_wire.detail(exc)}", exc.status_code))
         except openai.APITimeoutError as exc:
             self._fail(fl, EngineError(f"upstream {self.api_url} timed out: {exc}", 504))
         except openai.APIConnectionError as exc:
             self._fail(fl, EngineError(f"upstream {self.api_url} unreachable: {exc.__cause__ or exc}", 502))
         except openai.APIError as exc:  # an error event inside the stream
-            self._fail(fl, EngineError(f"upstream {self.api_url} failed mid-stream: {_detail(exc)}", 502))
+            self._fail(fl, EngineError(f"upstream {self.api_url} failed mid-stream: "
+                                       f"{openai_http_wire.detail(exc)}", 502))
         except Exception as exc:  # noqa: BLE001 - every upstream failure must reach the client
             logger.warning("upstream request %s failed: %s: %s", fl.req.request_id, type(exc).__name__, exc)
             self._fail(fl, EngineError(f"upstream {self.api_url}: {type(exc).__name__}: {exc}", 502))
+
+    async def _call(self, fl: _Flight, kw: dict, extra: dict, chat: bool = False) -> None:
+        """One create() call, streamed or not, its answer turned into events."""
+        api = self._client.chat.completions if chat else self._client.completions
+        if self.stream and fl.req.params.prompt_logprobs is None:  # echo: one answer, split at its usage
+            if self.include_usage:
+                kw["stream_options"] = {"include_usage": True}
+            stream = await api.create(stream=True, extra_body=extra or None, **kw)
+            try:
+                async for chunk in stream:
+                    if fl.done:
+                        break
+                    self._on_chunk(fl, chunk)
+            finally:
+                await stream.close()  # closes the HTTP response: the upstream sees the disconnect
+        else:
+            self._on_chunk(fl, await api.create(stream=False, extra_body=extra or None, **kw), whole=True)
+
+    def _refuse_chats(self, exc: Any) -> None:
+        self.chat_refusal = f"the chat endpoint answered {exc.status_code}: {openai_http_wire.detail(exc)[:200]}"
+        logger.warning("upstream %s cannot take chats (%s); chats go to /v1/completions as the gateway's "
+                       "transcript from now on (set upstream_chat=chat to send them anyway)", self.api_url,
+                       self.chat_refusal)
 
     def _on_chunk(self, fl: _Flight, chunk: Any, whole: bool = False) -> None:
         now = time.monotonic()
@@ -328,10 +352,10 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
             if i in fl.ended or not 0 <= i < n:
                 continue
             fl.seen.add(i)
-            text = getattr(choice, "text", None) or ""
+            text = openai_http_chat.choice_text(choice)
             reason = getattr(choice, "finish_reason", None)
             reason = FINISH_REASONS.get(reason, reason) if reason else None
-            delta = self._logprobs(fl, choice, text, whole)
+            delta = openai_http_wire.choice_delta(fl.req, choice, text, whole, fl.usage, self.api_url)
             count = 1 if delta.text else 0
             if delta.logprobs is not None:
                 count = len(delta.logprobs)
@@ -350,26 +374,6 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
             if fl.first is None:
                 fl.first = now
             fl.step_times.append(now)
-
-    def _logprobs(self, fl: _Flight, choice: Any, text: str, whole: bool) -> Delta:
-        """A choice's Delta (tokens and finish set by the caller) with its logprobs entries, the echoed
-        prompt split off (its entries as prompt_logprobs); 502 when the upstream left asked-for fields out."""
-        p, i = fl.req.params, int(getattr(choice, "index", 0) or 0)
-        delta = Delta(index=i, text=text, tokens=0)
-        if p.logprobs is None and p.prompt_logprobs is None:
-            return delta
-        raw = getattr(choice, "logprobs", None)
-        k = p.logprobs if p.logprobs is not None else 0
-        lps = openai_http_wire.entries(raw, max(k, p.prompt_logprobs or 0)) if raw is not None else None
-        if p.prompt_logprobs is not None:
-            prompt_tokens = fl.usage[0] if fl.usage else None
-            delta.text, plps, lps = openai_http_wire.split_echo(text, lps, fl.req.prompt, prompt_tokens, self.api_url)
-            delta.prompt_logprobs = [msgspec.structs.replace(e, top=e.top[:p.prompt_logprobs]) for e in plps]
-        elif lps is None and (text or whole):
-            raise openai_http_wire.missing(self.api_url, "logprobs")
-        if lps is not None:
-            delta.logprobs = [msgspec.structs.replace(e, top=e.top[:k]) for e in lps]
-        return delta
 
     def _end(self, fl: _Flight) -> None:
         """The upstream's answer is complete: close open choices and finish."""
@@ -443,29 +447,23 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
                           max_input_len=self.max_input_len, adapters=self.adapters.infos())
 
     # ----------------------------------------------------------------- tokens, card
-    def _load_tokenizer(self) -> Any:
-        if not self.tokenizer_path:
-            return None
-        path = Path(self.tokenizer_path).expanduser()
-        path = path / "tokenizer.json" if path.is_dir() else path
-        if not path.is_file():
-            return None
-        try:
-            from tokenizers import Tokenizer
-            tok = Tokenizer.from_file(str(path))
-            tok.no_padding()  # a saved tokenizer.json may pad or truncate to a fixed length
-            tok.no_truncation()
-            return tok
-        except Exception as exc:  # noqa: BLE001 - fall back to the estimate
-            logger.warning("cannot read tokenizer %s (%s); counting tokens as 1.3 x words", path, exc)
-            return None
-
     def chat_prompt(self, messages: list[dict]) -> str | None:
         """The checkpoint's chat template (the `upstream_tokenizer` or `model_path` directory), applied
         here: the upstream's /v1/completions then runs what its /v1/chat/completions would."""
+        tok = self._chat_tokenizer()
+        return templated_chat(tok, messages) if tok else None
+
+    def _chat_tokenizer(self) -> Any:
         if self._chat_tok is None:
             self._chat_tok = chat_template.load_tokenizer(self.tokenizer_path) or False
-        return templated_chat(self._chat_tok, messages) if self._chat_tok else None
+        return self._chat_tok
+
+    def _chat_route(self) -> str:
+        if self._chat_tokenizer():
+            return "the checkpoint's chat template here, then /v1/completions"
+        if self.chat_mode == "completions" or self.chat_refusal:
+            return "the gateway's transcript to /v1/completions" + (f" ({self.chat_refusal})" if self.chat_refusal else "")
+        return "/v1/chat/completions"
 
     def count_tokens(self, text: str) -> int:
         """Exact with `upstream_tokenizer` (or model_path's tokenizer.json), else 1.3 x words."""
@@ -481,16 +479,6 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
                 "lora": {None: "unknown until the first load", True: "runtime endpoints",
                          False: "unsupported by the upstream"}[self.lora_supported],
                 "tokenizer": "exact" if self._tokenizer is not None else "estimate (1.3 x words)",
+                "chat": self._chat_route(),
                 "max_input_len": self.max_input_len}
 
-
-def _detail(exc: Any) -> str:
-    """The upstream's error message: its JSON body's message/detail/error when there is one."""
-    body = getattr(exc, "body", None)
-    if isinstance(body, dict):
-        inner = body.get("error", body)
-        if isinstance(inner, dict):
-            inner = inner.get("message") or inner.get("detail") or inner
-        body = body.get("detail", inner) if "detail" in body else inner
-    text = body if isinstance(body, str) else (json.dumps(body) if body is not None else str(exc))
-    return text[:1000]

@@ -1,6 +1,7 @@
 """Load of an OpenAI-compatible engine server from its Prometheus `/metrics` (vLLM, SGLang
 and TGI gauge names), for the `openai-http` engine's heartbeats. vLLM's names are checked
-against `vllm_surface.json`; SGLang's and TGI's come from their documentation."""
+against `vllm_surface.json`; SGLang's and TGI's come from their documentation. Also the
+engine's token counts (`exact_tokenizer`, `words_estimate`), which its load and usage use."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,8 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -30,6 +33,25 @@ def server_root(url: str) -> str:
 
 def words_estimate(text: str) -> int:
     return math.ceil(len(text.split()) * 1.3)
+
+
+def exact_tokenizer(tokenizer_path: str) -> Any:
+    """The `tokenizers` Tokenizer of a tokenizer.json (or its directory), or None: count by estimate."""
+    if not tokenizer_path:
+        return None
+    path = Path(tokenizer_path).expanduser()
+    path = path / "tokenizer.json" if path.is_dir() else path
+    if not path.is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(path))
+        tok.no_padding()  # a saved tokenizer.json may pad or truncate to a fixed length
+        tok.no_truncation()
+        return tok
+    except Exception as exc:  # noqa: BLE001 - fall back to the estimate
+        logger.warning("cannot read tokenizer %s (%s); counting tokens as 1.3 x words", path, exc)
+        return None
 
 
 @dataclass

@@ -14,7 +14,8 @@ Request fields (`request_fields`):
 
 Answers (`entries`): `choices[].logprobs` {tokens, token_logprobs, top_logprobs, text_offset}
 becomes one TokenLogprob per token (token ids are not on this wire: -1), its alternatives the
-k best of `top_logprobs` (a dict token text -> logprob). A server that ignores the fields
+k best of `top_logprobs` (a dict token text -> logprob); a chat's `logprobs.content` (a list of
+{token, logprob, top_logprobs: [{token, logprob}]}) the same way. A server that ignores the fields
 (`transformers serve` drops `logprobs` and `echo` with a warning) answers without them: that
 is an error (502 naming the field), never a silently dropped field; one that rejects them
 answers 4xx, which reaches the client with the upstream's message.
@@ -24,8 +25,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
+
 from polyserve.proto import SamplingParams, StructuredOutput, TokenLogprob, TopLogprob
-from polyserve.worker.engine import EngineError
+from polyserve.worker.engine import Delta, EngineError, EngineRequest
 
 
 def request_fields(p: SamplingParams, style: str = "structured_outputs") -> dict[str, Any]:
@@ -58,7 +61,14 @@ def _get(obj: Any, name: str) -> Any:
 
 
 def entries(logprobs: Any, k: int) -> list[TokenLogprob]:
-    """A choice's completions `logprobs` object as TokenLogprob entries with k alternatives each."""
+    """A choice's completions (or chat) `logprobs` object as TokenLogprob entries with k alternatives each."""
+    content = _get(logprobs, "content")
+    if isinstance(content, list):  # a chat's
+        return [TokenLogprob(token=str(_get(c, "token")), logprob=_float(_get(c, "logprob")),
+                             top=[TopLogprob(token=str(_get(t, "token")), logprob=float(_get(t, "logprob")))
+                                  for t in sorted(_get(c, "top_logprobs") or [],
+                                                  key=lambda t: -float(_get(t, "logprob")))[:k]])
+                for c in content]
     tokens = list(_get(logprobs, "tokens") or [])
     values = list(_get(logprobs, "token_logprobs") or [])
     tops = list(_get(logprobs, "top_logprobs") or [])
@@ -67,9 +77,25 @@ def entries(logprobs: Any, k: int) -> list[TokenLogprob]:
         value = values[j] if j < len(values) else None
         top = tops[j] if j < len(tops) else None
         best = sorted((top or {}).items(), key=lambda kv: -float(kv[1]))[:k] if k > 0 else []
-        out.append(TokenLogprob(token=str(tok), logprob=None if value is None else float(value),
+        out.append(TokenLogprob(token=str(tok), logprob=_float(value),
                                 top=[TopLogprob(token=str(t), logprob=float(v)) for t, v in best]))
     return out
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def detail(exc: Any) -> str:
+    """The upstream's error message: its JSON body's message/detail/error when there is one."""
+    body = getattr(exc, "body", None)
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict):
+            inner = inner.get("message") or inner.get("detail") or inner
+        body = body.get("detail", inner) if "detail" in body else inner
+    text = body if isinstance(body, str) else (json.dumps(body) if body is not None else str(exc))
+    return text[:1000]
 
 
 def missing(url: str, what: str) -> EngineError:
@@ -89,3 +115,25 @@ def split_echo(text: str, lps: list[TokenLogprob] | None, prompt: str, prompt_to
         raise EngineError(f"upstream {url} answered an echo without usage.prompt_tokens matching its logprobs "
                           f"({prompt_tokens} prompt tokens, {len(lps)} entries)", 502)
     return text[len(prompt):], lps[:prompt_tokens], lps[prompt_tokens:]
+
+
+def choice_delta(req: EngineRequest, choice: Any, text: str, whole: bool, usage: tuple[int, int] | None,
+                 url: str) -> Delta:
+    """A choice's Delta (tokens and finish set by the caller) with its logprobs entries, the echoed
+    prompt split off (its entries as prompt_logprobs); 502 when the upstream left asked-for fields out."""
+    p, i = req.params, int(getattr(choice, "index", 0) or 0)
+    delta = Delta(index=i, text=text, tokens=0)
+    if p.logprobs is None and p.prompt_logprobs is None:
+        return delta
+    raw = getattr(choice, "logprobs", None)
+    k = p.logprobs if p.logprobs is not None else 0
+    lps = entries(raw, max(k, p.prompt_logprobs or 0)) if raw is not None else None
+    if p.prompt_logprobs is not None:
+        prompt_tokens = usage[0] if usage else None
+        delta.text, plps, lps = split_echo(text, lps, req.prompt, prompt_tokens, url)
+        delta.prompt_logprobs = [msgspec.structs.replace(e, top=e.top[:p.prompt_logprobs]) for e in plps]
+    elif lps is None and (text or whole):
+        raise missing(url, "logprobs")
+    if lps is not None:
+        delta.logprobs = [msgspec.structs.replace(e, top=e.top[:k]) for e in lps]
+    return delta

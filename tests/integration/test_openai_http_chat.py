@@ -1,0 +1,230 @@
+"""Chats of the `openai-http` engine sent to the upstream's `/v1/chat/completions` (no chat
+template in the worker's own checkpoint directory), against a loopback stand-in that speaks
+vLLM 0.33's chat wire (vllm/entrypoints/openai/chat_completion/protocol.py: a first chunk with
+the role, `delta.content` chunks with `logprobs.content` [{token, logprob, top_logprobs}], a
+whole answer's `message`, `reasoning` split off by a reasoning parser), and the ways real servers
+refuse chats: vLLM's 400 for a tokenizer without a chat template (its message, from
+vllm/renderers/hf.py), a server without the endpoint (404), and `transformers serve` 5.x on a
+checkpoint without a template (a bare "Internal Server Error" 500, observed here). The real
+`transformers serve` path is in test_openai_http_engine.py. Runs no model."""
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+
+from polyserve.proto import SamplingParams, StructuredOutput
+from polyserve.shared.settings import SettingsError
+from polyserve.worker.config import WorkerSettings
+from polyserve.worker.engine import Delta, EngineError, EngineRequest, Finished
+from polyserve.worker.engines.openai_http import OpenAIHttpEngine
+from tests.helpers import LoopbackHTTP
+
+pytestmark = pytest.mark.integration
+
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+TRANSCRIPT = "system: be brief\nuser: hi\nassistant:"
+CHAT_OUT = ["Hel", "lo", "!"]
+COMPLETION_OUT = [" plain", " text"]
+JSON = "application/json"
+VLLM_NO_TEMPLATE = ("As of transformers v4.44, default chat template is no longer allowed, so you must provide "
+                    "a chat template if the tokenizer does not define one.")
+
+
+class StandIn(LoopbackHTTP):
+    """refuse: None (answers chats), "vllm-400", "404", "500" (every chat), "500-later" (the
+    second and later chats). reasoning: the first chunk's text comes as `reasoning`."""
+
+    def __init__(self, refuse: str | None = None, reasoning: bool = False):
+        super().__init__()
+        self.refuse, self.reasoning = refuse, reasoning
+
+    def answer(self, method: str, path: str, body: dict) -> tuple[int, bytes, str]:
+        if method == "GET":
+            return 200, json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode(), JSON
+        if path != "/v1/chat/completions":
+            return (200, *self.completion(body))
+        chats, refuse = self.paths().count("/v1/chat/completions"), self.refuse
+        if refuse == "vllm-400":
+            err = {"error": {"message": VLLM_NO_TEMPLATE, "type": "BadRequestError", "code": 400}}
+            return 400, json.dumps(err).encode(), JSON
+        if refuse == "404":
+            return 404, b'{"detail": "Not Found"}', JSON
+        if refuse == "500" or (refuse == "500-later" and chats > 1):
+            return 500, b"Internal Server Error", "text/plain"
+        return (200, *self.chat(body, self.reasoning))
+
+    @staticmethod
+    def _lp(tok: str, k: int) -> dict:
+        return {"content": [{"token": tok, "logprob": -0.25, "bytes": list(tok.encode()),
+                             "top_logprobs": [{"token": f"alt{r}", "logprob": -5.0 - r} for r in range(k)]
+                             + [{"token": tok, "logprob": -0.25}]}]}
+
+    def chat(self, body: dict, reasoning: bool) -> tuple[bytes, str]:
+        k = body.get("top_logprobs", 0) if body.get("logprobs") else None
+        usage = {"prompt_tokens": 11, "completion_tokens": len(CHAT_OUT), "total_tokens": 11 + len(CHAT_OUT)}
+        base = {"id": "chatcmpl-1", "created": 0, "model": "m"}
+        if not body.get("stream"):
+            lp = {"content": [c for t in CHAT_OUT for c in self._lp(t, k)["content"]]} if k is not None else None
+            msg = {"role": "assistant", "content": "".join(CHAT_OUT[1:] if reasoning else CHAT_OUT)}
+            if reasoning:
+                msg["reasoning"] = CHAT_OUT[0]
+            choice = {"index": 0, "message": msg, "logprobs": lp, "finish_reason": "length"}
+            return json.dumps({**base, "object": "chat.completion", "choices": [choice], "usage": usage}).encode(), \
+                "application/json"
+        events = [{**base, "object": "chat.completion.chunk",
+                   "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}]
+        for j, tok in enumerate(CHAT_OUT):
+            delta = {"reasoning": tok} if reasoning and j == 0 else {"content": tok}
+            events.append({**base, "object": "chat.completion.chunk", "choices": [{
+                "index": 0, "delta": delta, "logprobs": self._lp(tok, k) if k is not None else None,
+                "finish_reason": "length" if j == len(CHAT_OUT) - 1 else None}]})
+        events.append({**base, "object": "chat.completion.chunk", "choices": [], "usage": usage})
+        return ("".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n").encode(), \
+            "text/event-stream"
+
+    def completion(self, body: dict) -> tuple[bytes, str]:
+        usage = {"prompt_tokens": 9, "completion_tokens": len(COMPLETION_OUT), "total_tokens": 9 + 2}
+        base = {"id": "cmpl-1", "created": 0, "model": "m", "object": "text_completion"}
+        if not body.get("stream"):
+            choice = {"index": 0, "text": "".join(COMPLETION_OUT), "finish_reason": "length"}
+            return json.dumps({**base, "choices": [choice], "usage": usage}).encode(), "application/json"
+        events = [{**base, "choices": [{"index": 0, "text": t, "finish_reason": "length" if j else None}]}
+                  for j, t in enumerate(COMPLETION_OUT)] + [{**base, "choices": [], "usage": usage}]
+        return ("".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n").encode(), \
+            "text/event-stream"
+
+
+def _engine(up: StandIn, **kw) -> OpenAIHttpEngine:
+    return OpenAIHttpEngine(types.SimpleNamespace(upstream_url=up.url, upstream_model="m", upstream_metrics_url="off",
+                                                  upstream_start_timeout_s=5.0, **kw))
+
+
+def _chat(rid: str = "c1", continuation: str = "", **params) -> EngineRequest:
+    return EngineRequest(rid, TRANSCRIPT + continuation, SamplingParams(max_tokens=3, **params),
+                         messages=MESSAGES, continuation=continuation)
+
+
+async def _run(eng: OpenAIHttpEngine, req: EngineRequest) -> tuple[list[Delta], Finished]:
+    deltas, fin = [], None
+    async for ev in eng.generate(req):
+        if isinstance(ev, Delta):
+            deltas.append(ev)
+        else:
+            fin = ev
+    assert isinstance(fin, Finished)
+    return deltas, fin
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_chat_goes_to_the_chat_endpoint_as_messages(stream):
+    with StandIn() as up:
+        eng = _engine(up, upstream_stream=stream)
+        await eng.start()
+        try:
+            assert eng.model_card()["chat"] == "/v1/chat/completions"
+            deltas, fin = await _run(eng, _chat(logprobs=2))
+            plain, _ = await _run(eng, EngineRequest("p1", "a completion", SamplingParams(max_tokens=2)))
+        finally:
+            await eng.stop()
+    (path, body), (path2, body2) = up.posts
+    assert path == "/v1/chat/completions" and body["messages"] == MESSAGES and "prompt" not in body
+    assert body["logprobs"] is True and body["top_logprobs"] == 2 and body["max_tokens"] == 3
+    assert path2 == "/v1/completions" and body2["prompt"] == "a completion"  # no messages: a completion
+    assert "".join(d.text for d in deltas) == "".join(CHAT_OUT) and deltas[-1].finish_reason == "length"
+    assert fin.stats.output_tokens == 3 and fin.stats.input_tokens == 11  # the upstream's usage
+    entries = [e for d in deltas for e in d.logprobs or []]
+    assert [e.token for e in entries] == CHAT_OUT and all(e.logprob == -0.25 for e in entries)
+    assert all(len(e.top) == 2 and e.top[0].token == e.token for e in entries)  # the k best, most likely first
+    assert "".join(d.text for d in plain) == "".join(COMPLETION_OUT)
+
+
+async def test_reasoning_text_is_part_of_the_output_and_structured_outputs_go_under_vllms_field():
+    with StandIn(reasoning=True) as up:
+        for stream in (True, False):
+            eng = _engine(up, upstream_stream=stream)
+            await eng.start()
+            try:
+                deltas, _ = await _run(eng, _chat(structured=StructuredOutput(json='{"type": "object"}')))
+                assert "".join(d.text for d in deltas) == "".join(CHAT_OUT)
+                await _run(eng, _chat("c2", structured=StructuredOutput(json_object=True)))
+                await _run(eng, _chat("c3", structured=StructuredOutput(regex="[a-z]+")))
+            finally:
+                await eng.stop()
+    bodies = [b for p, b in up.posts if p == "/v1/chat/completions"]
+    assert [b["structured_outputs"] for b in bodies[:3]] == [{"json": {"type": "object"}}, {"json_object": True},
+                                                             {"regex": "[a-z]+"}]
+    # A chat's response_format is ignored (a logged warning) by transformers serve: never sent.
+    assert not any("response_format" in b for b in bodies)
+
+
+async def test_a_migrated_chat_continues_the_assistants_message():
+    with StandIn() as up:
+        eng = _engine(up)
+        await eng.start()
+        try:
+            await _run(eng, _chat(continuation=" Hi the"))
+        finally:
+            await eng.stop()
+    body = up.posts[0][1]
+    assert body["messages"] == [*MESSAGES, {"role": "assistant", "content": " Hi the"}]
+    assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
+
+
+@pytest.mark.parametrize("refuse", ["vllm-400", "404", "500"])
+async def test_an_upstream_that_cannot_take_chats_gets_the_transcript_from_then_on(refuse):
+    with StandIn(refuse=refuse) as up:
+        eng = _engine(up)
+        await eng.start()
+        try:
+            deltas, fin = await _run(eng, _chat())
+            card = eng.model_card()["chat"]
+            deltas2, _ = await _run(eng, _chat("c2"))
+        finally:
+            await eng.stop()
+    # The refused chat is answered all the same, as the transcript; the next goes there directly.
+    assert up.paths() == ["/v1/chat/completions", "/v1/completions", "/v1/completions"]
+    assert up.posts[1][1]["prompt"] == TRANSCRIPT and up.posts[2][1]["prompt"] == TRANSCRIPT
+    assert "".join(d.text for d in deltas) == "".join(COMPLETION_OUT) == "".join(d.text for d in deltas2)
+    assert fin.stats.output_tokens == 2
+    assert card.startswith("the gateway's transcript") and f"answered {refuse[-3:]}" in card
+
+
+async def test_after_a_chat_was_answered_a_server_error_is_the_requests_own():
+    with StandIn(refuse="500-later") as up:
+        eng = _engine(up)
+        await eng.start()
+        try:
+            await _run(eng, _chat())
+            with pytest.raises(EngineError) as err:
+                await _run(eng, _chat("c2"))
+            assert eng.model_card()["chat"] == "/v1/chat/completions"  # not switched to transcripts
+        finally:
+            await eng.stop()
+    assert err.value.status == 500 and "answered 500" in str(err.value)
+    assert up.paths() == ["/v1/chat/completions", "/v1/chat/completions"]
+
+
+async def test_upstream_chat_setting_forces_either_route():
+    with StandIn(refuse="vllm-400") as up:
+        eng = _engine(up, upstream_chat="chat")
+        await eng.start()
+        try:
+            with pytest.raises(EngineError) as err:
+                await _run(eng, _chat())
+        finally:
+            await eng.stop()
+        assert err.value.status == 400 and "chat template" in str(err.value)
+        eng = _engine(up, upstream_chat="completions")
+        await eng.start()
+        try:
+            await _run(eng, _chat("c2"))
+            assert eng.model_card()["chat"] == "the gateway's transcript to /v1/completions"
+        finally:
+            await eng.stop()
+    assert up.paths() == ["/v1/chat/completions", "/v1/completions"]
+    with pytest.raises(SettingsError, match="upstream_chat"):
+        WorkerSettings(engine="openai-http", upstream_url="http://127.0.0.1:1", upstream_chat="both").validate()
+    with pytest.raises(EngineError, match="upstream_chat"):
+        _engine(up, upstream_chat="both")
