@@ -158,9 +158,14 @@ class GenerateRequest(Msg, kw_only=True):
     # the wire twice). None: a completion, or a chat with tools (`prompt` is its transcript, with
     # the tool definitions and calls).
     chat: "list[ChatTurn] | None" = None
+    # How the chat's prompt ends (vLLM's add_generation_prompt / continue_final_message): "open"
+    # = with the assistant's opening (the default), "closed" = after the last message, "continue"
+    # = inside the last message, the assistant's, which the output continues.
+    chat_end: str = "open"
 
 
 INLINE_TRANSCRIPT_CHARS = 65_536
+CHAT_ENDS = ("open", "closed", "continue")
 
 
 class ChatTurn(Msg, kw_only=True):
@@ -168,10 +173,12 @@ class ChatTurn(Msg, kw_only=True):
     content: str
 
 
-def chat_transcript(turns: "list[ChatTurn]") -> str:
+def chat_transcript(turns: "list[ChatTurn]", end: str = "open") -> str:
     """A chat as a role-prefixed transcript: one `role: text` line per message, then `assistant:`
-    (the gateway's rendering for engines without a chat template)."""
-    return "\n".join(f"{t.role}: {t.content}" for t in turns) + "\nassistant:"
+    (the gateway's rendering for engines without a chat template); with `end` "closed" or
+    "continue" (GenerateRequest.chat_end) not that opening: the last line is the one continued."""
+    text = "\n".join(f"{t.role}: {t.content}" for t in turns)
+    return text + "\nassistant:" if end == "open" else text
 
 
 class Resume(Msg, kw_only=True):

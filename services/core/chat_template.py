@@ -15,19 +15,22 @@ class TemplateRefused(ValueError):
     """The template raised for these messages (e.g. roles that do not alternate): the client's 400."""
 
 
-def render(tokenizer, messages: list[dict], adds_bos: bool | None = None,
-           add_generation_prompt: bool = True) -> str | None:
-    """`messages` through the tokenizer's chat template, ending with the assistant's turn (None
-    when it has no template). A template that writes the BOS token's text itself (Llama 3, Mistral,
-    Gemma) would get a second BOS from a tokenizer that adds one to a text prompt (`adds_bos`;
-    None: whether `tokenizer.encode` does), so that text is dropped here."""
+def render(tokenizer, messages: list[dict], adds_bos: bool | None = None, end: str = "open") -> str | None:
+    """`messages` through the tokenizer's chat template (None when it has no template), ending as
+    `end` says (`GenerateRequest.chat_end`): "open" with the assistant's turn opened
+    (add_generation_prompt), "closed" after the last message, "continue" inside the last message
+    (transformers' continue_final_message). A template that writes the BOS token's text itself
+    (Llama 3, Mistral, Gemma) would get a second BOS from a tokenizer that adds one to a text
+    prompt (`adds_bos`; None: whether `tokenizer.encode` does), so that text is dropped here."""
     if not getattr(tokenizer, "chat_template", None):
         return None
     if adds_bos is None:
         bos_id = getattr(tokenizer, "bos_token_id", None)
         adds_bos = bos_id is not None and list(tokenizer.encode(""))[:1] == [bos_id]
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        kw = {"continue_final_message": True} if end == "continue" else {}  # (left out by default: older
+        text = tokenizer.apply_chat_template(messages, tokenize=False,  # tokenizers lack the keyword)
+                                             add_generation_prompt=end == "open", **kw)
     except Exception as exc:  # noqa: BLE001 - jinja's TemplateError, a template's raise_exception, ...
         raise TemplateRefused(f"the model's chat template refused these messages: {exc}") from exc
     bos = getattr(tokenizer, "bos_token", None)

@@ -216,8 +216,12 @@ CHAT: dict[str, Rule] = {
     "audio": R("text output only", (None,), {"voice": "alloy", "format": "wav"}),
     "prediction": R("no predicted outputs", (None,), {"type": "content", "content": "x"}),
     "web_search_options": R("no web search", (None,), {}),
-    "add_generation_prompt": R("the prompt always ends with the assistant's turn", (None, True), False),
-    "continue_final_message": R("the prompt always opens a new assistant turn", (None, False), True),
+    "add_generation_prompt": H("false: the prompt ends after the last message, without the assistant's opening "
+                               "(the chat template's `add_generation_prompt`; the transcript's `assistant:`)", False),
+    "continue_final_message": H("the output continues the last message, which must be the assistant's, with "
+                                "add_generation_prompt false (as vLLM: both true is a 400); the chat template's "
+                                "`continue_final_message`, the transcript's last line; an openai-http upstream "
+                                "gets vLLM's field"),
     "add_special_tokens": R("the engine adds the special tokens its model needs", (None, False), True),
     "documents": R("no RAG documents in the prompt", (None,), [{"text": "x"}]),
     "chat_template": R("the checkpoint's own chat template or the transcript; none from the request", (None,),
@@ -277,7 +281,8 @@ TOKENIZE: dict[str, Rule] = {
     "add_special_tokens": H("default: what the engine does for a prompt", False),
     "add_generation_prompt": H("false leaves the assistant's opening (the transcript's `assistant:`) out", False),
     "return_token_strs": H("adds `token_strs`", True),
-    "continue_final_message": R("the transcript always opens a new assistant turn", (None, False), True),
+    "continue_final_message": H("the last message, the assistant's, is left open (with add_generation_prompt "
+                                "false; the template's `continue_final_message`, the transcript's last line)"),
     "chat_template": R("the checkpoint's own chat template or the transcript; none from the request", (None,),
                        "{{ messages }}"),
     "chat_template_kwargs": R("the checkpoint's own chat template or the transcript; none from the request",

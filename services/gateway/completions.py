@@ -42,15 +42,19 @@ async def completions(body: CompletionBody, request: Request, gs: Gateway) -> Re
 async def chat(body: ChatBody, request: Request, gs: Gateway) -> Response:
     tl = tools.parse_tools(body)
     calls = any((m.model_extra or {}).get("tool_calls") for m in body.messages)
+    end = policy.chat_end(body)
     if tl.listed or calls:  # the transcript carries the tool definitions and calls
-        return await serve(gs, request, body, [tools.render_chat(body.messages, tl)], chat=True, tl=tl)
+        text = tools.render_chat(body.messages, tl)
+        return await serve(gs, request, body, [text if end == "open" else text.removesuffix("\nassistant:")],
+                           chat=True, tl=tl)
     # the worker formats the messages with the model's own chat template where it has one
-    return await serve(gs, request, body, [policy.render_chat(body.messages)], chat=True, tl=tl,
-                       turns=policy.chat_turns(body.messages))
+    return await serve(gs, request, body, [policy.render_chat(body.messages, end)], chat=True, tl=tl,
+                       turns=policy.chat_turns(body.messages), chat_end=end)
 
 
 async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatBody, prompts: list[str],
-                chat: bool, tl: tools.Tools | None = None, turns: list[ChatTurn] | None = None) -> Response:
+                chat: bool, tl: tools.Tools | None = None, turns: list[ChatTurn] | None = None,
+                chat_end: str = "open") -> Response:
     """Validate, admit and run the prompts; a stream keeps the in-flight slot until it ends."""
     s = gs.settings
     chars = sum(len(p) for p in prompts)
@@ -69,7 +73,7 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
     headers = compat.ignored_header(compat.check("chat" if chat else "completions", body, engine))
     batch_id = "cmpl-" + uuid.uuid4().hex[:24] if len(prompts) > 1 else ""  # one prompt: the run's own id
     runs = [RequestRun(gs=gs, deployment=adm.deployment, prompt=p, params=params, stream=bool(body.stream),
-                       adapter=adm.adapter, priority=body.priority, chat=turns,
+                       adapter=adm.adapter, priority=body.priority, chat=turns, chat_end=chat_end,
                        **({"request_id": f"{batch_id}-{i}"} if batch_id else {}))
             for i, p in enumerate(prompts)]
     rid = batch_id or runs[0].request_id

@@ -102,6 +102,7 @@ class RequestRun(Delivery):
     _peeked: tuple[Any, TokenChunk] | None = None  # (message, its chunk) decoded by `has_next`
     tenant: str = field(default_factory=tenancy.current_tenant)  # the API key's tenant; "" without keys
     chat: list[ChatTurn] | None = None  # a chat's messages, for a worker whose model has a chat template
+    chat_end: str = "open"  # how the chat's prompt ends (GenerateRequest.chat_end; policy.chat_end)
 
     def _ms(self) -> float:
         return (time.monotonic() - self.t0) * 1e3
@@ -296,7 +297,7 @@ class RequestRun(Delivery):
                                length_class=p.length_class if p else -1,
                                window=self.gs.settings.stream_window, resume=resume, stream=self.stream,
                                last_on_done=not self.stream and self.params.n == 1, tenant=self.tenant,
-                               chat=self.chat)
+                               chat=self.chat, chat_end=self.chat_end if self.chat is not None else "open")
 
     async def _next(self, first: bool) -> TokenChunk:
         """The next chunk in `seq` order. Chunks that overtook a missing one are held and

@@ -55,13 +55,27 @@ def message_text(msg: ChatMessage) -> str:
     return "".join(part.get("text", "") for part in msg.content if part.get("type") == "text")
 
 
-def render_chat(messages: list[ChatMessage]) -> str:
-    """A plain role-prefixed transcript ending with the assistant's turn.
-
-    Engines with a chat template of their own receive the messages too."""
-    text = chat_transcript(chat_turns(messages))
+def render_chat(messages: list[ChatMessage], end: str = "open") -> str:
+    """A plain role-prefixed transcript ending with the assistant's turn (`end` "open"; see
+    `chat_end`). Engines with a chat template of their own receive the messages too."""
+    text = chat_transcript(chat_turns(messages), end)
     check_text(text, "messages")
     return text
+
+
+def chat_end(body) -> str:
+    """How a chat's prompt ends (`GenerateRequest.chat_end`), from vLLM's two fields: "open" (the
+    assistant's turn opened, add_generation_prompt), "closed" (add_generation_prompt false), or
+    "continue" (continue_final_message: the output continues the last message, the assistant's)."""
+    if not body.continue_final_message:
+        return "open" if body.add_generation_prompt else "closed"
+    if body.add_generation_prompt:
+        raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be true (as in vLLM): "
+                             "send add_generation_prompt false to continue the last message", "continue_final_message")
+    if body.messages[-1].role != "assistant":
+        raise InvalidRequest("continue_final_message continues the last message, which must be the assistant's "
+                             f"(it is the {body.messages[-1].role}'s)", "continue_final_message")
+    return "continue"
 
 
 def chat_turns(messages: list[ChatMessage]) -> list[ChatTurn]:

@@ -79,6 +79,8 @@ class ChatBody(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False  # logprobs.py
     top_logprobs: int | None = None  # 0-20, with logprobs
+    add_generation_prompt: bool = True  # vLLM's: how the prompt ends (policy.chat_end)
+    continue_final_message: bool = False
 
     @field_validator("messages", mode="before")
     @classmethod

@@ -31,7 +31,7 @@ from polyserve.proto import Deployment
 from . import compat
 from .context import Gateway, GatewayState
 from .errors import GatewayError
-from .policy import InvalidRequest, chat_turns, render_chat
+from .policy import InvalidRequest, chat_end, chat_turns, render_chat
 from .schemas import ChatMessage
 
 NO_IDS = {"sim": "the sim engine has no tokenizer: it counts ceil(1.3 x whitespace words) as prompt tokens "
@@ -46,6 +46,7 @@ class TokenizeBody(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # None: what the engine does for a prompt
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool | None = False
 
 
@@ -164,12 +165,11 @@ async def tokenize(body: TokenizeBody, gs: Gateway) -> JSONResponse:
             unknown += compat.check_fields("tokenize", {k: v for k, v in compat.given(msg).items()
                                                         if k not in ("role", "content")},
                                            dep.engine, compat.MESSAGE, prefix=f"messages[{i}].")
+        end = chat_end(body)
         dt = await deployment_tokenizer(gs, dep)
-        text = await _templated(dt, body) if dt.chat_template else None
+        text = await _templated(dt, body, end) if dt.chat_template else None
         if text is None:
-            text = render_chat(body.messages)
-            if not body.add_generation_prompt:
-                text = text.removesuffix("\nassistant:")
+            text = render_chat(body.messages, end)
     else:
         text = body.prompt
         dt = await deployment_tokenizer(gs, dep)
@@ -187,7 +187,7 @@ def _chat_tokenizer(path: str):
     return chat_template.load_tokenizer(path)
 
 
-async def _templated(dt: DeploymentTokenizer, body: TokenizeBody) -> str | None:
+async def _templated(dt: DeploymentTokenizer, body: TokenizeBody, end: str) -> str | None:
     """The messages through the checkpoint's chat template, as its workers run a chat (None: the
     template could not be loaded). A template that refuses them is the 400 a chat would get."""
     from polyserve.core import chat_template
@@ -196,7 +196,7 @@ async def _templated(dt: DeploymentTokenizer, body: TokenizeBody) -> str | None:
         return None
     try:
         return chat_template.render(tok, [{"role": t.role, "content": t.content} for t in chat_turns(body.messages)],
-                                    add_generation_prompt=body.add_generation_prompt)
+                                    end=end)
     except chat_template.TemplateRefused as exc:
         raise InvalidRequest(str(exc), "messages") from exc
 

@@ -56,6 +56,7 @@ class EngineRequest:
     # here): `prompt` is then the gateway's transcript. An engine that can hand the messages to
     # something holding the model's template does (openai-http: the upstream's chat endpoint).
     messages: list[dict] | None = None
+    chat_end: str = "open"  # how the chat's prompt ends (GenerateRequest.chat_end)
 
 
 @dataclass
@@ -131,9 +132,10 @@ class Engine(abc.ABC):
         """What /v1/models reports about the served model."""
         return {"engine": self.name, "simulated": self.simulated}
 
-    def chat_prompt(self, messages: list[dict]) -> str | None:
+    def chat_prompt(self, messages: list[dict], end: str = "open") -> str | None:
         """The prompt the model's own chat template makes of a chat's `messages` (role, content),
-        or None when the model has none: the gateway's role-prefixed transcript is used then."""
+        ending as `end` says (`GenerateRequest.chat_end`), or None when the model has none: the
+        gateway's role-prefixed transcript is used then."""
         return None
 
     def has_adapter(self, name: str) -> bool:
@@ -213,11 +215,11 @@ def make_stats(input_tokens: int, output_tokens: int, arrival: float, start: flo
     )
 
 
-def templated_chat(tokenizer, messages: list[dict], adds_bos: bool | None = None) -> str | None:
+def templated_chat(tokenizer, messages: list[dict], adds_bos: bool | None = None, end: str = "open") -> str | None:
     """`core.chat_template.render` for an engine: a template that refuses the messages is the
     client's 400 (EngineError)."""
     try:
-        return chat_template.render(tokenizer, messages, adds_bos=adds_bos)
+        return chat_template.render(tokenizer, messages, adds_bos=adds_bos, end=end)
     except chat_template.TemplateRefused as exc:
         raise EngineError(str(exc), 400) from exc
 

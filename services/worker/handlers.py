@@ -30,6 +30,7 @@ import msgspec
 from opentelemetry import trace
 
 from polyserve.proto import (
+    CHAT_ENDS,
     WORKER_SHUTDOWN,
     AdapterCommand,
     CancelRequest,
@@ -75,6 +76,10 @@ def validate(req: GenerateRequest) -> None:
         problems.append(f"top_p must be in (0, 1] (got {p.top_p})")
     if p.top_k < 0:
         problems.append(f"top_k must be >= 0 (got {p.top_k})")
+    if req.chat_end not in CHAT_ENDS:
+        problems.append(f"chat_end must be one of {', '.join(CHAT_ENDS)} (got {req.chat_end!r})")
+    elif req.chat_end == "continue" and (not req.chat or req.chat[-1].role != "assistant"):
+        problems.append("chat_end 'continue' needs a chat whose last message is the assistant's")
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(p, name)
         if k is not None and not 0 <= k <= MAX_LOGPROBS:
@@ -192,7 +197,7 @@ class WorkerHandlers:
                              adapter=req.adapter, priority=req.priority,
                              predicted_tokens=max(0, req.predicted_tokens - (req.resume.tokens if cont else 0)),
                              length_class=req.length_class, continuation=cont, tenant=req.tenant,
-                             messages=messages)
+                             messages=messages, chat_end=req.chat_end)
         try:
             # Engines admit either in the generate() call (sim) or, as async
             # generators, before the first suspension of their first __anext__;
@@ -293,10 +298,10 @@ class WorkerHandlers:
         if req.chat is None:
             return req.prompt, None
         messages = [{"role": t.role, "content": t.content} for t in req.chat]
-        templated = self.engine.chat_prompt(messages)
+        templated = self.engine.chat_prompt(messages, req.chat_end)
         if templated is not None:
             return templated, None
-        return req.prompt or chat_transcript(req.chat), messages  # a long chat comes without its transcript
+        return req.prompt or chat_transcript(req.chat, req.chat_end), messages  # a long chat comes without it
 
     async def _stream(self, req: GenerateRequest, stream: AsyncIterator, first: asyncio.Future,
                       box: Outbox, prompt: str) -> None:

@@ -64,6 +64,31 @@ async def test_chat_runs_the_models_own_template_with_one_bos(plane, checkpoint)
         assert text == chat.choices[0].message.content
 
 
+async def test_a_chat_can_end_closed_or_continue_the_assistants_message(plane, checkpoint):
+    """vLLM's add_generation_prompt / continue_final_message: the chat runs what the completion of the
+    template's prompt, ended that way, runs; the combinations vLLM refuses are 400s naming the field."""
+    prefill = [*MESSAGES, {"role": "assistant", "content": "the colour is"}]
+    async with plane(worker_kw=hf(checkpoint)) as p:
+        engine = p.worker.engine
+        cases = ((MESSAGES, {"add_generation_prompt": False}, "closed", "</user> "),
+                 (prefill, {"add_generation_prompt": False, "continue_final_message": True}, "continue",
+                  "<assistant> the colour is"))
+        for messages, extra, end, tail in cases:
+            prompt = engine.chat_prompt(messages, end)
+            assert prompt.endswith(tail) and prompt != engine.chat_prompt(messages)
+            chat = await p.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                                          temperature=0, extra_body=extra)
+            same = await p.client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+            assert chat.choices[0].message.content == same.choices[0].text
+            assert chat.usage.prompt_tokens == same.usage.prompt_tokens
+        for messages, extra, words in ((prefill, {"continue_final_message": True}, "cannot both be true"),
+                                       (MESSAGES, {"continue_final_message": True, "add_generation_prompt": False},
+                                        "must be the assistant's")):
+            with pytest.raises(openai.BadRequestError) as err:
+                await p.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body=extra)
+            assert err.value.body["param"] == "continue_final_message" and words in err.value.message
+
+
 async def test_tokenize_counts_a_chat_as_the_worker_runs_it(plane, state, checkpoint):
     import httpx
 

@@ -172,6 +172,28 @@ async def test_a_migrated_chat_continues_the_assistants_message():
     assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
 
 
+async def test_a_chats_end_goes_as_vllms_fields():
+    prefill = [*MESSAGES, {"role": "assistant", "content": "Hi"}]
+    with StandIn() as up:
+        eng = _engine(up)
+        await eng.start()
+        try:
+            await _run(eng, EngineRequest("a", TRANSCRIPT, SamplingParams(max_tokens=3), messages=MESSAGES,
+                                          chat_end="closed"))
+            await _run(eng, EngineRequest("b", TRANSCRIPT, SamplingParams(max_tokens=3), messages=prefill,
+                                          chat_end="continue"))
+            await _run(eng, EngineRequest("c", TRANSCRIPT, SamplingParams(max_tokens=3), messages=prefill,
+                                          chat_end="continue", continuation=" the"))  # migrated
+        finally:
+            await eng.stop()
+    (_, closed), (_, cont), (_, moved) = up.posts
+    assert closed["add_generation_prompt"] is False and "continue_final_message" not in closed
+    assert closed["messages"] == MESSAGES
+    assert cont["continue_final_message"] is True and cont["add_generation_prompt"] is False
+    assert cont["messages"] == prefill
+    assert moved["messages"] == [*MESSAGES, {"role": "assistant", "content": "Hi the"}]  # the same message, longer
+
+
 @pytest.mark.parametrize("refuse", ["vllm-400", "404", "500"])
 async def test_an_upstream_that_cannot_take_chats_gets_the_transcript_from_then_on(refuse):
     with StandIn(refuse=refuse) as up:

@@ -55,3 +55,33 @@ def test_openai_http_formats_chats_with_the_checkpoints_template_else_the_transc
                        (tmp_path / "missing", None)):
         engine = OpenAIHttpEngine(types.SimpleNamespace(upstream_url="http://127.0.0.1:9", model_path=str(path)))
         assert engine.chat_prompt(MESSAGES) == want
+
+
+def test_a_chat_ends_open_closed_or_inside_the_assistants_last_message():
+    """`GenerateRequest.chat_end`, through a template (transformers' add_generation_prompt and
+    continue_final_message) and through the transcript, as the gateway and the worker both render it."""
+    from polyserve.proto import ChatTurn, chat_transcript
+    tok = _tokenizer()
+    prefill = [*MESSAGES, {"role": "assistant", "content": "the answer is"}]
+    assert templated_chat(tok, MESSAGES, end="closed") == "[user] hi [assistant] yo [user] x "
+    assert templated_chat(tok, prefill, end="continue") == "[user] hi [assistant] yo [user] x [assistant] the answer is"
+    turns = [ChatTurn(**m) for m in prefill]
+    assert chat_transcript(turns) == "user: hi\nassistant: yo\nuser: x\nassistant: the answer is\nassistant:"
+    assert chat_transcript(turns, "closed") == chat_transcript(turns, "continue") \
+        == "user: hi\nassistant: yo\nuser: x\nassistant: the answer is"
+
+
+def test_the_worker_refuses_a_chat_end_it_cannot_run():
+    from polyserve.proto import ChatTurn, GenerateRequest, SamplingParams
+    from polyserve.shared.bus import BusError
+    from polyserve.worker.handlers import validate
+
+    def req(end: str, last: str) -> GenerateRequest:
+        return GenerateRequest(request_id="r", deployment="d", model="m", prompt="p", input_tokens=1,
+                               params=SamplingParams(),
+                               stream_to="inbox", chat=[ChatTurn(role=last, content="c")], chat_end=end)
+    validate(req("continue", "assistant"))
+    for end, last, words in (("continue", "user", "last message is the assistant's"), ("sideways", "user", "one of")):
+        with pytest.raises(BusError) as err:
+            validate(req(end, last))
+        assert err.value.code == 400 and words in str(err.value)

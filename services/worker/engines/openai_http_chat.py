@@ -19,9 +19,11 @@ The body is the completion's, moved onto the chat wire (`chat_body`): `messages`
 `prompt`; `logprobs: true` + `top_logprobs: k` instead of `logprobs: k`; structured outputs under
 vLLM's `structured_outputs` (JSON too: `transformers serve` ignores a chat's `response_format`
 with only a logged warning, but refuses an unknown field with 422, so nothing is dropped
-silently). A migrated stream (`EngineRequest.continuation`) continues the assistant's message with
-vLLM's `continue_final_message: true, add_generation_prompt: false`; a server without those
-fields refuses the migration with its error, which reaches the client.
+silently). A chat's end (`EngineRequest.chat_end`) goes as vLLM's `add_generation_prompt: false`
+("closed") and `continue_final_message: true` ("continue"). A migrated stream
+(`EngineRequest.continuation`) continues the assistant's message with `continue_final_message`
+(after a "closed" chat too, the nearest the chat wire has); a server without those fields refuses
+the request with its error, which reaches the client.
 Requests with prompt logprobs (`echo`) are completions: chats have no echo.
 
 Answers: a chunk's `delta` (a whole answer's `message`) `content`, after any `reasoning` text
@@ -36,14 +38,20 @@ CHAT_MODES = ("auto", "chat", "completions")
 _ABSENT = (404, 405, 501)
 
 
-def chat_body(kw: dict, extra: dict, messages: list[dict], continuation: str,
+def chat_body(kw: dict, extra: dict, messages: list[dict], continuation: str, end: str = "open",
               style: str = "structured_outputs") -> tuple[dict, dict]:
-    """The completion body `(kw, extra)` (OpenAIHttpEngine.request_body) as a chat's."""
+    """The completion body `(kw, extra)` (OpenAIHttpEngine.request_body) as a chat's, ending as
+    `end` (GenerateRequest.chat_end) says with vLLM's fields."""
     kw, extra = dict(kw), dict(extra)
     kw.pop("prompt", None)
     msgs = list(messages)
-    if continuation:
+    if end != "open":
+        extra["add_generation_prompt"] = False
+    if end == "continue" and continuation:
+        msgs[-1] = {**msgs[-1], "content": msgs[-1]["content"] + continuation}
+    elif continuation:
         msgs.append({"role": "assistant", "content": continuation})
+    if end == "continue" or continuation:
         extra.update(continue_final_message=True, add_generation_prompt=False)
     kw["messages"] = msgs
     k = extra.pop("logprobs", None)
