@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import ssl
 import sys
 import time
@@ -50,7 +51,8 @@ def cmd_up(args: argparse.Namespace) -> int:
          + (f"; {spec.gateways} processes on this port" if spec.gateways > 1 else ""))
     if state.admin_key_file:
         _say(f"  admin key    {state.admin_key_file}   (owner-only; admin API: "
-             f"curl -H \"Authorization: Bearer $(cat {state.admin_key_file})\" {state.gateway_url}/v1/deployments)")
+             f"curl -H \"Authorization: Bearer $(cat {shlex.quote(str(state.admin_key_file))})\" "
+             f"{state.gateway_url}/v1/deployments)")
     else:
         _say("  admin key    none: the admin API is open")
     _say(f"  events       polyserve events      (or: nats sub '{state.prefix}.>' --server {redact(state.nats_url)}, "
