@@ -168,6 +168,9 @@ def run_loop(coro, choice: str | None = None):
         return runner.run(coro)
 
 
+FATAL = "stopped with an error: "  # a service's last log line when it cannot start (`polyserve up` reads it)
+
+
 def run_main(service_cls: type[ServiceBase], settings_cls: type[settings_mod.CommonSettings],
              argv: list[str] | None = None) -> int:
     """Entry point of `python -m polyserve.<svc>`: settings, logging, signals, run."""
@@ -175,7 +178,7 @@ def run_main(service_cls: type[ServiceBase], settings_cls: type[settings_mod.Com
     try:
         cfg = settings_mod.load(settings_cls, name, sys.argv[1:] if argv is None else argv)
     except settings_mod.SettingsError as exc:
-        print(f"polyserve-{name}: {exc}", file=sys.stderr)
+        print(f"polyserve-{name} {FATAL}{exc}", file=sys.stderr)  # (SettingsError: says which setting)
         return 2
     setup_logging(cfg.log_level)
 
@@ -190,6 +193,6 @@ def run_main(service_cls: type[ServiceBase], settings_cls: type[settings_mod.Com
     try:
         run_loop(main())
     except Exception as exc:  # noqa: BLE001 - the one place a service reports a fatal start error
-        logger.error("%s stopped with an error: %s: %s", name, type(exc).__name__, exc)
+        logger.error("%s %s%s: %s", name, FATAL, type(exc).__name__, exc)
         return 1
     return 0

@@ -20,7 +20,7 @@ import redis
 
 from polyserve.cli import credentials, topology
 from polyserve.proto import Deployment, Keys, ScalerPolicy
-from polyserve.shared import auth, infra
+from polyserve.shared import auth, infra, lifecycle
 from polyserve.shared.state import connect_sync
 
 SERVICES = ("predictor", "dispatcher", "gpu_agent", "planner", "gateway")  # start order; workers via gpu-agent
@@ -398,6 +398,27 @@ def wait_redis(r: redis.Redis, timeout: float) -> None:
             time.sleep(0.05)
 
 
+def _failed_workers(log_dir: Path, known: dict[Path, str], since: float) -> dict[Path, str]:
+    """Worker logs (the gpu-agent's, `logs/workers`) written since `since` (wall clock; older ones
+    are earlier runs') whose last line says the worker stopped with an error and that are not in
+    `known` yet: {log: the error}; `known` gains them."""
+    new = {}
+    for log in sorted(log_dir.glob("*.log")) if log_dir.is_dir() else ():
+        if log in known:
+            continue
+        try:
+            if log.stat().st_mtime < since:
+                continue
+            with open(log, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+                lines = f.read().decode("utf-8", "replace").strip().splitlines()
+        except OSError:
+            continue
+        if lines and lifecycle.FATAL in lines[-1]:
+            new[log] = known[log] = lines[-1].split(lifecycle.FATAL, 1)[1]
+    return new
+
+
 def wait_ready(r: redis.Redis, keys: Keys, state: ClusterState, timeout: float, progress=print,
                gateways: int = 1, deployment: str = "") -> None:
     """Until every service, `gateways` gateways and a worker (of `deployment` when given: a run
@@ -405,7 +426,14 @@ def wait_ready(r: redis.Redis, keys: Keys, state: ClusterState, timeout: float, 
     want = {SERVICE_NAMES.get(s, s) for s in SERVICES}
     deadline = time.monotonic() + timeout
     seen: set[str] = set()
+    failed: dict[Path, str] = {}
+    since = time.time() - 1.0
     while time.monotonic() < deadline:
+        for log, error in _failed_workers(Path(state.run_dir, "logs", "workers"), failed, since).items():
+            progress(f"  a worker stopped: {error} (log {log})")
+            if deployment:  # the one deployment `up` started: its worker cannot start as configured
+                raise LaunchError(f"the {state.engine} worker of {deployment} could not start: {error}; "
+                                  f"log {log}")
         for name, pid in state.pids.items():
             if not infra.pid_alive(pid):
                 log = Path(state.run_dir, "logs", f"{name if name.startswith(REPLICATED) else module_of(name)}.log")
