@@ -54,6 +54,9 @@ def test_scores_the_shipped_predictor_on_rows_it_never_saw(tmp_path, capsys):
     ('{"prompt": "hi", "output_tokens": 3}', "model"),
     ('{"prompt": "hi", "model": "m", "output_tokens": "3"}', "output_tokens"),
     ("not json", "not JSON"),
+    ('{"messages": "hi", "model": "m", "output_tokens": 3}', "messages must be"),
+    ('{"messages": [{"role": "assistant", "content": "a"}], "model": "m"}', "only the answer"),
+    ('[1, 2]', "JSON object"),
 ])
 def test_a_bad_row_is_refused_with_its_line_and_field(tmp_path, capsys, line, named):
     rows = tmp_path / "rows.jsonl"
@@ -61,3 +64,22 @@ def test_a_bad_row_is_refused_with_its_line_and_field(tmp_path, capsys, line, na
     assert main(["score", str(rows)]) == 2
     err = capsys.readouterr().err
     assert "line 2" in err and named in err
+
+
+def test_a_chat_row_is_scored_on_the_transcript_the_gateway_predicts_on(tmp_path, monkeypatch):
+    """`messages` instead of `prompt`: the gateway's transcript of the chat is the prompt (what a chat
+    request asks the predictor about), and a last assistant message is the answer when no length is given."""
+    from polyserve.predictor.proxy import score
+    from polyserve.proto import ChatTurn, chat_transcript
+
+    rows = tmp_path / "chats.jsonl"
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Explain tides in depth."}]
+    rows.write_text("\n".join(json.dumps(r) for r in (
+        {"messages": [*chat, {"role": "assistant", "content": "word " * 40}], "model": "m"},
+        {"messages": chat, "model": "m", "output_tokens": 7},
+        {"prompt": "plain", "model": "m", "response": "a b c"})) + "\n")
+    monkeypatch.setattr(score.data, "count_tokens", lambda texts, _tok: [len(t.split()) for t in texts])
+    out = score.read_rows(rows, None)  # (tokens counted as words here)
+    transcript = chat_transcript([ChatTurn(**m) for m in chat])
+    assert [r.prompt for r in out] == [transcript, transcript, "plain"]
+    assert [r.output_tokens for r in out] == [40, 7, 3]

@@ -9,7 +9,10 @@ traffic stream per group, rows in a fixed hash order).
 
 Input: JSON lines, one answer each: ``prompt`` and ``model`` (the answering model's name), and
 ``output_tokens`` (an int) or ``response`` (its text, counted with the artifact's tokenizer);
-``source`` (the prompt set) is optional, default the file's name. Lengths in the artifact's
+``source`` (the prompt set) is optional, default the file's name. A chat may stand for the prompt:
+``messages`` ([{role, content}], OpenAI's shape) becomes the role-prefixed transcript the gateway
+asks the predictor about for a chat (`proto.chat_transcript`); when the last message is the
+assistant's and neither length field is given, it is the answer. Lengths in the artifact's
 tokenizer (WordPiece), as everywhere in `proxy`: a model's own token counts order the rows the
 same way, which is all tau and the per-group classes read.
 """
@@ -23,6 +26,7 @@ import numpy as np
 
 from polyserve.core.model_names import canonical
 from polyserve.predictor.proxy import calibrate, data, ood
+from polyserve.proto import ChatTurn, chat_transcript
 
 REQUIRED = ("prompt", "model")
 
@@ -39,6 +43,10 @@ def read_rows(path: str | Path, tokenizer) -> list[data.Row]:
                 item = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}, line {n}: not JSON ({exc})") from None
+            if not isinstance(item, dict):
+                raise ValueError(f"{path}, line {n}: a row is a JSON object")
+            if "messages" in item and "prompt" not in item:
+                item = _from_chat(item, f"{path}, line {n}")
             missing = [k for k in REQUIRED if not isinstance(item.get(k), str) or not item.get(k)]
             has_len = isinstance(item.get("output_tokens"), int) and not isinstance(item.get("output_tokens"), bool)
             if missing or not (has_len or isinstance(item.get("response"), str)):
@@ -55,6 +63,22 @@ def read_rows(path: str | Path, tokenizer) -> list[data.Row]:
                      output_tokens=r["output_tokens"] if isinstance(r.get("output_tokens"), int) else next(counted),
                      input_tokens=p, source=str(r.get("source") or path.stem), split="test")
             for r, p in zip(raw, prompt_tokens)]
+
+
+def _from_chat(item: dict, where: str) -> dict:
+    """A row whose prompt is a chat (`messages`) as one with the gateway's transcript of it; its
+    last message, the assistant's, is the answer when the row gives no length."""
+    msgs = item["messages"]
+    if not isinstance(msgs, list) or not msgs or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
+        raise ValueError(f"{where}: messages must be a non-empty list of {{role, content}} with string values")
+    item = dict(item)
+    if "output_tokens" not in item and "response" not in item and msgs[-1]["role"] == "assistant":
+        item["response"], msgs = msgs[-1]["content"], msgs[:-1]
+    if not msgs:
+        raise ValueError(f"{where}: messages hold only the answer; the prompt is missing")
+    item["prompt"] = chat_transcript([ChatTurn(role=m["role"], content=m["content"]) for m in msgs])
+    return item
 
 
 def run(rows: list[data.Row], predictor, seed: int = 0) -> dict:
