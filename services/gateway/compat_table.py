@@ -203,9 +203,12 @@ CHAT: dict[str, Rule] = {
                   engines={"openai-http": NOT_UPSTREAM}),
     "tool_choice": Rule(HONOURED, "`required` or a named function: the call's JSON is generated under its "
                         "schema (constrained decoding, as response_format), so it always parses; `auto`: free "
-                        "text, returned as a call when the whole answer is one (random weights: text); `none`",
+                        "text, returned as calls when the whole answer is calls: the gateway's JSON or the formats "
+                        "models are trained on (Hermes/Qwen `<tool_call>`, Mistral `[TOOL_CALLS]`, Llama 3.1 "
+                        "`<|python_tag|>` / `parameters`), several as parallel calls (random weights: text); `none`",
                         noop=(None, "none", "auto"), engines={"openai-http": NOT_UPSTREAM}),
-    "parallel_tool_calls": I("one call per answer: parallel calls are not generated", False),
+    "parallel_tool_calls": I("a forced call is one call; with `auto` every call the answer holds is returned "
+                             "(parallel calls are never asked for in the prompt)", False),
     "functions": R("OpenAI's deprecated functions API: send `tools`", (None, []), [{"name": "f", "parameters": {}}]),
     "function_call": R("OpenAI's deprecated functions API: send `tool_choice`", (None, "none", "auto"),
                        {"name": "f"}),

@@ -17,6 +17,11 @@ Tools (`tools`, `tool_choice`), by constrained generation of the call's JSON:
   open one, with random weights, may run to max_tokens and end "length" as plain text);
 * `auto`: the model generates freely; when its whole answer is such a call to a listed
   tool, it is returned as a tool call, else as content. With random weights that is text.
+  Instruct models often answer in the format they were trained on instead, so an answer that
+  is only calls in one of those is taken too (`calls_in`): Hermes / Qwen `<tool_call>{...}
+  </tool_call>` blocks, Mistral's `[TOOL_CALLS] [{...}, ...]`, Llama 3.1's `<|python_tag|>`
+  and `{"name": ..., "parameters": {...}}`, or a JSON list of calls: several calls are
+  parallel tool calls (vLLM's hermes, mistral and llama3_json parsers read the same).
 * `none` (and no tools): nothing is listed; plain text.
 A call comes back as `message.tool_calls` [{id, type: "function", function: {name,
 arguments (a JSON string)}}] with finish_reason "tool_calls"; streamed, as `delta.tool_calls`
@@ -27,6 +32,7 @@ as `tool: <content>` lines.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,16 +151,52 @@ class Tools:
         calls = [call_schema(n, self.functions[n]) for n in names]
         return StructuredOutput(json=json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls}))
 
-    def parse(self, text: str) -> tuple[str, str] | None:
-        """(name, arguments as a JSON string) when `text` is one call to a listed tool."""
-        try:
-            obj = json.loads(text)
-        except ValueError:
+    def parse(self, text: str) -> list[tuple[str, str]] | None:
+        """[(name, arguments as a JSON string)] when `text` is only calls to listed tools."""
+        objs = calls_in(text)
+        if not objs:
             return None
-        if not isinstance(obj, dict) or obj.get("name") not in self.functions or not isinstance(
-                obj.get("arguments", {}), dict):
-            return None
-        return obj["name"], json.dumps(obj.get("arguments", {}))
+        out = []
+        for obj in objs:
+            args = obj.get("arguments", obj.get("parameters", {}))
+            if isinstance(args, str):  # some formats carry the arguments as a JSON string
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    return None
+            if obj.get("name") not in self.functions or not isinstance(args, dict):
+                return None
+            out.append((obj["name"], json.dumps(args)))
+        return out
+
+
+_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_PREFIXES = ("[TOOL_CALLS]", "<|python_tag|>")
+_OPENERS = ("{", "[") + _PREFIXES + ("<tool_call>",)  # how an answer that is calls begins
+
+
+def calls_in(text: str) -> list[dict] | None:
+    """The call objects of an answer that is only tool calls (see the module docstring), else None."""
+    t = text.strip()
+    try:
+        if t.startswith("<tool_call>"):
+            if _BLOCK.sub("", t).strip():
+                return None  # text besides the calls: an answer, not a call
+            objs = [json.loads(b) for b in _BLOCK.findall(t)]
+        else:
+            for prefix in _PREFIXES:
+                t = t.removeprefix(prefix).lstrip()
+            obj = json.loads(t)
+            objs = obj if isinstance(obj, list) else [obj]
+    except ValueError:
+        return None
+    return objs if objs and all(isinstance(o, dict) for o in objs) else None
+
+
+def may_be_calls(held: str) -> bool:
+    """Whether a streamed answer that starts with `held` may still turn out to be only calls."""
+    h = held.lstrip()
+    return not h or any(h.startswith(o) or o.startswith(h) for o in _OPENERS)
 
 
 def call_schema(name: str, fn: dict[str, Any]) -> dict[str, Any]:
@@ -235,15 +277,15 @@ def render_message(choice: dict[str, Any], tools: Tools) -> None:
         else None
     if parsed is not None:
         message["content"] = None
-        message["tool_calls"] = [_call(*parsed)]
+        message["tool_calls"] = [_call(*call) for call in parsed]
         choice["finish_reason"] = "tool_calls"
 
 
 class ToolStream:
     """Streamed chat chunks with tools listed: a choice's text is held while it may still be a
-    call (forced: always; auto: while it is empty or starts with `{`), then sent as
-    `delta.tool_calls` chunks (id and name, then the arguments) ending with finish_reason
-    "tool_calls", or released as content."""
+    call (forced: always; auto: while it is empty or starts as calls do, `may_be_calls`), then
+    sent as `delta.tool_calls` chunks (per call its id and name, then its arguments) ending with
+    finish_reason "tool_calls", or released as content."""
 
     def __init__(self, tools: Tools):
         self.tools = tools
@@ -260,7 +302,7 @@ class ToolStream:
         if delta.pop("role", None):
             self._role.add(index)
         held = self._held[index] = self._held.get(index, "") + (delta.get("content") or "")
-        if reason is None and (self.tools.forced or held.lstrip()[:1] in ("", "{")):
+        if reason is None and (self.tools.forced or may_be_calls(held)):
             return []
         self._held.pop(index)
         parsed = self.tools.parse(held) if reason == "stop" else None
@@ -269,11 +311,13 @@ class ToolStream:
                 self._passed.add(index)
             delta["content"] = held
             return [self._with_role(body, index)]
-        name, arguments = parsed
-        call = _call(name, "", index=0)
-        return [self._with_role(_like(body, {"content": None, "tool_calls": [call]}), index),
-                _like(body, {"tool_calls": [{"index": 0, "function": {"arguments": arguments}}]}),
-                _like(body, {}, "tool_calls")]
+        out = []
+        for i, (name, arguments) in enumerate(parsed):
+            head = {"tool_calls": [_call(name, "", index=i)]}
+            out += [_like(body, {"content": None, **head} if i == 0 else head),
+                    _like(body, {"tool_calls": [{"index": i, "function": {"arguments": arguments}}]})]
+        out[0] = self._with_role(out[0], index)
+        return out + [_like(body, {}, "tool_calls")]
 
     def _with_role(self, body: dict[str, Any], index: int) -> dict[str, Any]:
         if index in self._role:
