@@ -7,6 +7,8 @@ a test fails when these classes drift from them (`python -m polyserve.proto.sche
 """
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from polyserve.proto.base import Msg, now  # noqa: F401  (re-exported)
@@ -162,6 +164,9 @@ class GenerateRequest(Msg, kw_only=True):
     # = with the assistant's opening (the default), "closed" = after the last message, "continue"
     # = inside the last message, the assistant's, which the output continues.
     chat_end: str = "open"
+    # The chat's tools (OpenAI's [{type: "function", function: {name, description, parameters}}]),
+    # for a chat template that lists them itself; `prompt` is then always the transcript with them.
+    tools: "list[dict[str, Any]] | None" = None
 
 
 INLINE_TRANSCRIPT_CHARS = 65_536
@@ -171,6 +176,10 @@ CHAT_ENDS = ("open", "closed", "continue")
 class ChatTurn(Msg, kw_only=True):
     role: str
     content: str
+    # An assistant's tool calls, OpenAI's shape with the arguments as an object (as chat templates
+    # read them): [{id, type: "function", function: {name, arguments}}]; a tool result's call id.
+    tool_calls: "list[dict[str, Any]] | None" = None
+    tool_call_id: str | None = None
 
 
 def chat_transcript(turns: "list[ChatTurn]", end: str = "open") -> str:

@@ -15,20 +15,31 @@ class TemplateRefused(ValueError):
     """The template raised for these messages (e.g. roles that do not alternate): the client's 400."""
 
 
-def render(tokenizer, messages: list[dict], adds_bos: bool | None = None, end: str = "open") -> str | None:
+def render(tokenizer, messages: list[dict], adds_bos: bool | None = None, end: str = "open",
+           tools: list[dict] | None = None) -> str | None:
     """`messages` through the tokenizer's chat template (None when it has no template), ending as
     `end` says (`GenerateRequest.chat_end`): "open" with the assistant's turn opened
     (add_generation_prompt), "closed" after the last message, "continue" inside the last message
     (transformers' continue_final_message). A template that writes the BOS token's text itself
     (Llama 3, Mistral, Gemma) would get a second BOS from a tokenizer that adds one to a text
-    prompt (`adds_bos`; None: whether `tokenizer.encode` does), so that text is dropped here."""
+    prompt (`adds_bos`; None: whether `tokenizer.encode` does), so that text is dropped here.
+
+    `tools` (and messages with `tool_calls` or the tool role) go to the template only when its
+    source reads them (`handles_tools`): a template that does not would drop the tool definitions
+    or the calls without a word, so such a chat is None here and keeps the gateway's transcript,
+    which lists them."""
     if not getattr(tokenizer, "chat_template", None):
+        return None
+    calls = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+    if (tools or calls) and not handles_tools(tokenizer, bool(tools), calls):
         return None
     if adds_bos is None:
         bos_id = getattr(tokenizer, "bos_token_id", None)
         adds_bos = bos_id is not None and list(tokenizer.encode(""))[:1] == [bos_id]
     try:
-        kw = {"continue_final_message": True} if end == "continue" else {}  # (left out by default: older
+        kw: dict = {"continue_final_message": True} if end == "continue" else {}  # (left out by default: older
+        if tools:
+            kw["tools"] = tools
         text = tokenizer.apply_chat_template(messages, tokenize=False,  # tokenizers lack the keyword)
                                              add_generation_prompt=end == "open", **kw)
     except Exception as exc:  # noqa: BLE001 - jinja's TemplateError, a template's raise_exception, ...
@@ -37,6 +48,15 @@ def render(tokenizer, messages: list[dict], adds_bos: bool | None = None, end: s
     if adds_bos and isinstance(bos, str) and bos and text.startswith(bos):
         text = text[len(bos):]
     return text
+
+
+def handles_tools(tokenizer, listed: bool, calls: bool) -> bool:
+    """Whether the tokenizer's chat template reads tool definitions (`listed`: its source names
+    `tools`) and earlier turns' calls and results (`calls`: it names `tool_calls` and the tool role)."""
+    src = tokenizer.chat_template
+    src = src if isinstance(src, str) else json.dumps(src)
+    return (not listed or "tools" in src) and (not calls or ("tool_calls" in src and "tool" in src.replace(
+        "tool_calls", "").replace("tools", "")))
 
 
 def has_template(path: str | Path) -> bool:

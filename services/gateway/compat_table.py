@@ -185,8 +185,9 @@ CHAT: dict[str, Rule] = {
     **SAMPLING,
     "messages": H("text content (strings or `text` parts); an hf, vllm or openai-http worker whose checkpoint "
                   "has a chat template formats them with it (one BOS; a template that refuses them is a 400); an "
-                  "openai-http worker without one sends them to its upstream's /v1/chat/completions (`upstream_chat`); "
-                  "otherwise, and whenever `tools` are listed or called, a role-prefixed transcript (assistant "
+                  "openai-http worker without one sends them (not with tools) to its upstream's /v1/chat/completions (`upstream_chat`); "
+                  "tools and calls go to that template only where it reads them; otherwise a role-prefixed "
+                  "transcript (with `tools` listed or called: the transcript of services/gateway/tools.py, assistant "
                   "`tool_calls` as the calls' JSON, `tool` results as `tool:` lines); other content parts are "
                   "refused"),
     "max_completion_tokens": H("as max_tokens (wins over it)", 3),
@@ -196,7 +197,9 @@ CHAT: dict[str, Rule] = {
     "top_logprobs": LP("0-20 alternatives per token, most likely first; needs `logprobs: true` (400 "
                        "otherwise, as in vLLM)", (None, 0)),
     "echo": R("vLLM's chat echo (repeat the last message) is not served", (None, False), True),
-    "tools": Rule(HONOURED, "functions, listed in the prompt with their parameter schemas (services/gateway/tools.py); "
+    "tools": Rule(HONOURED, "functions, listed in the prompt with their parameter schemas: by the checkpoint's chat "
+                  "template where it reads tools (hf, vllm, openai-http with a checkpoint), else by the gateway's "
+                  "transcript (services/gateway/tools.py); "
                   "a call comes back as `message.tool_calls` (streamed: `delta.tool_calls`), finish_reason "
                   "`tool_calls`", noop=(None, []),
                   example=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
@@ -240,9 +243,10 @@ MESSAGE: dict[str, Rule] = {
     "role": H("system, developer, user, assistant, tool"),
     "content": H("a string or `text` parts; image, audio and file parts are refused"),
     "name": I("a message reaches the prompt as its role and text only"),
-    "tool_call_id": I("a tool message is rendered as `tool: <content>`"),
-    "tool_calls": H("an assistant's calls, rendered into the transcript as `{\"name\": ..., \"arguments\": "
-                    "...}`"),
+    "tool_call_id": I("given to a chat template that reads tool results; the transcript renders a tool message "
+                      "as `tool: <content>`"),
+    "tool_calls": H("an assistant's calls: given to a chat template that reads them (arguments as an object), "
+                    "else rendered into the transcript as `{\"name\": ..., \"arguments\": ...}`"),
     "function_call": R("OpenAI's deprecated functions API: send `tool_calls`", (None,)),
     "reasoning_content": I("earlier reasoning is not part of the prompt"),
     "reasoning": I("earlier reasoning is not part of the prompt"),

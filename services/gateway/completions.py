@@ -43,10 +43,10 @@ async def chat(body: ChatBody, request: Request, gs: Gateway) -> Response:
     tl = tools.parse_tools(body)
     calls = any((m.model_extra or {}).get("tool_calls") for m in body.messages)
     end = policy.chat_end(body)
-    if tl.listed or calls:  # the transcript carries the tool definitions and calls
-        text = tools.render_chat(body.messages, tl)
+    if tl.listed or calls:  # the transcript carries the tool definitions and calls, for a worker
+        text = tools.render_chat(body.messages, tl)  # whose chat template does not take them itself
         return await serve(gs, request, body, [text if end == "open" else text.removesuffix("\nassistant:")],
-                           chat=True, tl=tl)
+                           chat=True, tl=tl, turns=tools.chat_turns(body.messages), chat_end=end)
     # the worker formats the messages with the model's own chat template where it has one
     return await serve(gs, request, body, [policy.render_chat(body.messages, end)], chat=True, tl=tl,
                        turns=policy.chat_turns(body.messages), chat_end=end)
@@ -74,6 +74,7 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
     batch_id = "cmpl-" + uuid.uuid4().hex[:24] if len(prompts) > 1 else ""  # one prompt: the run's own id
     runs = [RequestRun(gs=gs, deployment=adm.deployment, prompt=p, params=params, stream=bool(body.stream),
                        adapter=adm.adapter, priority=body.priority, chat=turns, chat_end=chat_end,
+                       tools=tl.definitions() if tl is not None else None,
                        **({"request_id": f"{batch_id}-{i}"} if batch_id else {}))
             for i, p in enumerate(prompts)]
     rid = batch_id or runs[0].request_id

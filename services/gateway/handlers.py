@@ -103,6 +103,7 @@ class RequestRun(Delivery):
     tenant: str = field(default_factory=tenancy.current_tenant)  # the API key's tenant; "" without keys
     chat: list[ChatTurn] | None = None  # a chat's messages, for a worker whose model has a chat template
     chat_end: str = "open"  # how the chat's prompt ends (GenerateRequest.chat_end; policy.chat_end)
+    tools: list[dict] | None = None  # the chat's listed tools, for a worker's chat template (GenerateRequest.tools)
 
     def _ms(self) -> float:
         return (time.monotonic() - self.t0) * 1e3
@@ -287,7 +288,10 @@ class RequestRun(Delivery):
 
     def _generate(self, inbox: str, resume: Resume | None = None) -> GenerateRequest:
         p, a = self.prediction, self.adapter
-        inline = self.chat is None or len(self.prompt) <= INLINE_TRANSCRIPT_CHARS  # else the worker rebuilds it
+        # a long chat's transcript is left for the worker to rebuild; one with tools or calls never
+        # (only the gateway renders their transcript)
+        inline = self.chat is None or len(self.prompt) <= INLINE_TRANSCRIPT_CHARS or self.tools is not None \
+            or any(t.tool_calls or t.role == "tool" for t in self.chat)
         return GenerateRequest(request_id=self.request_id, deployment=self.deployment.id,
                                model=self.deployment.model, prompt=self.prompt if inline else "",
                                input_tokens=self.input_tokens,
@@ -297,7 +301,8 @@ class RequestRun(Delivery):
                                length_class=p.length_class if p else -1,
                                window=self.gs.settings.stream_window, resume=resume, stream=self.stream,
                                last_on_done=not self.stream and self.params.n == 1, tenant=self.tenant,
-                               chat=self.chat, chat_end=self.chat_end if self.chat is not None else "open")
+                               chat=self.chat, chat_end=self.chat_end if self.chat is not None else "open",
+                               tools=self.tools)
 
     async def _next(self, first: bool) -> TokenChunk:
         """The next chunk in `seq` order. Chunks that overtook a missing one are held and

@@ -37,7 +37,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from polyserve.proto import StructuredOutput
+from polyserve.proto import ChatTurn, StructuredOutput
 
 from .policy import InvalidRequest, message_text
 
@@ -151,6 +151,10 @@ class Tools:
         calls = [call_schema(n, self.functions[n]) for n in names]
         return StructuredOutput(json=json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls}))
 
+    def definitions(self) -> list[dict[str, Any]] | None:
+        """The listed tools as a chat template takes them (OpenAI's shape), or None."""
+        return [{"type": "function", "function": fn} for fn in self.functions.values()] if self.listed else None
+
     def parse(self, text: str) -> list[tuple[str, str]] | None:
         """[(name, arguments as a JSON string)] when `text` is only calls to listed tools."""
         objs = calls_in(text)
@@ -197,6 +201,31 @@ def may_be_calls(held: str) -> bool:
     """Whether a streamed answer that starts with `held` may still turn out to be only calls."""
     h = held.lstrip()
     return not h or any(h.startswith(o) or o.startswith(h) for o in _OPENERS)
+
+
+def chat_turns(messages: list) -> list[ChatTurn]:
+    """The messages as the worker receives them for its chat template: role, text, an assistant's
+    calls (arguments as an object, as templates read them) and a tool result's call id."""
+    turns = []
+    for m in messages:
+        extra = getattr(m, "model_extra", None) or {}
+        calls = [_template_call(c) for c in extra.get("tool_calls") or []] or None
+        call_id = extra.get("tool_call_id")
+        turns.append(ChatTurn(role=m.role, content=message_text(m), tool_calls=calls,
+                              tool_call_id=call_id if isinstance(call_id, str) else None))
+    return turns
+
+
+def _template_call(call: Any) -> dict[str, Any]:
+    fn = call.get("function", {}) if isinstance(call, dict) else {}
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass  # the template gets the string as the client sent it
+    return {"id": call.get("id", "") if isinstance(call, dict) else "", "type": "function",
+            "function": {"name": fn.get("name", ""), "arguments": args}}
 
 
 def call_schema(name: str, fn: dict[str, Any]) -> dict[str, Any]:

@@ -132,10 +132,11 @@ class Engine(abc.ABC):
         """What /v1/models reports about the served model."""
         return {"engine": self.name, "simulated": self.simulated}
 
-    def chat_prompt(self, messages: list[dict], end: str = "open") -> str | None:
-        """The prompt the model's own chat template makes of a chat's `messages` (role, content),
-        ending as `end` says (`GenerateRequest.chat_end`), or None when the model has none: the
-        gateway's role-prefixed transcript is used then."""
+    def chat_prompt(self, messages: list[dict], end: str = "open", tools: list[dict] | None = None) -> str | None:
+        """The prompt the model's own chat template makes of a chat's `messages` (role, content,
+        tool_calls, tool_call_id) and `tools`, ending as `end` says (`GenerateRequest.chat_end`), or
+        None when the model has none (or one that ignores tools the chat has): the gateway's
+        role-prefixed transcript is used then."""
         return None
 
     def has_adapter(self, name: str) -> bool:
@@ -215,11 +216,12 @@ def make_stats(input_tokens: int, output_tokens: int, arrival: float, start: flo
     )
 
 
-def templated_chat(tokenizer, messages: list[dict], adds_bos: bool | None = None, end: str = "open") -> str | None:
+def templated_chat(tokenizer, messages: list[dict], adds_bos: bool | None = None, end: str = "open",
+                   tools: list[dict] | None = None) -> str | None:
     """`core.chat_template.render` for an engine: a template that refuses the messages is the
     client's 400 (EngineError)."""
     try:
-        return chat_template.render(tokenizer, messages, adds_bos=adds_bos, end=end)
+        return chat_template.render(tokenizer, messages, adds_bos=adds_bos, end=end, tools=tools)
     except chat_template.TemplateRefused as exc:
         raise EngineError(str(exc), 400) from exc
 

@@ -34,6 +34,7 @@ from polyserve.proto import (
     WORKER_SHUTDOWN,
     AdapterCommand,
     CancelRequest,
+    ChatTurn,
     Credit,
     GenerateAccepted,
     GenerateRequest,
@@ -104,6 +105,16 @@ def _chunk(req: GenerateRequest, seq: int, d: Delta, simulated: bool) -> TokenCh
     return TokenChunk(request_id=req.request_id, seq=seq, index=d.index, text=d.text, tokens=d.tokens,
                       finish_reason=d.finish_reason, simulated=simulated, logprobs=d.logprobs,
                       prompt_logprobs=d.prompt_logprobs)
+
+
+def turn_message(t: ChatTurn) -> dict:
+    """A chat turn as a chat template (and an upstream's chat endpoint) takes a message."""
+    m: dict = {"role": t.role, "content": t.content}
+    if t.tool_calls:
+        m["tool_calls"] = t.tool_calls
+    if t.tool_call_id:
+        m["tool_call_id"] = t.tool_call_id
+    return m
 
 
 class SlowReader(EngineError):
@@ -297,10 +308,12 @@ class WorkerHandlers:
         the messages beside it (`EngineRequest.messages`)."""
         if req.chat is None:
             return req.prompt, None
-        messages = [{"role": t.role, "content": t.content} for t in req.chat]
-        templated = self.engine.chat_prompt(messages, req.chat_end)
+        messages = [turn_message(t) for t in req.chat]
+        templated = self.engine.chat_prompt(messages, req.chat_end, req.tools)
         if templated is not None:
             return templated, None
+        if req.tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            return req.prompt, None  # the gateway's transcript lists the tools and calls (never left out)
         return req.prompt or chat_transcript(req.chat, req.chat_end), messages  # a long chat comes without it
 
     async def _stream(self, req: GenerateRequest, stream: AsyncIterator, first: asyncio.Future,

@@ -5,6 +5,7 @@ that refuses the messages is the client's 400; a chat with tools keeps the trans
 from __future__ import annotations
 
 import copy
+import json
 
 import openai
 import pytest
@@ -143,3 +144,61 @@ async def test_a_long_chat_travels_once_and_the_worker_rebuilds_its_transcript(p
         assert seen == [(0, True)]  # the messages alone
         same = await p.client.completions.create(model=MODEL, prompt=transcript, max_tokens=4)
         assert chat.usage.prompt_tokens == same.usage.prompt_tokens > 16_000
+
+
+# A template that lists tools and renders earlier calls and results itself (as Qwen's, Llama 3.1's, ...)
+TOOL_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<tools> {% for t in tools %}{{ t.function.name }}: "
+    "{{ t.function.parameters | tojson }} {% endfor %}</tools> {% endif %}"
+    "{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}<assistant> {% for c in m.tool_calls %}"
+    "<call> {{ c.function.name }} {{ c.function.arguments | tojson }} </call> {% endfor %}</assistant> "
+    "{% elif m.role == 'tool' %}<tool> {{ m.content }} </tool> "
+    "{% else %}<{{ m.role }}> {{ m.content }} </{{ m.role }}> {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
+                                                           "required": ["city"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def tool_checkpoint(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from polyserve.worker.engines.hf_model import save_random_checkpoint
+    out = save_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "tool-templated", seed=0)
+    tok = copy.deepcopy(AutoTokenizer.from_pretrained(str(out)))
+    tok.bos_token = tok.cls_token
+    tok.chat_template = TOOL_TEMPLATE
+    tok.save_pretrained(str(out))
+    return out
+
+
+async def test_a_template_that_takes_tools_formats_the_tools_calls_and_results_itself(plane, tool_checkpoint):
+    """tools, an earlier call (its arguments sent as a JSON string, as OpenAI clients do) and its
+    result reach the template as templates read them; `auto` answers as the completion of that prompt,
+    `required` is still a call that parses."""
+    messages = [{"role": "user", "content": "weather in oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "12C and rain"},
+                {"role": "user", "content": "and tomorrow?"}]
+    as_template_reads = [messages[0], {"role": "assistant", "content": "", "tool_calls": [{
+        "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "12C and rain", "tool_call_id": "call_1"}, messages[3]]
+    async with plane(worker_kw=hf(tool_checkpoint)) as p:
+        engine = p.worker.engine
+        prompt = engine.chat_prompt(as_template_reads, "open", [WEATHER])
+        assert '<tools> get_weather: {"type": "object", "properties": {"city"' in prompt
+        assert '<call> get_weather {"city": "Oslo"} </call>' in prompt and "<tool> 12C and rain </tool>" in prompt
+        auto = await p.client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
+                                                      max_tokens=6, temperature=0)
+        same = await p.client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+        assert auto.choices[0].message.content == same.choices[0].text  # random weights: text, not a call
+        assert auto.usage.prompt_tokens == same.usage.prompt_tokens == len(engine._bundle.encode(prompt))
+        forced = await p.client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
+                                                        tool_choice="required", max_tokens=40, temperature=0)
+        assert forced.usage.prompt_tokens == auto.usage.prompt_tokens  # the same templated prompt
+        assert forced.choices[0].finish_reason == "tool_calls"  # (a bounded string: the call ends)
+        (call,) = forced.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)

@@ -447,11 +447,11 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
                           max_input_len=self.max_input_len, adapters=self.adapters.infos())
 
     # ----------------------------------------------------------------- tokens, card
-    def chat_prompt(self, messages: list[dict], end: str = "open") -> str | None:
+    def chat_prompt(self, messages: list[dict], end: str = "open", tools: list[dict] | None = None) -> str | None:
         """The checkpoint's chat template (the `upstream_tokenizer` or `model_path` directory), applied
         here: the upstream's /v1/completions then runs what its /v1/chat/completions would."""
         tok = self._chat_tokenizer()
-        return templated_chat(tok, messages, end=end) if tok else None
+        return templated_chat(tok, messages, end=end, tools=tools) if tok else None
 
     def _chat_tokenizer(self) -> Any:
         if self._chat_tok is None:

@@ -24,7 +24,9 @@ silently). A chat's end (`EngineRequest.chat_end`) goes as vLLM's `add_generatio
 (`EngineRequest.continuation`) continues the assistant's message with `continue_final_message`
 (after a "closed" chat too, the nearest the chat wire has); a server without those fields refuses
 the request with its error, which reaches the client.
-Requests with prompt logprobs (`echo`) are completions: chats have no echo.
+Requests with prompt logprobs (`echo`) are completions: chats have no echo. Chats with tools or
+earlier tool calls are completions too, of the gateway's transcript (`EngineRequest.messages` is
+None): this engine reads only text from the upstream, not its `tool_calls`.
 
 Answers: a chunk's `delta` (a whole answer's `message`) `content`, after any `reasoning` text
 (vLLM with a reasoning parser splits it off; it is part of the output, as on /v1/completions);
