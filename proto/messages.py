@@ -181,6 +181,15 @@ class ChatTurn(Msg, kw_only=True):
     tool_calls: "list[dict[str, Any]] | None" = None
     tool_call_id: str | None = None
 
+    def message(self) -> dict[str, Any]:
+        """The turn as a chat template (or an engine server's chat endpoint) takes a message."""
+        m: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            m["tool_calls"] = self.tool_calls
+        if self.tool_call_id:
+            m["tool_call_id"] = self.tool_call_id
+        return m
+
 
 def chat_transcript(turns: "list[ChatTurn]", end: str = "open") -> str:
     """A chat as a role-prefixed transcript: one `role: text` line per message, then `assistant:`

@@ -296,7 +296,9 @@ TOKENIZE: dict[str, Rule] = {
                               (None, {}), {"x": 1}),
     "media_io_kwargs": R("no multimodal inputs", (None, {}), {"x": {}}),
     "mm_processor_kwargs": R("no multimodal inputs", (None, {}), {"x": 1}),
-    "tools": R(LATER, (None, []), [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    "tools": H("with `messages`: listed as chat completions list them (through the chat template where it "
+               "reads tools, else the transcript's `system:` line), so the count is the chat's",
+               [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
 }
 
 DETOKENIZE: dict[str, Rule] = {

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from polyserve.proto import Deployment
 
-from . import compat
+from . import compat, tools
 from .context import Gateway, GatewayState
 from .errors import GatewayError
 from .policy import InvalidRequest, chat_end, chat_turns, render_chat
@@ -166,9 +166,15 @@ async def tokenize(body: TokenizeBody, gs: Gateway) -> JSONResponse:
                                                         if k not in ("role", "content")},
                                            dep.engine, compat.MESSAGE, prefix=f"messages[{i}].")
         end = chat_end(body)
+        tl = tools.parse_tools(body)
+        with_tools = tl.listed or any((m.model_extra or {}).get("tool_calls") for m in body.messages)
+        turns = tools.chat_turns(body.messages) if with_tools else chat_turns(body.messages)
         dt = await deployment_tokenizer(gs, dep)
-        text = await _templated(dt, body, end) if dt.chat_template else None
-        if text is None:
+        text = await _templated(dt, turns, end, tl.definitions()) if dt.chat_template else None
+        if text is None and with_tools:  # as chat completions run a chat with tools (completions.chat)
+            text = tools.render_chat(body.messages, tl)
+            text = text if end == "open" else text.removesuffix("\nassistant:")
+        elif text is None:
             text = render_chat(body.messages, end)
     else:
         text = body.prompt
@@ -187,7 +193,7 @@ def _chat_tokenizer(path: str):
     return chat_template.load_tokenizer(path)
 
 
-async def _templated(dt: DeploymentTokenizer, body: TokenizeBody, end: str) -> str | None:
+async def _templated(dt: DeploymentTokenizer, turns: list, end: str, tool_defs: list | None) -> str | None:
     """The messages through the checkpoint's chat template, as its workers run a chat (None: the
     template could not be loaded). A template that refuses them is the 400 a chat would get."""
     from polyserve.core import chat_template
@@ -195,8 +201,7 @@ async def _templated(dt: DeploymentTokenizer, body: TokenizeBody, end: str) -> s
     if tok is None:
         return None
     try:
-        return chat_template.render(tok, [{"role": t.role, "content": t.content} for t in chat_turns(body.messages)],
-                                    end=end)
+        return chat_template.render(tok, [t.message() for t in turns], end=end, tools=tool_defs)
     except chat_template.TemplateRefused as exc:
         raise InvalidRequest(str(exc), "messages") from exc
 

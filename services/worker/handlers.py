@@ -34,7 +34,6 @@ from polyserve.proto import (
     WORKER_SHUTDOWN,
     AdapterCommand,
     CancelRequest,
-    ChatTurn,
     Credit,
     GenerateAccepted,
     GenerateRequest,
@@ -105,16 +104,6 @@ def _chunk(req: GenerateRequest, seq: int, d: Delta, simulated: bool) -> TokenCh
     return TokenChunk(request_id=req.request_id, seq=seq, index=d.index, text=d.text, tokens=d.tokens,
                       finish_reason=d.finish_reason, simulated=simulated, logprobs=d.logprobs,
                       prompt_logprobs=d.prompt_logprobs)
-
-
-def turn_message(t: ChatTurn) -> dict:
-    """A chat turn as a chat template (and an upstream's chat endpoint) takes a message."""
-    m: dict = {"role": t.role, "content": t.content}
-    if t.tool_calls:
-        m["tool_calls"] = t.tool_calls
-    if t.tool_call_id:
-        m["tool_call_id"] = t.tool_call_id
-    return m
 
 
 class SlowReader(EngineError):
@@ -308,7 +297,7 @@ class WorkerHandlers:
         the messages beside it (`EngineRequest.messages`)."""
         if req.chat is None:
             return req.prompt, None
-        messages = [turn_message(t) for t in req.chat]
+        messages = [t.message() for t in req.chat]
         templated = self.engine.chat_prompt(messages, req.chat_end, req.tools)
         if templated is not None:
             return templated, None

@@ -202,3 +202,20 @@ async def test_a_template_that_takes_tools_formats_the_tools_calls_and_results_i
         assert forced.choices[0].finish_reason == "tool_calls"  # (a bounded string: the call ends)
         (call,) = forced.choices[0].message.tool_calls
         assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+
+
+async def test_tokenize_counts_a_tool_chat_as_the_worker_runs_it(plane, state, tool_checkpoint, checkpoint):
+    import httpx
+
+    from polyserve.proto import Deployment
+    messages = [{"role": "user", "content": "weather in oslo?"}]
+    for dep, ckpt in (("tool-templated", tool_checkpoint), ("plain-templated", checkpoint)):  # reads tools / not
+        await state.put_deployment(Deployment(id=dep, model=str(ckpt), engine="hf"))
+        async with plane(worker_kw={"engine": "hf", "model": dep, "model_path": str(ckpt), "deployment": dep}) as p:
+            chat = await p.client.chat.completions.create(model=dep, messages=messages, tools=[WEATHER],
+                                                          max_tokens=2, temperature=0)
+            async with httpx.AsyncClient(base_url=p.url, timeout=20) as http:
+                got = await http.post("/tokenize", json={"model": dep, "messages": messages, "tools": [WEATHER]})
+                plain = await http.post("/tokenize", json={"model": dep, "messages": messages})
+            assert got.status_code == 200, got.text
+            assert got.json()["count"] == chat.usage.prompt_tokens > plain.json()["count"]
