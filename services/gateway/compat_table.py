@@ -185,7 +185,8 @@ CHAT: dict[str, Rule] = {
     **SAMPLING,
     "messages": H("text content (strings or `text` parts); an hf, vllm or openai-http worker whose checkpoint "
                   "has a chat template formats them with it (one BOS; a template that refuses them is a 400); an "
-                  "openai-http worker without one sends them (not with tools) to its upstream's /v1/chat/completions (`upstream_chat`); "
+                  "openai-http worker without one sends them (not with earlier tool calls) to its upstream's "
+                  "/v1/chat/completions (`upstream_chat`); "
                   "tools and calls go to that template only where it reads them; otherwise a role-prefixed "
                   "transcript (with `tools` listed or called: the transcript of services/gateway/tools.py, assistant "
                   "`tool_calls` as the calls' JSON, `tool` results as `tool:` lines); other content parts are "
@@ -198,7 +199,7 @@ CHAT: dict[str, Rule] = {
                        "otherwise, as in vLLM)", (None, 0)),
     "echo": R("vLLM's chat echo (repeat the last message) is not served", (None, False), True),
     "tools": Rule(HONOURED, "functions, listed in the prompt with their parameter schemas: by the checkpoint's chat "
-                  "template where it reads tools (hf, vllm, openai-http with a checkpoint), else by the gateway's "
+                  "template where it reads tools (hf, vllm), else by the gateway's "
                   "transcript (services/gateway/tools.py); "
                   "a call comes back as `message.tool_calls` (streamed: `delta.tool_calls`), finish_reason "
                   "`tool_calls`", noop=(None, []),

@@ -284,10 +284,10 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
             if messages is None:
                 await self._call(fl, *self.request_body(fl.req))
             else:
+                body = openai_http_chat.chat_body(*self.request_body(fl.req), messages, fl.req.continuation,
+                                                  fl.req.chat_end, self.structured_style)
                 try:
-                    await self._call(fl, *openai_http_chat.chat_body(*self.request_body(fl.req), messages, fl.req.continuation,
-                                                                     fl.req.chat_end, self.structured_style),
-                                     chat=True)
+                    await self._call(fl, *body, chat=True)
                     self.chats_answered += 1
                 except openai.APIStatusError as exc:
                     if fl.seen or self.chat_mode == "chat" or not openai_http_chat.refuses_chats(
@@ -462,7 +462,8 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
         if self._chat_tokenizer():
             return "the checkpoint's chat template here, then /v1/completions"
         if self.chat_mode == "completions" or self.chat_refusal:
-            return "the gateway's transcript to /v1/completions" + (f" ({self.chat_refusal})" if self.chat_refusal else "")
+            why = f" ({self.chat_refusal})" if self.chat_refusal else ""
+            return "the gateway's transcript to /v1/completions" + why
         return "/v1/chat/completions"
 
     def count_tokens(self, text: str) -> int:
