@@ -74,7 +74,6 @@ STRUCTURED = ("enforced per token: hf with llguidance masks (EOS only where the 
               "docs/benchmarks/structured-outputs.md), vllm as SamplingParams.structured_outputs "
               "(StructuredOutputsParams), sim with a simulated schema-valid instance (sim_json.py: no "
               "`pattern`, no unusual `format`s: 400)")
-NOT_UPSTREAM = (REFUSED, "not passed to the upstream server yet (issue 18)")
 SO_UPSTREAM = (HONOURED, "passed upstream: JSON as `response_format` (json_object, json_schema), regex, "
                "choice and grammar as vLLM's `structured_outputs`; the upstream enforces it, and a server "
                "without it (e.g. `transformers serve`) rejects the field: its 4xx is passed on")
@@ -199,18 +198,18 @@ CHAT: dict[str, Rule] = {
                        "otherwise, as in vLLM)", (None, 0)),
     "echo": R("vLLM's chat echo (repeat the last message) is not served", (None, False), True),
     "tools": Rule(HONOURED, "functions, listed in the prompt with their parameter schemas: by the checkpoint's chat "
-                  "template where it reads tools (hf, vllm), else by the gateway's "
-                  "transcript (services/gateway/tools.py); "
+                  "template where it reads tools (hf, vllm, openai-http with a checkpoint), else by the gateway's "
+                  "transcript (services/gateway/tools.py; openai-http sends either as a completion, with a forced "
+                  "call's schema as a structured output the upstream must enforce); "
                   "a call comes back as `message.tool_calls` (streamed: `delta.tool_calls`), finish_reason "
                   "`tool_calls`", noop=(None, []),
-                  example=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
-                  engines={"openai-http": NOT_UPSTREAM}),
+                  example=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     "tool_choice": Rule(HONOURED, "`required` or a named function: the call's JSON is generated under its "
                         "schema (constrained decoding, as response_format), so it always parses; `auto`: free "
                         "text, returned as calls when the whole answer is calls: the gateway's JSON or the formats "
                         "models are trained on (Hermes/Qwen `<tool_call>`, Mistral `[TOOL_CALLS]`, Llama 3.1 "
                         "`<|python_tag|>` / `parameters`), several as parallel calls (random weights: text); `none`",
-                        noop=(None, "none", "auto"), engines={"openai-http": NOT_UPSTREAM}),
+                        noop=(None, "none", "auto")),
     "parallel_tool_calls": I("a forced call is one call; with `auto` every call the answer holds is returned "
                              "(parallel calls are never asked for in the prompt)", False),
     "functions": R("OpenAI's deprecated functions API: send `tools`", (None, []), [{"name": "f", "parameters": {}}]),

@@ -36,9 +36,11 @@ class StandIn(LoopbackHTTP):
     """refuse: None (answers chats), "vllm-400", "404", "500" (every chat), "500-later" (the
     second and later chats). reasoning: the first chunk's text comes as `reasoning`."""
 
-    def __init__(self, refuse: str | None = None, reasoning: bool = False):
+    def __init__(self, refuse: str | None = None, reasoning: bool = False, completion_out: list[str] | None = None,
+                 finish: str = "length"):
         super().__init__()
         self.refuse, self.reasoning = refuse, reasoning
+        self.completion_out, self.finish = completion_out or COMPLETION_OUT, finish
 
     def answer(self, method: str, path: str, body: dict) -> tuple[int, bytes, str]:
         if method == "GET":
@@ -85,13 +87,14 @@ class StandIn(LoopbackHTTP):
             "text/event-stream"
 
     def completion(self, body: dict) -> tuple[bytes, str]:
-        usage = {"prompt_tokens": 9, "completion_tokens": len(COMPLETION_OUT), "total_tokens": 9 + 2}
+        out, last = self.completion_out, len(self.completion_out) - 1
+        usage = {"prompt_tokens": 9, "completion_tokens": len(out), "total_tokens": 9 + len(out)}
         base = {"id": "cmpl-1", "created": 0, "model": "m", "object": "text_completion"}
         if not body.get("stream"):
-            choice = {"index": 0, "text": "".join(COMPLETION_OUT), "finish_reason": "length"}
+            choice = {"index": 0, "text": "".join(out), "finish_reason": self.finish}
             return json.dumps({**base, "choices": [choice], "usage": usage}).encode(), "application/json"
-        events = [{**base, "choices": [{"index": 0, "text": t, "finish_reason": "length" if j else None}]}
-                  for j, t in enumerate(COMPLETION_OUT)] + [{**base, "choices": [], "usage": usage}]
+        events = [{**base, "choices": [{"index": 0, "text": t, "finish_reason": self.finish if j == last else None}]}
+                  for j, t in enumerate(out)] + [{**base, "choices": [], "usage": usage}]
         return ("".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n").encode(), \
             "text/event-stream"
 
@@ -250,3 +253,51 @@ async def test_upstream_chat_setting_forces_either_route():
         WorkerSettings(engine="openai-http", upstream_url="http://127.0.0.1:1", upstream_chat="both").validate()
     with pytest.raises(EngineError, match="upstream_chat"):
         _engine(up, upstream_chat="both")
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("choice, answer", [
+    ("required", ['{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}']),
+    ("auto", ["<tool_call>\n", '{"name": "get_weather", "arguments": {"city": "Oslo"}}', "\n</tool_call>"]),
+])
+async def test_tools_through_an_openai_http_worker(plane, state, choice, answer):
+    """openai client -> gateway -> openai-http worker -> an upstream speaking vLLM's completions wire:
+    the tools are listed in the prompt (the transcript: this worker has no checkpoint), a forced call
+    is constrained upstream (a JSON schema in `response_format`), and the upstream's answer, in the gateway's
+    JSON or a model's own format, comes back as a tool call, streamed and not."""
+    import openai
+
+    from polyserve.proto import Deployment
+    await state.put_deployment(Deployment(id="up", model="up", engine="openai-http"))
+    with StandIn(completion_out=answer, finish="stop") as up:
+        worker = {"engine": "openai-http", "deployment": "up", "model": "up", "upstream_url": up.url,
+                  "upstream_model": "m", "upstream_metrics_url": "off", "upstream_start_timeout_s": 5.0}
+        async with plane(worker_kw=worker) as p:
+            messages = [{"role": "user", "content": "weather in oslo?"}]
+            out = await p.client.chat.completions.create(model="up", messages=messages, tools=[WEATHER],
+                                                         tool_choice=choice, max_tokens=30)
+            (call,) = out.choices[0].message.tool_calls
+            assert out.choices[0].finish_reason == "tool_calls" and out.choices[0].message.content is None
+            assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Oslo"})
+            stream = await p.client.chat.completions.create(model="up", messages=messages, tools=[WEATHER],
+                                                            tool_choice=choice, max_tokens=30, stream=True)
+            names, args, finish = [], "", None
+            async for chunk in stream:
+                for c in chunk.choices:
+                    for tc in c.delta.tool_calls or []:
+                        names += [tc.function.name] if tc.function and tc.function.name else []
+                        args += (tc.function.arguments or "") if tc.function else ""
+                    finish = c.finish_reason or finish
+            assert names == ["get_weather"] and json.loads(args) == {"city": "Oslo"} and finish == "tool_calls"
+            with pytest.raises(openai.BadRequestError):  # tools still need a chat the gateway can check
+                await p.client.chat.completions.create(model="up", messages=messages, tools=[{"type": "x"}])
+    body = up.posts[0][1]
+    assert "get_weather" in body["prompt"] and body["prompt"].endswith("user: weather in oslo?\nassistant:")
+    if choice == "required":
+        schema = body["response_format"]["json_schema"]["schema"]  # JSON on /v1/completions (openai_http_wire)
+        assert schema["properties"]["name"] == {"const": "get_weather"} and body["max_tokens"] == 30
+    else:
+        assert "structured_outputs" not in body and "response_format" not in body

@@ -517,3 +517,13 @@ async def test_a_chat_without_a_local_template_is_the_upstreams_own_chat(upstrea
             for c in chunk.choices:
                 text += c.delta.content or ""
         assert text == direct.choices[0].message.content
+        # tools: listed in the transcript sent as a completion; random weights answer text (auto), and a
+        # forced call's JSON schema is a field transformers serve refuses: its 422 reaches the client
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+        auto = await client.chat.completions.create(model=MODEL, messages=messages, tools=[tool], max_tokens=4,
+                                                    temperature=0)
+        assert auto.choices[0].message.content and auto.choices[0].finish_reason == "length"
+        with pytest.raises(openai.APIStatusError) as err:
+            await client.chat.completions.create(model=MODEL, messages=messages, tools=[tool], tool_choice="required",
+                                                 max_tokens=4)
+        assert "answered 422" in err.value.message and "response_format" in err.value.message
