@@ -180,6 +180,7 @@ class ChatTurn(Msg, kw_only=True):
     # read them): [{id, type: "function", function: {name, arguments}}]; a tool result's call id.
     tool_calls: "list[dict[str, Any]] | None" = None
     tool_call_id: str | None = None
+    name: str | None = None  # a tool result's function name (Hermes-style templates require it)
 
     def message(self) -> dict[str, Any]:
         """The turn as a chat template (or an engine server's chat endpoint) takes a message."""
@@ -188,6 +189,8 @@ class ChatTurn(Msg, kw_only=True):
             m["tool_calls"] = self.tool_calls
         if self.tool_call_id:
             m["tool_call_id"] = self.tool_call_id
+        if self.name:
+            m["name"] = self.name
         return m
 
 

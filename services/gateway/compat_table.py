@@ -242,7 +242,8 @@ CHAT: dict[str, Rule] = {
 MESSAGE: dict[str, Rule] = {
     "role": H("system, developer, user, assistant, tool"),
     "content": H("a string or `text` parts; image, audio and file parts are refused"),
-    "name": I("a message reaches the prompt as its role and text only"),
+    "name": I("a tool result's name goes to a chat template that reads tools (taken from the call it answers "
+              "when left out); other messages reach the prompt as their role and text only"),
     "tool_call_id": I("given to a chat template that reads tool results; the transcript renders a tool message "
                       "as `tool: <content>`"),
     "tool_calls": H("an assistant's calls: given to a chat template that reads them (arguments as an object), "

@@ -205,14 +205,20 @@ def may_be_calls(held: str) -> bool:
 
 def chat_turns(messages: list) -> list[ChatTurn]:
     """The messages as the worker receives them for its chat template: role, text, an assistant's
-    calls (arguments as an object, as templates read them) and a tool result's call id."""
-    turns = []
+    calls (arguments as an object, as templates read them), and a tool result's call id and function
+    name (the client's, else that of the call it answers: OpenAI's tool messages carry none, and
+    Hermes-style templates refuse a result without one)."""
+    turns, names = [], {}
     for m in messages:
         extra = getattr(m, "model_extra", None) or {}
         calls = [_template_call(c) for c in extra.get("tool_calls") or []] or None
-        call_id = extra.get("tool_call_id")
-        turns.append(ChatTurn(role=m.role, content=message_text(m), tool_calls=calls,
-                              tool_call_id=call_id if isinstance(call_id, str) else None))
+        names.update((c["id"], c["function"]["name"]) for c in calls or ())
+        call_id = extra.get("tool_call_id") if isinstance(extra.get("tool_call_id"), str) else None
+        name = None
+        if m.role == "tool":
+            name = extra.get("name") if isinstance(extra.get("name"), str) else names.get(call_id)
+        turns.append(ChatTurn(role=m.role, content=message_text(m), tool_calls=calls, tool_call_id=call_id,
+                              name=name))
     return turns
 
 

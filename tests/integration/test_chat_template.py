@@ -152,7 +152,8 @@ TOOL_TEMPLATE = (
     "{{ t.function.parameters | tojson }} {% endfor %}</tools> {% endif %}"
     "{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}<assistant> {% for c in m.tool_calls %}"
     "<call> {{ c.function.name }} {{ c.function.arguments | tojson }} </call> {% endfor %}</assistant> "
-    "{% elif m.role == 'tool' %}<tool> {{ m.content }} </tool> "
+    "{% elif m.role == 'tool' %}{% if m.name is not defined %}{{ raise_exception('a tool result needs its "
+    "function name') }}{% endif %}<tool {{ m.name }}> {{ m.content }} </tool> "
     "{% else %}<{{ m.role }}> {{ m.content }} </{{ m.role }}> {% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}")
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
@@ -175,7 +176,8 @@ def tool_checkpoint(tmp_path_factory):
 
 async def test_a_template_that_takes_tools_formats_the_tools_calls_and_results_itself(plane, tool_checkpoint):
     """tools, an earlier call (its arguments sent as a JSON string, as OpenAI clients do) and its
-    result reach the template as templates read them; `auto` answers as the completion of that prompt,
+    result (named after its call: OpenAI's tool messages carry no name, Hermes-style templates
+    require one) reach the template as templates read them; `auto` answers as the completion of that prompt,
     `required` is still a call that parses."""
     messages = [{"role": "user", "content": "weather in oslo?"},
                 {"role": "assistant", "content": None, "tool_calls": [{
@@ -185,12 +187,12 @@ async def test_a_template_that_takes_tools_formats_the_tools_calls_and_results_i
                 {"role": "user", "content": "and tomorrow?"}]
     as_template_reads = [messages[0], {"role": "assistant", "content": "", "tool_calls": [{
         "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
-        {"role": "tool", "content": "12C and rain", "tool_call_id": "call_1"}, messages[3]]
+        {"role": "tool", "content": "12C and rain", "tool_call_id": "call_1", "name": "get_weather"}, messages[3]]
     async with plane(worker_kw=hf(tool_checkpoint)) as p:
         engine = p.worker.engine
         prompt = engine.chat_prompt(as_template_reads, "open", [WEATHER])
         assert '<tools> get_weather: {"type": "object", "properties": {"city"' in prompt
-        assert '<call> get_weather {"city": "Oslo"} </call>' in prompt and "<tool> 12C and rain </tool>" in prompt
+        assert '<call> get_weather {"city": "Oslo"} </call>' in prompt and "<tool get_weather> 12C and rain </tool>" in prompt
         auto = await p.client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
                                                       max_tokens=6, temperature=0)
         same = await p.client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
