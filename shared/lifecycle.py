@@ -178,7 +178,8 @@ def run_main(service_cls: type[ServiceBase], settings_cls: type[settings_mod.Com
     try:
         cfg = settings_mod.load(settings_cls, name, sys.argv[1:] if argv is None else argv)
     except settings_mod.SettingsError as exc:
-        print(f"polyserve-{name} {FATAL}{exc}", file=sys.stderr)  # (SettingsError: says which setting)
+        # logging is set up from these settings, so not yet: the one line goes to stderr directly
+        sys.stderr.write(f"polyserve-{name} {FATAL}{exc}\n")
         return 2
     setup_logging(cfg.log_level)
 

@@ -44,9 +44,9 @@ async def chat(body: ChatBody, request: Request, gs: Gateway) -> Response:
     calls = any((m.model_extra or {}).get("tool_calls") for m in body.messages)
     end = policy.chat_end(body)
     if tl.listed or calls:  # the transcript carries the tool definitions and calls, for a worker
-        text = tools.render_chat(body.messages, tl)  # whose chat template does not take them itself
-        return await serve(gs, request, body, [text if end == "open" else text.removesuffix("\nassistant:")],
-                           chat=True, tl=tl, turns=tools.chat_turns(body.messages), chat_end=end)
+        text = tools.render_chat(body.messages, tl, end)  # whose chat template does not take them itself
+        return await serve(gs, request, body, [text], chat=True, tl=tl, turns=tools.chat_turns(body.messages),
+                           chat_end=end)
     # the worker formats the messages with the model's own chat template where it has one
     return await serve(gs, request, body, [policy.render_chat(body.messages, end)], chat=True, tl=tl,
                        turns=policy.chat_turns(body.messages), chat_end=end)

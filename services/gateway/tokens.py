@@ -172,8 +172,7 @@ async def tokenize(body: TokenizeBody, gs: Gateway) -> JSONResponse:
         dt = await deployment_tokenizer(gs, dep)
         text = await _templated(dt, turns, end, tl.definitions()) if dt.chat_template else None
         if text is None and with_tools:  # as chat completions run a chat with tools (completions.chat)
-            text = tools.render_chat(body.messages, tl)
-            text = text if end == "open" else text.removesuffix("\nassistant:")
+            text = tools.render_chat(body.messages, tl, end)
         elif text is None:
             text = render_chat(body.messages, end)
     else:

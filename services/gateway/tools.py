@@ -281,9 +281,9 @@ def _call_text(call: Any) -> str:
     return json.dumps({"name": fn.get("name"), "arguments": args})
 
 
-def render_chat(messages: list, tools: Tools) -> str:
+def render_chat(messages: list, tools: Tools, end: str = "open") -> str:
     """The role-prefixed transcript (policy.render_chat's format) with the tools listed and
-    tool calls and results rendered."""
+    tool calls and results rendered; without the assistant's opening unless `end` is "open"."""
     lines = []
     if tools.listed:
         listed = [{"name": n, "description": f.get("description", ""), "parameters": f.get("parameters") or {}}
@@ -296,7 +296,7 @@ def render_chat(messages: list, tools: Tools) -> str:
         if calls:
             text = "\n".join(([text] if text else []) + [_call_text(c) for c in calls])
         lines.append(f"{m.role}: {text}")
-    return "\n".join(lines) + "\nassistant:"
+    return "\n".join(lines) + ("\nassistant:" if end == "open" else "")
 
 
 def _call(name: str, arguments: str, index: int | None = None) -> dict[str, Any]:
