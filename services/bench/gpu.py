@@ -8,9 +8,9 @@
   `--hidden`/`--layers` so weights dominate), against the memory-bandwidth bound: every decode
   step reads all weights once, so tokens/s <= bandwidth / weight bytes. The peak bandwidth is
   NVML's max memory clock x bus width x 2 (DDR), or `--peak-gb-s` when given. Timed as the hf
-  engine decodes (one forward per token over a `DynamicCache`, `decode_rate`), and, for
-  comparison, through transformers' `generate()`, which was 5.5x slower per token on an H100
-  (docs/benchmarks/gpu.md).
+  engine decodes (one forward per token over a `DynamicCache`, `decode_rate`, with cuDNN's
+  attention off as in the engine: `core.torch_cuda.planless_attention`), and, for comparison, through
+  transformers' `generate()` (docs/benchmarks/gpu.md).
 
 Nothing here changes clocks, power limits or modes. Without an NVIDIA GPU it says so and
 exits 2. Figures are printed with the device's name; record them with the device.
@@ -86,6 +86,7 @@ def roofline(args: argparse.Namespace) -> dict:
     """Batch-1 decode tokens/s of a random Llama vs the memory-bandwidth bound."""
     import torch
 
+    from polyserve.core.torch_cuda import planless_attention
     from polyserve.worker.engines.hf_model import build_random_model
 
     if not torch.cuda.is_available():
@@ -95,6 +96,7 @@ def roofline(args: argparse.Namespace) -> dict:
         nvml.nvmlDeviceGetMaxClockInfo(h, nvml.NVML_CLOCK_MEM) * 1e6 * nvml.nvmlDeviceGetMemoryBusWidth(h) / 8 * 2)
     arch = {"hidden_size": args.hidden, "intermediate_size": 4 * args.hidden, "num_hidden_layers": args.layers,
             "num_attention_heads": max(1, args.hidden // 128), "num_key_value_heads": max(1, args.hidden // 128)}
+    planless_attention(torch.device("cuda", args.index))  # as the hf engine decodes (core.torch_cuda)
     model = build_random_model(0, device=f"cuda:{args.index}", dtype=torch.bfloat16, arch=arch)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     ids = torch.ones(1, 16, dtype=torch.long, device=model.device)

@@ -63,3 +63,21 @@ def test_decode_rate_times_one_forward_per_token():
     finally:
         hook.remove()
     assert rate > 0 and calls == [5] + [1] * 6
+
+
+def test_a_cuda_engine_keeps_attention_off_cudnn_and_a_cpu_one_leaves_it():
+    """cuDNN's attention plans each new KV length on first sight (88 vs 17 ms/token on an H200,
+    docs/benchmarks/gpu.md): a CUDA device turns that backend off, a CPU device touches nothing."""
+    import torch
+
+    from polyserve.core.torch_cuda import planless_attention
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        planless_attention(torch.device("cpu"))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        planless_attention(torch.device("cuda", 0))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from polyserve.core.torch_cuda import planless_attention
 from polyserve.predictor.proxy import artifact
 from polyserve.predictor.proxy import encoder as enc_mod
 from polyserve.predictor.proxy import model as M
@@ -92,6 +93,7 @@ class ProxyPredictor:
                  device: torch.device | str = "cpu"):
         self.meta = meta
         self.device = torch.device(device)
+        planless_attention(self.device)  # bf16 MiniLM on CUDA: see core.torch_cuda
         self.encoder = encoder.eval().to(self.device)
         self.head = head.eval().to(self.device)
         self.tok = tokenizer

@@ -43,6 +43,7 @@ from polyserve.core.encoder_text import (
     resolve_model_dir,
     truncate_ids,
 )
+from polyserve.core.torch_cuda import planless_attention
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +143,7 @@ def load_encoder(model_path: str = "", device: str = "cpu", dtype: str = "float3
     except EncoderNotFound as exc:
         raise EncoderRuntimeError(str(exc)) from exc
     dev = torch.device(device)
+    planless_attention(dev)
     dt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(dtype)
     if dt is None:
         raise EncoderRuntimeError(f"dtype {dtype!r} is not float32, float16 or bfloat16")

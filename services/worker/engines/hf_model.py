@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from polyserve.core.torch_cuda import planless_attention
+
 logger = logging.getLogger(__name__)
 
 RANDOM_SOURCE = "random"
@@ -165,6 +167,7 @@ def load_bundle(name: str, path: str, device: str = "cpu", dtype: str = "float32
     """Load the checkpoint at `path`, or build the random model when `path` is empty/'random'."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    planless_attention(dev)  # before the first forward: see core.torch_cuda
     if not path or path == RANDOM_SOURCE:
         tok = fallback_tokenizer()
         model = build_random_model(seed, dev, dt, arch)
