@@ -9,7 +9,9 @@
   step reads all weights once, so tokens/s <= bandwidth / weight bytes. The peak bandwidth is
   NVML's max memory clock x bus width x 2 (DDR), or `--peak-gb-s` when given. Timed as the hf
   engine decodes (one forward per token over a `DynamicCache`, `decode_rate`, with cuDNN's
-  attention off as in the engine: `core.torch_cuda.planless_attention`), and, for comparison, through
+  attention off as in the engine: `core.torch_cuda.planless_attention`) over KV lengths it has not
+  seen, then over the same lengths again (`first_pass_over_repeat` well under 1 means a kernel is
+  planned per new shape, which a server pays on every request), and, for comparison, through
   transformers' `generate()` (docs/benchmarks/gpu.md).
 
 Nothing here changes clocks, power limits or modes. Without an NVIDIA GPU it says so and
@@ -102,7 +104,8 @@ def roofline(args: argparse.Namespace) -> dict:
     ids = torch.ones(1, 16, dtype=torch.long, device=model.device)
     sync = torch.cuda.synchronize
     decode_rate(model, ids, 8, sync)  # warm-up
-    tps = decode_rate(model, ids, args.tokens, sync)
+    tps = decode_rate(model, ids, args.tokens, sync)  # KV lengths mostly new: what a server meets
+    repeat_tps = decode_rate(model, ids, args.tokens, sync)  # the same lengths again
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)  # warm-up
         sync()
@@ -113,6 +116,10 @@ def roofline(args: argparse.Namespace) -> dict:
     bound = peak / weight_bytes
     return {"device": nvml.nvmlDeviceGetName(h), "weights_gb": round(weight_bytes / 1e9, 3),
             "peak_gb_s": round(peak / 1e9, 1), "decode_tokens_per_s": round(tps, 1),
+            "decode_repeat_tokens_per_s": round(repeat_tps, 1),
+            # well under 1: some kernel is planned or compiled per new shape (cuDNN's attention was:
+            # core.torch_cuda); a server pays the first pass
+            "first_pass_over_repeat": round(tps / repeat_tps, 3),
             "generate_tokens_per_s": round(generate_tps, 1),
             "bound_tokens_per_s": round(bound, 1), "fraction_of_bound": round(tps / bound, 3),
             "achieved_gb_s": round(tps * weight_bytes / 1e9, 1)}
