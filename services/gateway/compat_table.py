@@ -310,8 +310,10 @@ DETOKENIZE: dict[str, Rule] = {
 # Fields of POST /v1/responses (OpenAI's Responses API, and vLLM's extensions of it).
 RESPONSES: dict[str, Rule] = {
     "model": H("a deployment id or model name, or a registered LoRA adapter"),
-    "input": H("a string (one user message) or message items: `role` and string content or `input_text` "
-               "(`output_text` for assistant) parts; other item and part types are refused (400 `input[i]...`)"),
+    "input": H("a string (one user message) or items: messages (`role` and string content or `input_text` "
+               "(`output_text` for assistant) parts), `function_call` (an earlier call) and `function_call_output` "
+               "(its result; a `call_id` that answers no call in the conversation is a 400); other item and part "
+               "types are refused (400 `input[i]...`)"),
     "instructions": H("a system message before the conversation; not carried into the next turn", "be brief"),
     "max_output_tokens": H("as max_tokens; reaching it gives `status: incomplete` (reason `max_output_tokens`); "
                            "unset: the gateway's default_max_tokens", 3),
@@ -336,13 +338,18 @@ RESPONSES: dict[str, Rule] = {
     "request_id": SAMPLING["request_id"],
     "stream_options": I("`include_obfuscation` pads deltas against side channels; polyserve adds no padding",
                         {"include_obfuscation": False}),
-    "tools": R(LATER, (None, []), [{"type": "function", "name": "f", "parameters": {}}]),
-    "tool_choice": R(LATER + "; `none` and `auto` without tools ask for nothing", (None, "none", "auto"),
-                     "required"),
-    "parallel_tool_calls": R("only meaningful with tools, which are refused", (None,), True),
-    "max_tool_calls": R("only meaningful with tools, which are refused", (None,), 1),
-    "text": R(LATER + "; plain text output only", (None, {}, {"format": {"type": "text"}}),
-              {"format": {"type": "json_object"}}),
+    "tools": H("function tools (`name`, `description`, `parameters`), listed in the prompt as on chat "
+               "(services/gateway/responses_tools.py); an answer that is only calls comes back as `function_call` "
+               "output items (streamed: `response.function_call_arguments.delta`/`.done`); built-in tools (web "
+               "search, file search, code interpreter, MCP, ...) are refused (400 `tools[i]`)",
+               [{"type": "function", "name": "f", "parameters": {}}]),
+    "tool_choice": H("as on chat: `required` or `{'type': 'function', 'name': ...}` generate the call's JSON "
+                     "under its schema; `auto`; `none`"),
+    "parallel_tool_calls": I("as on chat: a forced call is one call; with `auto` every call the answer holds is "
+                             "returned", False),
+    "max_tool_calls": R("counts calls to built-in tools, which polyserve has none of", (None,), 1),
+    "text": H("`format`: `text`, `json_object` or `json_schema` (its `schema`): the output always matches it, as "
+              "chat's response_format; `verbosity` is refused", {"format": {"type": "json_object"}}),
     "reasoning": R("no reasoning control", (None, {}), {"effort": "low"}),
     "include": R("no extra output data (logprobs, reasoning, tool results)", (None, []),
                  ["message.output_text.logprobs"]),

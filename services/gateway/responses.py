@@ -1,5 +1,6 @@
 """OpenAI Responses API (`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`), text in
-and text out, as vLLM and SGLang serve it.
+and text out, with function tools and JSON text formats (responses_tools.py), as vLLM and SGLang
+serve it.
 
 A response is a chat request underneath: the conversation so far (the stored turns of
 `previous_response_id`, then the new `input` messages), after `instructions` as a system
@@ -35,7 +36,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from polyserve.proto import ChatTurn, SamplingParams
 
-from . import compat, disconnect, policy, tenancy
+from . import compat, disconnect, policy, tenancy, tools
+from . import responses_tools as rtools
 from .admission import Admission, admit
 from .context import Gateway, GatewayState
 from .errors import GatewayError
@@ -92,19 +94,26 @@ def _content_text(i: int, content: Any) -> str:
     return "".join(texts)
 
 
-def input_messages(value: str | list[dict[str, Any]] | None) -> list[dict[str, str]]:
-    """The new messages of a request's `input`: a string is one user message; a list holds
-    message items (role and text content). Other item types are refused."""
+def input_messages(value: str | list[dict[str, Any]] | None,
+                   before: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """The new turns of a request's `input` (chat-shaped dicts): a string is one user message; a
+    list holds message items (role and text content) and function_call / function_call_output
+    items (responses_tools.call_message; a call's output must answer a call in `before` or earlier
+    in `input`). Other item types are refused."""
     if value is None:
         return []
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
-    out = []
+    out: list[dict[str, Any]] = []
+    known = rtools.call_ids(list(before))
     for i, item in enumerate(value):
-        kind = item.get("type", "message")
+        kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
+        if kind in rtools.CALL_ITEMS:
+            rtools.call_message(i, item, out, known)
+            continue
         if kind != "message" or "role" not in item:
-            raise InvalidInput(f"input[{i}] is a '{kind}' item; polyserve takes message items (role and text "
-                               "content) only", f"input[{i}]", code="unsupported_parameter")
+            raise InvalidInput(f"input[{i}] is a '{kind}' item; polyserve takes message, function_call and "
+                               "function_call_output items only", f"input[{i}]", code="unsupported_parameter")
         if item["role"] not in ROLES:
             raise InvalidInput(f"input[{i}].role must be one of {', '.join(ROLES)}", f"input[{i}].role")
         out.append({"role": item["role"], "content": _content_text(i, item.get("content"))})
@@ -163,12 +172,11 @@ async def load(gs: GatewayState, response_id: str, param: str | None = None) -> 
     return record
 
 
-async def save(gs: GatewayState, turn: Turn, response: dict[str, Any], text: str) -> None:
-    """Keep the response, its conversation (this answer included) and its owner for `response_ttl_s`."""
+async def save(gs: GatewayState, turn: Turn, response: dict[str, Any], said: dict[str, Any]) -> None:
+    """Keep the response, its conversation (this answer, `said`, included) and its owner for `response_ttl_s`."""
     if not turn.store:
         return
-    record = {"response": response, "conversation": [*turn.conversation, {"role": "assistant", "content": text}],
-              "owner": turn.owner}
+    record = {"response": response, "conversation": [*turn.conversation, said], "owner": turn.owner}
     try:
         await gs.state.r.set(gs.state.keys.response(turn.rid), msgspec.json.encode(record),
                              px=max(1, int(gs.settings.response_ttl_s * 1000)))
@@ -183,8 +191,9 @@ class Turn:
 
     body: ResponsesBody
     model: str
-    conversation: list[dict[str, str]]
+    conversation: list[dict[str, Any]]
     params: SamplingParams
+    tl: tools.Tools = field(default_factory=tools.Tools)
     rid: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex)
     item_id: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)
     created_at: int = field(default_factory=lambda: int(time.time()))
@@ -198,18 +207,35 @@ class Turn:
         head = [ChatMessage(role="system", content=self.body.instructions)] if self.body.instructions else []
         return head + [ChatMessage(**m) for m in self.conversation]
 
+    @property
+    def with_tools(self) -> bool:
+        """Tools listed, or calls and results in the conversation: the tools transcript (tools.py)."""
+        return self.tl.listed or rtools.has_calls(self.conversation)
+
     def prompt(self) -> str:
+        if self.with_tools:
+            return tools.render_chat(self.messages(), self.tl)
         return policy.render_chat(self.messages())
 
     def turns(self) -> list[ChatTurn]:
         """The messages for a worker whose model has a chat template (GenerateRequest.chat)."""
-        return policy.chat_turns(self.messages())
+        return (tools.chat_turns if self.with_tools else policy.chat_turns)(self.messages())
 
     def message(self, text: str | None, status: str) -> dict[str, Any]:
         content = [] if text is None else [part(text)]
         return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
 
-    def obj(self, status: str, text: str | None = None, usage: tuple[int, int] = (0, 0),
+    def answer(self, text: str, finish: str | None) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+        """(status, output items, the stored assistant turn) of a finished answer: calls where it is
+        only calls to listed tools, else one message."""
+        calls = rtools.calls_of(text, finish, self.tl)
+        if calls:
+            items = rtools.call_items(calls)
+            return "completed", items, rtools.assistant_turn(items)
+        status = status_of(finish)
+        return status, [self.message(text, status)], {"role": "assistant", "content": text}
+
+    def obj(self, status: str, output: list[dict[str, Any]] | None = None, usage: tuple[int, int] | None = None,
             simulated: bool = False) -> dict[str, Any]:
         b = self.body
         out: dict[str, Any] = {
@@ -217,11 +243,11 @@ class Turn:
             "background": False, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": self.model,
-            "output": [] if text is None else [self.message(text, status)],
-            "parallel_tool_calls": False, "previous_response_id": b.previous_response_id, "reasoning": None,
-            "store": self.store, "temperature": self.params.temperature, "text": {"format": {"type": "text"}},
-            "tool_choice": "none", "tools": [], "top_p": self.params.top_p, "truncation": "disabled",
-            "usage": None if text is None else {
+            "output": output or [],
+            "previous_response_id": b.previous_response_id, "reasoning": None,
+            "store": self.store, "temperature": self.params.temperature, **rtools.echo(b, self.tl),
+            "top_p": self.params.top_p, "truncation": "disabled",
+            "usage": None if usage is None else {
                 "input_tokens": usage[0], "input_tokens_details": {"cached_tokens": 0},
                 "output_tokens": usage[1], "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": usage[0] + usage[1]},
@@ -257,25 +283,30 @@ def status_of(finish: str | None) -> str:
 async def create(body: ResponsesBody, request: Request, gs: Gateway) -> Response:
     """Validate, admit and run one response; a stream keeps the in-flight slot until it ends."""
     params = sampling(body, gs)
+    tl = rtools.parse_tools(body)
+    spec = rtools.constraint(body, tl)
+    if spec is not None:
+        params = msgspec.structs.replace(params, structured=spec)
     conversation = []
     if body.previous_response_id:
         conversation = (await load(gs, body.previous_response_id, "previous_response_id"))["conversation"]
-    new = input_messages(body.input)
+    new = input_messages(body.input, conversation)
     if not new:
-        raise InvalidInput("input is empty: send a string or a list of message items", "input")
+        raise InvalidInput("input is empty: send a string or a list of items", "input")
     adm = await admit(gs, body.model)
     engine = adm.deployment.engine
     if engine not in compat.ENDPOINTS["responses"][1] and engine in compat.ENGINES:
         raise policy.InvalidRequest(f"'{adm.deployment.id}' is an embedding model (engine {engine}); it serves "
                                     "/v1/embeddings, not responses", "model")
     headers = compat.ignored_header(compat.check("responses", body, engine))
-    turn = Turn(body=body, model=adm.deployment.id, conversation=conversation + new, params=params)
+    turn = Turn(body=body, model=adm.deployment.id, conversation=conversation + new, params=params, tl=tl)
     prompt = turn.prompt()
     if len(prompt) > gs.settings.max_prompt_chars:
         raise InvalidInput(f"the conversation is {len(prompt)} characters; the limit is "
                            f"{gs.settings.max_prompt_chars}", "input")
     run = RequestRun(gs=gs, deployment=adm.deployment, prompt=prompt, params=params, stream=bool(body.stream),
-                     adapter=adm.adapter, priority=body.priority, request_id=turn.rid, chat=turn.turns())
+                     adapter=adm.adapter, priority=body.priority, request_id=turn.rid, chat=turn.turns(),
+                     tools=tl.definitions())
     span = adm.begin("gateway response", request.headers)
     span.set_attribute("polyserve.request_id", turn.rid)
     handed_off = False
@@ -289,9 +320,9 @@ async def create(body: ResponsesBody, request: Request, gs: Gateway) -> Response
             return disconnect.EventStream(_events(gs, adm, turn, run), request, headers=headers)
         with trace.use_span(span, end_on_exit=False):
             out = await disconnect.collect(request, run)
-        final = turn.obj(status_of(out.finish[0]), out.texts[0], (out.prompt_tokens, out.completion_tokens),
-                         out.simulated)
-        await save(gs, turn, final, out.texts[0])
+        status, items, said = turn.answer(out.texts[0], out.finish[0])
+        final = turn.obj(status, items, (out.prompt_tokens, out.completion_tokens), out.simulated)
+        await save(gs, turn, final, said)
         if out.simulated:
             headers["X-Polyserve-Simulated"] = "true"
         return JSONResponse(final, headers=headers)
@@ -328,30 +359,62 @@ async def _events(gs: GatewayState, adm: Admission, turn: Turn, run: RequestRun)
         return f"event: {kind}\ndata: {data}\n\n".encode()
 
     at = {"item_id": turn.item_id, "output_index": 0, "content_index": 0}
+    opened = False  # the message item has begun: text flows as deltas
+
+    def open_message() -> list[bytes]:
+        return [event("response.output_item.added", output_index=0, item=turn.message(None, "in_progress")),
+                event("response.content_part.added", **at, part=part(""))]
+
     try:
         yield event("response.created", response=turn.obj("in_progress"))
         yield event("response.in_progress", response=turn.obj("in_progress"))
-        yield event("response.output_item.added", output_index=0, item=turn.message(None, "in_progress"))
-        yield event("response.content_part.added", **at, part=part(""))
-        texts, finish, usage = [], None, (0, 0)
+        texts, finish, usage, held = [], None, (0, 0), ""
         with trace.use_span(adm.span, end_on_exit=False):
             async for chunk in run.chunks():
                 if chunk.done:
                     usage = (chunk.stats.input_tokens, chunk.stats.output_tokens) if chunk.stats else usage
                     continue
                 finish = chunk.finish_reason or finish
-                if chunk.text:
-                    texts.append(chunk.text)
-                    yield event("response.output_text.delta", **at, delta=chunk.text, logprobs=[])
-        text, status = "".join(texts), status_of(finish)
-        yield event("response.output_text.done", **at, text=text, logprobs=[])
-        yield event("response.content_part.done", **at, part=part(text))
-        yield event("response.output_item.done", output_index=0, item=turn.message(text, status))
-        final = turn.obj(status, text, usage, run.simulated)
-        await save(gs, turn, final, text)
+                held += chunk.text or ""
+                if not opened and not rtools.holds(turn.tl, held):  # not (or no longer possibly) a call
+                    opened = True
+                    for e in open_message():
+                        yield e
+                if opened and held:
+                    texts.append(held)
+                    yield event("response.output_text.delta", **at, delta=held, logprobs=[])
+                    held = ""
+        text = "".join(texts) + held
+        status, items, said = turn.answer(text, finish) if not opened else (status_of(finish), None, None)
+        if items is not None and items[0]["type"] == "function_call":
+            for k, item in enumerate(items):
+                for e in _call_events(event, k, item):
+                    yield e
+        else:
+            if not opened:
+                for e in open_message():
+                    yield e
+                if text:
+                    yield event("response.output_text.delta", **at, delta=text, logprobs=[])
+            items, said = [turn.message(text, status)], {"role": "assistant", "content": text}
+            yield event("response.output_text.done", **at, text=text, logprobs=[])
+            yield event("response.content_part.done", **at, part=part(text))
+            yield event("response.output_item.done", output_index=0, item=items[0])
+        final = turn.obj(status, items, usage, run.simulated)
+        await save(gs, turn, final, said)
         yield event("response.completed" if status == "completed" else "response.incomplete", response=final)
     except GatewayError as exc:
         adm.failed(exc)
         yield event("error", code=str(exc.status), message=exc.message, param=None)
     finally:
         adm.end()
+
+
+def _call_events(event, k: int, item: dict[str, Any]) -> list[bytes]:
+    """The stream's events of one function call, output item `k` (its arguments in one delta)."""
+    at = {"item_id": item["id"], "output_index": k}
+    started = {**item, "arguments": "", "status": "in_progress"}
+    return [event("response.output_item.added", output_index=k, item=started),
+            event("response.function_call_arguments.delta", **at, delta=item["arguments"]),
+            event("response.function_call_arguments.done", **at, arguments=item["arguments"]),
+            event("response.output_item.done", output_index=k, item=item)]

@@ -240,12 +240,34 @@ def call_schema(name: str, fn: dict[str, Any]) -> dict[str, Any]:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def parse_tools(body: Any) -> Tools:
-    """`tools` and `tool_choice` of a chat body, validated (400 naming the field)."""
+def tools_field(body: Any) -> tuple[list, Any]:
+    """A body's `tools` list (400 when it is not one) and its `tool_choice` as sent."""
     extra = _extra(body)
-    raw, choice = extra.get("tools") or [], extra.get("tool_choice")
+    raw = extra.get("tools") or []
     if not isinstance(raw, list):
         raise InvalidRequest("'tools' must be a list", "tools")
+    return raw, extra.get("tool_choice")
+
+
+def with_choice(functions: dict[str, dict[str, Any]], choice: Any, named: str | None, shape: str) -> Tools:
+    """`Tools` of `functions` under `tool_choice` (`named`: the function a dict choice names; `shape`:
+    how that dict is written on this endpoint), 400s naming tool_choice."""
+    if choice is None:
+        choice = "auto" if functions else "none"
+    if isinstance(choice, dict):
+        if named not in functions:
+            raise InvalidRequest(f"tool_choice names {named!r}, which is not in 'tools'", "tool_choice")
+        choice = named
+    elif choice not in ("none", "auto", "required"):
+        raise InvalidRequest(f"tool_choice must be none, auto, required or {shape}", "tool_choice")
+    elif choice == "required" and not functions:
+        raise InvalidRequest("tool_choice 'required' needs 'tools'", "tool_choice")
+    return Tools(functions, choice)
+
+
+def parse_tools(body: Any) -> Tools:
+    """`tools` and `tool_choice` of a chat body, validated (400 naming the field)."""
+    raw, choice = tools_field(body)
     functions: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(raw):
         fn = tool.get("function") if isinstance(tool, dict) else None
@@ -256,19 +278,9 @@ def parse_tools(body: Any) -> Tools:
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON Schema object", "tools")
         functions[fn["name"]] = fn
-    if choice is None:
-        choice = "auto" if functions else "none"
-    if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        if name not in functions:
-            raise InvalidRequest(f"tool_choice names {name!r}, which is not in 'tools'", "tool_choice")
-        choice = name
-    elif choice not in ("none", "auto", "required"):
-        raise InvalidRequest("tool_choice must be none, auto, required or {'type': 'function', 'function': "
-                             "{'name': ...}}", "tool_choice")
-    elif choice == "required" and not functions:
-        raise InvalidRequest("tool_choice 'required' needs 'tools'", "tool_choice")
-    return Tools(functions, choice)
+    named = (choice.get("function") or {}).get("name") if isinstance(choice, dict) and \
+        choice.get("type") == "function" else None
+    return with_choice(functions, choice, named, "{'type': 'function', 'function': {'name': ...}}")
 
 
 def _call_text(call: Any) -> str:

@@ -153,7 +153,8 @@ async def test_fields_walk_the_matrix(plane):
 
 
 @pytest.mark.parametrize("item, param", [
-    ({"type": "function_call_output", "call_id": "c", "output": "x"}, "input[0]"),
+    ({"type": "function_call_output", "call_id": "c", "output": "x"}, "input[0].call_id"),  # answers no call
+    ({"type": "computer_call_output", "call_id": "c", "output": {}}, "input[0]"),
     ({"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}, "input[0].content[0]"),
     ({"role": "critic", "content": "x"}, "input[0].role"),
 ])
