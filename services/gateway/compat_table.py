@@ -199,8 +199,9 @@ CHAT: dict[str, Rule] = {
     "echo": R("vLLM's chat echo (repeat the last message) is not served", (None, False), True),
     "tools": Rule(HONOURED, "functions, listed in the prompt with their parameter schemas: by the checkpoint's chat "
                   "template where it reads tools (hf, vllm, openai-http with a checkpoint), else by the gateway's "
-                  "transcript (services/gateway/tools.py; openai-http sends either as a completion, with a forced "
-                  "call's schema as a structured output the upstream must enforce); "
+                  "transcript (services/gateway/tools.py); openai-http without a checkpoint sends an `auto` tool chat to "
+                  "its upstream's chat endpoint with the tools (its template and tool parser; its `tool_calls` come "
+                  "back as calls) and a forced call as a completion under the call's schema; "
                   "a call comes back as `message.tool_calls` (streamed: `delta.tool_calls`), finish_reason "
                   "`tool_calls`", noop=(None, []),
                   example=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),

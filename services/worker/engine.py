@@ -57,6 +57,7 @@ class EngineRequest:
     # something holding the model's template does (openai-http: the upstream's chat endpoint).
     messages: list[dict] | None = None
     chat_end: str = "open"  # how the chat's prompt ends (GenerateRequest.chat_end)
+    tools: list[dict] | None = None  # the chat's listed tools beside `messages` (GenerateRequest.tools)
 
 
 @dataclass

@@ -197,7 +197,7 @@ class WorkerHandlers:
                              adapter=req.adapter, priority=req.priority,
                              predicted_tokens=max(0, req.predicted_tokens - (req.resume.tokens if cont else 0)),
                              length_class=req.length_class, continuation=cont, tenant=req.tenant,
-                             messages=messages, chat_end=req.chat_end)
+                             messages=messages, chat_end=req.chat_end, tools=req.tools if messages else None)
         try:
             # Engines admit either in the generate() call (sim) or, as async
             # generators, before the first suspension of their first __anext__;
@@ -293,17 +293,17 @@ class WorkerHandlers:
 
     def _prompt(self, req: GenerateRequest) -> tuple[str, list[dict] | None]:
         """What the engine runs: a chat's messages through the model's own chat template when it
-        has one (`Engine.chat_prompt`), else the gateway's prompt (its transcript of a chat) with
-        the messages beside it (`EngineRequest.messages`)."""
+        has one (`Engine.chat_prompt`), else the gateway's prompt (its transcript of a chat, which
+        lists a tool chat's tools and calls) with the messages beside it (`EngineRequest.messages`,
+        the tools in `EngineRequest.tools`)."""
         if req.chat is None:
             return req.prompt, None
         messages = [t.message() for t in req.chat]
         templated = self.engine.chat_prompt(messages, req.chat_end, req.tools)
         if templated is not None:
             return templated, None
-        if req.tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
-            return req.prompt, None  # the gateway's transcript lists the tools and calls (never left out)
-        return req.prompt or chat_transcript(req.chat, req.chat_end), messages  # a long chat comes without it
+        # a long chat comes without its transcript (a tool chat never: the gateway's lists the tools)
+        return req.prompt or chat_transcript(req.chat, req.chat_end), messages
 
     async def _stream(self, req: GenerateRequest, stream: AsyncIterator, first: asyncio.Future,
                       box: Outbox, prompt: str) -> None:

@@ -6,7 +6,10 @@ whole answer's `message`, `reasoning` split off by a reasoning parser), and the 
 refuse chats: vLLM's 400 for a tokenizer without a chat template (its message, from
 vllm/renderers/hf.py), a server without the endpoint (404), and `transformers serve` 5.x on a
 checkpoint without a template (a bare "Internal Server Error" 500, observed here). The real
-`transformers serve` path is in test_openai_http_engine.py. Runs no model."""
+`transformers serve` path is in test_openai_http_engine.py. Tool chats: an `auto` one goes to the
+chat endpoint with its tools and the upstream's `tool_calls` (vLLM's tool parsers' wire) come back as
+calls; vLLM's 400 without a tool parser sends tool chats to the transcript; a forced call is a
+completion under its schema. Runs no model."""
 from __future__ import annotations
 
 import json
@@ -28,13 +31,17 @@ TRANSCRIPT = "system: be brief\nuser: hi\nassistant:"
 CHAT_OUT = ["Hel", "lo", "!"]
 COMPLETION_OUT = [" plain", " text"]
 JSON = "application/json"
+VLLM_NO_TOOLS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 VLLM_NO_TEMPLATE = ("As of transformers v4.44, default chat template is no longer allowed, so you must provide "
                     "a chat template if the tokenizer does not define one.")
 
 
 class StandIn(LoopbackHTTP):
     """refuse: None (answers chats), "vllm-400", "404", "500" (every chat), "500-later" (the
-    second and later chats). reasoning: the first chunk's text comes as `reasoning`."""
+    second and later chats), "no-tools" (a chat with tools: vLLM's 400 without a tool parser).
+    reasoning: the first chunk's text comes as `reasoning`. A chat with tools is answered with a
+    call as vLLM's tool parsers send it (`tool_calls`; streamed: id and name, then the arguments
+    in fragments; finish_reason "tool_calls")."""
 
     def __init__(self, refuse: str | None = None, reasoning: bool = False, completion_out: list[str] | None = None,
                  finish: str = "length"):
@@ -55,7 +62,31 @@ class StandIn(LoopbackHTTP):
             return 404, b'{"detail": "Not Found"}', JSON
         if refuse == "500" or (refuse == "500-later" and chats > 1):
             return 500, b"Internal Server Error", "text/plain"
+        if body.get("tools") and refuse == "no-tools":
+            return 400, json.dumps({"error": {"message": VLLM_NO_TOOLS, "type": "BadRequestError"}}).encode(), JSON
+        if body.get("tools"):
+            return (200, *self.call(body))
         return (200, *self.chat(body, self.reasoning))
+
+    @staticmethod
+    def call(body: dict) -> tuple[bytes, str]:
+        base = {"id": "chatcmpl-2", "created": 0, "model": "m"}
+        name, args = body["tools"][0]["function"]["name"], '{"city": "Oslo"}'
+        if not body.get("stream"):
+            msg = {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "chatcmpl-tool-1", "type": "function", "function": {"name": name, "arguments": args}}]}
+            choice = {"index": 0, "message": msg, "finish_reason": "tool_calls"}
+            return json.dumps({**base, "object": "chat.completion", "choices": [choice]}).encode(), JSON
+        deltas = [{"role": "assistant", "content": ""},
+                  {"tool_calls": [{"index": 0, "id": "chatcmpl-tool-1", "type": "function",
+                                   "function": {"name": name, "arguments": ""}}]},
+                  {"tool_calls": [{"index": 0, "function": {"arguments": args[:9]}}]},
+                  {"tool_calls": [{"index": 0, "function": {"arguments": args[9:]}}]}, {}]
+        events = [{**base, "object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": d, "finish_reason": "tool_calls" if j == len(deltas) - 1 else None}]}
+            for j, d in enumerate(deltas)]
+        return ("".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n").encode(), \
+            "text/event-stream"
 
     @staticmethod
     def _lp(tok: str, k: int) -> dict:
@@ -259,45 +290,100 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-@pytest.mark.parametrize("choice, answer", [
-    ("required", ['{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}']),
-    ("auto", ["<tool_call>\n", '{"name": "get_weather", "arguments": {"city": "Oslo"}}', "\n</tool_call>"]),
-])
-async def test_tools_through_an_openai_http_worker(plane, state, choice, answer):
-    """openai client -> gateway -> openai-http worker -> an upstream speaking vLLM's completions wire:
-    the tools are listed in the prompt (the transcript: this worker has no checkpoint), a forced call
-    is constrained upstream (a JSON schema in `response_format`), and the upstream's answer, in the gateway's
-    JSON or a model's own format, comes back as a tool call, streamed and not."""
+HERMES = ["<tool_call>\n", '{"name": "get_weather", "arguments": {"city": "Oslo"}}', "\n</tool_call>"]
+
+
+async def _ask_weather(p, choice: str) -> None:
+    """A tool chat, whole and streamed: each answer is one call, get_weather(city=Oslo)."""
+    messages = [{"role": "user", "content": "weather in oslo?"}]
+    out = await p.client.chat.completions.create(model="up", messages=messages, tools=[WEATHER],
+                                                 tool_choice=choice, max_tokens=30)
+    (call,) = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls" and out.choices[0].message.content is None
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Oslo"})
+    stream = await p.client.chat.completions.create(model="up", messages=messages, tools=[WEATHER],
+                                                    tool_choice=choice, max_tokens=30, stream=True)
+    names, args, finish = [], "", None
+    async for chunk in stream:
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                names += [tc.function.name] if tc.function and tc.function.name else []
+                args += (tc.function.arguments or "") if tc.function else ""
+            finish = c.finish_reason or finish
+    assert names == ["get_weather"] and json.loads(args) == {"city": "Oslo"} and finish == "tool_calls"
+
+
+def _worker(up: StandIn) -> dict:
+    return {"engine": "openai-http", "deployment": "up", "model": "up", "upstream_url": up.url,
+            "upstream_model": "m", "upstream_metrics_url": "off", "upstream_start_timeout_s": 5.0}
+
+
+async def test_a_forced_call_is_a_completion_under_its_schema(plane, state):
+    """openai client -> gateway -> openai-http worker -> an upstream speaking vLLM's wire: `required`
+    is a completion of the gateway's transcript (it lists the tools: this worker has no checkpoint)
+    under the call's JSON schema, which the upstream enforces."""
     import openai
 
     from polyserve.proto import Deployment
     await state.put_deployment(Deployment(id="up", model="up", engine="openai-http"))
-    with StandIn(completion_out=answer, finish="stop") as up:
-        worker = {"engine": "openai-http", "deployment": "up", "model": "up", "upstream_url": up.url,
-                  "upstream_model": "m", "upstream_metrics_url": "off", "upstream_start_timeout_s": 5.0}
-        async with plane(worker_kw=worker) as p:
-            messages = [{"role": "user", "content": "weather in oslo?"}]
-            out = await p.client.chat.completions.create(model="up", messages=messages, tools=[WEATHER],
-                                                         tool_choice=choice, max_tokens=30)
-            (call,) = out.choices[0].message.tool_calls
-            assert out.choices[0].finish_reason == "tool_calls" and out.choices[0].message.content is None
-            assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Oslo"})
-            stream = await p.client.chat.completions.create(model="up", messages=messages, tools=[WEATHER],
-                                                            tool_choice=choice, max_tokens=30, stream=True)
-            names, args, finish = [], "", None
-            async for chunk in stream:
-                for c in chunk.choices:
-                    for tc in c.delta.tool_calls or []:
-                        names += [tc.function.name] if tc.function and tc.function.name else []
-                        args += (tc.function.arguments or "") if tc.function else ""
-                    finish = c.finish_reason or finish
-            assert names == ["get_weather"] and json.loads(args) == {"city": "Oslo"} and finish == "tool_calls"
+    with StandIn(completion_out=['{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}'], finish="stop") as up:
+        async with plane(worker_kw=_worker(up)) as p:
+            await _ask_weather(p, "required")
             with pytest.raises(openai.BadRequestError):  # tools still need a chat the gateway can check
-                await p.client.chat.completions.create(model="up", messages=messages, tools=[{"type": "x"}])
+                await p.client.chat.completions.create(model="up", messages=[{"role": "user", "content": "x"}],
+                                                       tools=[{"type": "x"}])
+    assert up.paths() == ["/v1/completions"] * 2
     body = up.posts[0][1]
     assert "get_weather" in body["prompt"] and body["prompt"].endswith("user: weather in oslo?\nassistant:")
-    if choice == "required":
-        schema = body["response_format"]["json_schema"]["schema"]  # JSON on /v1/completions (openai_http_wire)
-        assert schema["properties"]["name"] == {"const": "get_weather"} and body["max_tokens"] == 30
-    else:
-        assert "structured_outputs" not in body and "response_format" not in body
+    schema = body["response_format"]["json_schema"]["schema"]  # JSON on /v1/completions (openai_http_wire)
+    assert schema["properties"]["name"] == {"const": "get_weather"} and body["max_tokens"] == 30
+
+
+async def test_an_auto_tool_chat_goes_to_the_upstreams_tool_parser(plane, state):
+    """`auto`: the messages and tools go to the upstream's chat endpoint (its template, its tool
+    parser); its `tool_calls`, whole or streamed in fragments, come back as the client's tool calls.
+    An earlier call travels with its arguments as the JSON string the chat wire carries."""
+    from polyserve.proto import Deployment
+    await state.put_deployment(Deployment(id="up", model="up", engine="openai-http"))
+    with StandIn() as up:
+        async with plane(worker_kw=_worker(up)) as p:
+            await _ask_weather(p, "auto")
+            history = [{"role": "user", "content": "weather in oslo?"},
+                       {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                                                                              "function": {"name": "get_weather",
+                                                                                           "arguments": '{"city": "Oslo"}'}}]},
+                       {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+            out = await p.client.chat.completions.create(model="up", messages=history, max_tokens=3)
+            assert out.choices[0].message.content == "".join(CHAT_OUT)  # no tools listed: text
+    assert up.paths() == ["/v1/chat/completions"] * 3
+    body = up.posts[0][1]
+    assert body["tools"] == [WEATHER] and body["tool_choice"] == "auto" and "prompt" not in body
+    assert body["messages"] == [{"role": "user", "content": "weather in oslo?"}]
+    sent = up.posts[2][1]["messages"]
+    assert sent[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert sent[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1", "name": "get_weather"}
+    assert "tools" not in up.posts[2][1]
+
+
+async def test_an_upstream_without_a_tool_parser_gets_the_transcript():
+    """vLLM started without --enable-auto-tool-choice answers a tool chat 400: that chat and every
+    later tool chat go as the gateway's transcript to /v1/completions (the answer, a call in the
+    model's own format, still reaches the gateway as a call); plain chats stay chats."""
+    tools = [WEATHER]
+    with StandIn(refuse="no-tools", completion_out=HERMES, finish="stop") as up:
+        eng = _engine(up)
+        await eng.start()
+        try:
+            msgs = [{"role": "user", "content": "weather in oslo?"}]
+            req = EngineRequest("t1", "system: tools...\nuser: weather in oslo?\nassistant:",
+                                SamplingParams(max_tokens=30), messages=msgs, tools=tools)
+            deltas, _ = await _run(eng, req)
+            assert "".join(d.text for d in deltas) == "".join(HERMES)
+            assert "--enable-auto-tool-choice" in eng.model_card()["tools"]
+            await _run(eng, EngineRequest("t2", req.prompt, req.params, messages=msgs, tools=tools))
+            await _run(eng, _chat("c1"))
+            assert eng.model_card()["chat"] == "/v1/chat/completions"
+        finally:
+            await eng.stop()
+    assert up.paths() == ["/v1/chat/completions", "/v1/completions", "/v1/completions", "/v1/chat/completions"]
+    assert up.posts[1][1]["prompt"].startswith("system: tools")

@@ -517,12 +517,22 @@ async def test_a_chat_without_a_local_template_is_the_upstreams_own_chat(upstrea
             for c in chunk.choices:
                 text += c.delta.content or ""
         assert text == direct.choices[0].message.content
-        # tools: listed in the transcript sent as a completion; random weights answer text (auto), and a
-        # forced call's JSON schema is a field transformers serve refuses: its 422 reaches the client
+        # tools, auto: the messages and tools go to the server's chat endpoint (its template formats
+        # them); random weights answer text, the same text as a direct tool chat. A forced call's JSON
+        # schema is a completion's field transformers serve refuses: its 422 reaches the client
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
         auto = await client.chat.completions.create(model=MODEL, messages=messages, tools=[tool], max_tokens=4,
                                                     temperature=0)
         assert auto.choices[0].message.content and auto.choices[0].finish_reason == "length"
+        assert worker.engine.tools_answered == 1 and worker.engine.model_card()["tools"].startswith(
+            "/v1/chat/completions with tools")
+        direct_client = openai.AsyncOpenAI(base_url=upstream.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        try:
+            direct_tools = await direct_client.chat.completions.create(
+                model=upstream.model, messages=messages, tools=[tool], tool_choice="auto", max_tokens=4, temperature=0)
+        finally:
+            await direct_client.close()
+        assert auto.choices[0].message.content == direct_tools.choices[0].message.content
         with pytest.raises(openai.APIStatusError) as err:
             await client.chat.completions.create(model=MODEL, messages=messages, tools=[tool], tool_choice="required",
                                                  max_tokens=4)

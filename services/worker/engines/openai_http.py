@@ -76,7 +76,8 @@ from polyserve.worker.lora import AdapterRegistry
 
 logger = logging.getLogger(__name__)
 
-FINISH_REASONS = {"abort": "cancelled", "eos_token": "stop", "stop_sequence": "stop"}
+# "tool_calls": the upstream's calls come back as the gateway's call text (openai_http_chat.CallText)
+FINISH_REASONS = {"abort": "cancelled", "eos_token": "stop", "stop_sequence": "stop", "tool_calls": "stop"}
 
 
 @dataclass(eq=False)
@@ -94,6 +95,7 @@ class _Flight:
     ended: set[int] = field(default_factory=set)
     usage: tuple[int, int] | None = None  # (prompt_tokens, completion_tokens) from the upstream
     done: bool = False
+    calls: Any = None  # a tool chat on the chat endpoint: openai_http_chat.CallText
 
 
 class OpenAIHttpEngine(UpstreamLoRA, Engine):
@@ -132,6 +134,7 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
                               f"{', '.join(openai_http_chat.CHAT_MODES)}", 400)
         self.chats_answered = 0  # chats the upstream's chat endpoint answered (upstream_chat auto)
         self.chat_refusal = ""  # why chats go as transcripts now (auto, after the upstream refused one)
+        self.tools_answered, self.tool_refusal = 0, ""  # the same for tool chats
         extra = g("upstream_extra_body", "") or {}
         try:
             self.extra_body: dict = json.loads(extra) if isinstance(extra, str) else dict(extra)
@@ -273,6 +276,9 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
         """The messages to send to the upstream's chat endpoint, or None: a completion."""
         if req.messages is None or req.params.prompt_logprobs is not None or self.chat_mode == "completions":
             return None
+        if openai_http_chat.has_tools(req.messages, req.tools) and (
+                self.tool_refusal or req.params.structured is not None):  # a forced call: its schema, completed
+            return None
         return None if self.chat_refusal else req.messages
 
     async def _pump(self, fl: _Flight) -> None:
@@ -286,14 +292,17 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
             else:
                 body = openai_http_chat.chat_body(*self.request_body(fl.req), messages, fl.req.continuation,
                                                   fl.req.chat_end, self.structured_style)
+                tooled = openai_http_chat.has_tools(messages, fl.req.tools)
+                if tooled:
+                    openai_http_chat.with_tools(body[0], fl.req.tools)
+                    fl.calls = openai_http_chat.CallText()
                 try:
                     await self._call(fl, *body, chat=True)
-                    self.chats_answered += 1
+                    self.chats_answered, self.tools_answered = self.chats_answered + 1, self.tools_answered + tooled
                 except openai.APIStatusError as exc:
-                    if fl.seen or self.chat_mode == "chat" or not openai_http_chat.refuses_chats(
-                            exc.status_code, openai_http_wire.detail(exc), self.chats_answered > 0):
+                    if fl.seen or self.chat_mode == "chat" or not self._refused(exc, tooled):
                         raise
-                    self._refuse_chats(exc)
+                    fl.calls = None
                     await self._call(fl, *self.request_body(fl.req))  # the transcript, as a completion
             if not fl.done:
                 self._end(fl)
@@ -334,11 +343,19 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
         else:
             self._on_chunk(fl, await api.create(stream=False, extra_body=extra or None, **kw), whole=True)
 
-    def _refuse_chats(self, exc: Any) -> None:
-        self.chat_refusal = f"the chat endpoint answered {exc.status_code}: {openai_http_wire.detail(exc)[:200]}"
-        logger.warning("upstream %s cannot take chats (%s); chats go to /v1/completions as the gateway's "
-                       "transcript from now on (set upstream_chat=chat to send them anyway)", self.api_url,
-                       self.chat_refusal)
+    def _refused(self, exc: Any, tooled: bool) -> bool:
+        """Whether the chat endpoint's error shows it cannot take (tool) chats; if so, remembered and logged."""
+        status, detail = exc.status_code, openai_http_wire.detail(exc)
+        why = f"the chat endpoint answered {status}: {detail[:200]}"
+        if openai_http_chat.refuses_chats(status, detail, self.chats_answered > 0) and not (tooled and status >= 500):
+            self.chat_refusal, what = why, "chats"
+        elif tooled and openai_http_chat.refuses_tools(status, detail, self.tools_answered > 0):
+            self.tool_refusal, what = why, "tool chats"
+        else:
+            return False
+        logger.warning("upstream %s cannot take %s (%s); they go to /v1/completions as the gateway's transcript "
+                       "from now on (set upstream_chat=chat to send them anyway)", self.api_url, what, why)
+        return True
 
     def _on_chunk(self, fl: _Flight, chunk: Any, whole: bool = False) -> None:
         now = time.monotonic()
@@ -352,7 +369,7 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
             if i in fl.ended or not 0 <= i < n:
                 continue
             fl.seen.add(i)
-            text = openai_http_chat.choice_text(choice)
+            text = openai_http_chat.choice_text(choice) + (fl.calls.feed(i, choice) if fl.calls else "")
             reason = getattr(choice, "finish_reason", None)
             reason = FINISH_REASONS.get(reason, reason) if reason else None
             delta = openai_http_wire.choice_delta(fl.req, choice, text, whole, fl.usage, self.api_url)
@@ -458,14 +475,6 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
             self._chat_tok = chat_template.load_tokenizer(self.tokenizer_path) or False
         return self._chat_tok
 
-    def _chat_route(self) -> str:
-        if self._chat_tokenizer():
-            return "the checkpoint's chat template here, then /v1/completions"
-        if self.chat_mode == "completions" or self.chat_refusal:
-            why = f" ({self.chat_refusal})" if self.chat_refusal else ""
-            return "the gateway's transcript to /v1/completions" + why
-        return "/v1/chat/completions"
-
     def count_tokens(self, text: str) -> int:
         """Exact with `upstream_tokenizer` (or model_path's tokenizer.json), else 1.3 x words."""
         if self._tokenizer is not None:
@@ -480,6 +489,7 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
                 "lora": {None: "unknown until the first load", True: "runtime endpoints",
                          False: "unsupported by the upstream"}[self.lora_supported],
                 "tokenizer": "exact" if self._tokenizer is not None else "estimate (1.3 x words)",
-                "chat": self._chat_route(),
+                **openai_http_chat.routes(bool(self._chat_tokenizer()), self.chat_mode, self.chat_refusal,
+                                          self.tool_refusal),
                 "max_input_len": self.max_input_len}
 

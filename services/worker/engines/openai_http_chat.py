@@ -24,9 +24,18 @@ silently). A chat's end (`EngineRequest.chat_end`) goes as vLLM's `add_generatio
 (`EngineRequest.continuation`) continues the assistant's message with `continue_final_message`
 (after a "closed" chat too, the nearest the chat wire has); a server without those fields refuses
 the request with its error, which reaches the client.
-Requests with prompt logprobs (`echo`) are completions: chats have no echo. Chats with tools or
-earlier tool calls are completions too, of the gateway's transcript (`EngineRequest.messages` is
-None): this engine reads only text from the upstream, not its `tool_calls`.
+Requests with prompt logprobs (`echo`) are completions: chats have no echo.
+
+Tool chats (tools listed, or earlier calls and results) go to the chat endpoint too, with `tools`
+and `tool_choice: "auto"`, so the upstream formats them with the model's template and reads the
+model's calls with its own tool parser (vLLM's `--tool-call-parser`). The upstream's `tool_calls`
+come back as text in the gateway's call format (`CallText`: `{"name", "arguments"}`, a JSON list
+for parallel calls) with finish reason "stop", which the gateway turns back into tool calls
+(gateway/tools.py). A forced call (`tool_choice` required or named: the request carries the call's
+JSON schema as its structured output) stays a completion of the gateway's transcript under that
+schema. In `auto`, an upstream that will not take tools on its chat endpoint (vLLM without
+`--enable-auto-tool-choice`: a 400 naming tool choice; or a 5xx before any tool chat was answered)
+sends tool chats as transcripts from then on, logged once and shown in the model card (`tools`).
 
 Answers: a chunk's `delta` (a whole answer's `message`) `content`, after any `reasoning` text
 (vLLM with a reasoning parser splits it off; it is part of the output, as on /v1/completions);
@@ -34,6 +43,7 @@ logprobs from `logprobs.content` (openai_http_wire.entries reads both shapes).
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 CHAT_MODES = ("auto", "chat", "completions")
@@ -87,3 +97,78 @@ def refuses_chats(status: int, message: str, answered_before: bool) -> bool:
     if status in _ABSENT or "chat template" in low or "chat_template" in low:
         return True
     return status >= 500 and not answered_before
+
+
+def has_tools(messages: list[dict] | None, tools: list[dict] | None) -> bool:
+    """Whether a chat lists tools or holds earlier calls or results."""
+    return bool(tools) or any(m.get("tool_calls") or m["role"] == "tool" for m in messages or ())
+
+
+def with_tools(kw: dict, tools: list[dict] | None) -> None:
+    """A chat body (`chat_body`'s kw) as a tool chat: its tools with tool_choice auto, and the
+    earlier calls' arguments as the JSON strings the chat wire carries (a template takes objects)."""
+    kw["messages"] = [_wire_message(m) for m in kw["messages"]]
+    if tools:
+        kw["tools"], kw["tool_choice"] = tools, "auto"
+
+
+def _wire_message(m: dict) -> dict:
+    if not m.get("tool_calls"):
+        return m
+    calls = []
+    for c in m["tool_calls"]:
+        fn = dict(c.get("function") or {})
+        if not isinstance(fn.get("arguments"), str):
+            fn["arguments"] = json.dumps(fn.get("arguments", {}))
+        calls.append({**c, "function": fn})
+    return {**m, "tool_calls": calls}
+
+
+def refuses_tools(status: int, message: str, answered_before: bool) -> bool:
+    """Whether an error answer to a tool chat means this upstream takes no tools on its chat
+    endpoint (vLLM: '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser')."""
+    return (400 <= status < 500 and "tool" in message.lower()) or (status >= 500 and not answered_before)
+
+
+class CallText:
+    """The upstream's `tool_calls` of each choice, gathered (streamed: the id and name, then
+    fragments of the arguments) and given back as the gateway's call text when the choice ends."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, dict[int, list]] = {}  # choice -> call index -> [name, argument fragments]
+
+    def feed(self, index: int, choice: Any) -> str:
+        part = getattr(choice, "delta", None) or getattr(choice, "message", None)
+        for k, tc in enumerate(getattr(part, "tool_calls", None) or ()):
+            at = getattr(tc, "index", None)
+            entry = self._calls.setdefault(index, {}).setdefault(k if at is None else at, ["", []])
+            fn = getattr(tc, "function", None)
+            if getattr(fn, "name", None):
+                entry[0] = fn.name
+            if getattr(fn, "arguments", None):
+                entry[1].append(fn.arguments)
+        if getattr(choice, "finish_reason", None) is None or index not in self._calls:
+            return ""
+        calls = []
+        for name, parts in (v for _, v in sorted(self._calls.pop(index).items())):
+            raw = "".join(parts) or "{}"
+            try:
+                args = json.loads(raw)
+            except ValueError:
+                args = raw  # the gateway then sees text that is not a call, and returns it as text
+            calls.append({"name": name, "arguments": args})
+        return json.dumps(calls[0] if len(calls) == 1 else calls)
+
+
+def routes(templated: bool, mode: str, chat_refusal: str, tool_refusal: str) -> dict[str, str]:
+    """The model card's `chat` and `tools`: where chats and tool chats go, and why when not as asked."""
+    if templated:
+        here = "the checkpoint's chat template here, then /v1/completions"
+        return {"chat": here, "tools": here}
+    transcript = "the gateway's transcript to /v1/completions"
+    if mode == "completions" or chat_refusal:
+        chat = transcript + (f" ({chat_refusal})" if chat_refusal else "")
+        return {"chat": chat, "tools": chat}
+    tools = f"{transcript} ({tool_refusal})" if tool_refusal else \
+        "/v1/chat/completions with tools (a forced call: the transcript to /v1/completions under its schema)"
+    return {"chat": "/v1/chat/completions", "tools": tools}
