@@ -26,7 +26,7 @@ ENDPOINTS = {  # endpoint -> (method and path, the engines that serve it)
     "detokenize": ("POST /detokenize", ("hf", "vllm", "openai-http", "encoder")),
     "responses": ("POST /v1/responses", GENERATIVE),
 }
-LATER = "not implemented yet (issue 18: logprobs/echo, structured outputs and tools come next)"
+LATER = "not implemented: vLLM-only token-id output"
 
 
 @dataclass(frozen=True)
@@ -352,9 +352,10 @@ RESPONSES: dict[str, Rule] = {
     "text": H("`format`: `text`, `json_object` or `json_schema` (its `schema`): the output always matches it, as "
               "chat's response_format; `verbosity` is refused", {"format": {"type": "json_object"}}),
     "reasoning": R("no reasoning control", (None, {}), {"effort": "low"}),
-    "include": R("no extra output data (logprobs, reasoning, tool results)", (None, []),
-                 ["message.output_text.logprobs"]),
-    "top_logprobs": R(LATER, (None, 0), 2),
+    "include": H("`message.output_text.logprobs`: each output token's logprob (and `top_logprobs` "
+                 "alternatives) in the output_text part and the delta events, as chat's logprobs; other values "
+                 "(reasoning, tool results, ...) are refused", ["message.output_text.logprobs"]),
+    "top_logprobs": H("0-20 alternatives per token, with include `message.output_text.logprobs` (alone, a 400)"),
     "truncation": R("the conversation is never truncated; an over-long one is a 400", (None, "disabled"), "auto"),
     "background": R("responses run in the foreground only", (None, False), True),
     "conversation": R("no Conversations API: chain turns with previous_response_id", (None,), "conv_1"),

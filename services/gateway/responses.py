@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from polyserve.proto import ChatTurn, SamplingParams
 
-from . import compat, disconnect, policy, tenancy, tools
+from . import compat, disconnect, logprobs, policy, tenancy, tools
 from . import responses_tools as rtools
 from .admission import Admission, admit
 from .context import Gateway, GatewayState
@@ -133,7 +133,27 @@ def sampling(body: ResponsesBody, gs: GatewayState) -> SamplingParams:
         raise InvalidInput("stop takes up to 4 non-empty strings", "stop")
     return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                           top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0),
-                          seed=body.seed, stop=stop, n=1)
+                          seed=body.seed, stop=stop, n=1, logprobs=logprobs_asked(body))
+
+
+LOGPROBS = "message.output_text.logprobs"
+
+
+def logprobs_asked(body: ResponsesBody) -> int | None:
+    """k alternatives per token when `include` asks for the output text's logprobs (`top_logprobs`,
+    default 0), as vLLM's Responses reads the two; None: none asked."""
+    extra = body.model_extra or {}
+    include, top = extra.get("include") or [], extra.get("top_logprobs")
+    if not isinstance(include, list) or any(x != LOGPROBS for x in include):
+        raise InvalidInput(f"include takes only {LOGPROBS!r} here (no reasoning, tool results or other extra "
+                           "output data)", "include", code="unsupported_parameter")
+    if top is not None:
+        logprobs._bounded(top, "top_logprobs")
+    if LOGPROBS not in include:
+        if top:
+            raise InvalidInput(f"'top_logprobs' needs include: [{LOGPROBS!r}]", "top_logprobs")
+        return None
+    return top or 0
 
 
 # ---------------------------------------------------------------------------- storage
@@ -221,19 +241,20 @@ class Turn:
         """The messages for a worker whose model has a chat template (GenerateRequest.chat)."""
         return (tools.chat_turns if self.with_tools else policy.chat_turns)(self.messages())
 
-    def message(self, text: str | None, status: str) -> dict[str, Any]:
-        content = [] if text is None else [part(text)]
+    def message(self, text: str | None, status: str, entries: list | None = None) -> dict[str, Any]:
+        content = [] if text is None else [part(text, entries)]
         return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
 
-    def answer(self, text: str, finish: str | None) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+    def answer(self, text: str, finish: str | None, entries: list | None = None) \
+            -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
         """(status, output items, the stored assistant turn) of a finished answer: calls where it is
-        only calls to listed tools, else one message."""
+        only calls to listed tools, else one message (with its tokens' logprobs, `entries`, if asked)."""
         calls = rtools.calls_of(text, finish, self.tl)
         if calls:
             items = rtools.call_items(calls)
             return "completed", items, rtools.assistant_turn(items)
         status = status_of(finish)
-        return status, [self.message(text, status)], {"role": "assistant", "content": text}
+        return status, [self.message(text, status, entries)], {"role": "assistant", "content": text}
 
     def obj(self, status: str, output: list[dict[str, Any]] | None = None, usage: tuple[int, int] | None = None,
             simulated: bool = False) -> dict[str, Any]:
@@ -271,8 +292,10 @@ def owner_now() -> dict[str, str]:
     return {"tenant": ADMIN_OWNER if rec is ADMIN else rec.tenant, "key": rec.id}
 
 
-def part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def part(text: str, entries: list | None = None) -> dict[str, Any]:
+    """An output_text part; `entries`: its tokens' logprobs (TokenLogprob), in chat's entry shape."""
+    return {"type": "output_text", "text": text, "annotations": [],
+            "logprobs": logprobs.chat_content(entries) if entries else []}
 
 
 def status_of(finish: str | None) -> str:
@@ -320,7 +343,7 @@ async def create(body: ResponsesBody, request: Request, gs: Gateway) -> Response
             return disconnect.EventStream(_events(gs, adm, turn, run), request, headers=headers)
         with trace.use_span(span, end_on_exit=False):
             out = await disconnect.collect(request, run)
-        status, items, said = turn.answer(out.texts[0], out.finish[0])
+        status, items, said = turn.answer(out.texts[0], out.finish[0], out.logprobs[0] if out.logprobs else None)
         final = turn.obj(status, items, (out.prompt_tokens, out.completion_tokens), out.simulated)
         await save(gs, turn, final, said)
         if out.simulated:
@@ -369,6 +392,8 @@ async def _events(gs: GatewayState, adm: Admission, turn: Turn, run: RequestRun)
         yield event("response.created", response=turn.obj("in_progress"))
         yield event("response.in_progress", response=turn.obj("in_progress"))
         texts, finish, usage, held = [], None, (0, 0), ""
+        lps: list = []  # the logprobs of every token so far; held_lp: of the held text
+        held_lp: list = []
         with trace.use_span(adm.span, end_on_exit=False):
             async for chunk in run.chunks():
                 if chunk.done:
@@ -376,16 +401,17 @@ async def _events(gs: GatewayState, adm: Admission, turn: Turn, run: RequestRun)
                     continue
                 finish = chunk.finish_reason or finish
                 held += chunk.text or ""
+                held_lp += chunk.logprobs or []
                 if not opened and not rtools.holds(turn.tl, held):  # not (or no longer possibly) a call
                     opened = True
                     for e in open_message():
                         yield e
                 if opened and held:
                     texts.append(held)
-                    yield event("response.output_text.delta", **at, delta=held, logprobs=[])
-                    held = ""
-        text = "".join(texts) + held
-        status, items, said = turn.answer(text, finish) if not opened else (status_of(finish), None, None)
+                    yield event("response.output_text.delta", **at, delta=held, logprobs=logprobs.chat_content(held_lp))
+                    held, lps, held_lp = "", lps + held_lp, []
+        text, lps = "".join(texts) + held, lps + held_lp
+        status, items, said = turn.answer(text, finish, lps) if not opened else (status_of(finish), None, None)
         if items is not None and items[0]["type"] == "function_call":
             for k, item in enumerate(items):
                 for e in _call_events(event, k, item):
@@ -395,10 +421,10 @@ async def _events(gs: GatewayState, adm: Admission, turn: Turn, run: RequestRun)
                 for e in open_message():
                     yield e
                 if text:
-                    yield event("response.output_text.delta", **at, delta=text, logprobs=[])
-            items, said = [turn.message(text, status)], {"role": "assistant", "content": text}
-            yield event("response.output_text.done", **at, text=text, logprobs=[])
-            yield event("response.content_part.done", **at, part=part(text))
+                    yield event("response.output_text.delta", **at, delta=text, logprobs=logprobs.chat_content(lps))
+            items, said = [turn.message(text, status, lps)], {"role": "assistant", "content": text}
+            yield event("response.output_text.done", **at, text=text, logprobs=logprobs.chat_content(lps))
+            yield event("response.content_part.done", **at, part=part(text, lps))
             yield event("response.output_item.done", output_index=0, item=items[0])
         final = turn.obj(status, items, usage, run.simulated)
         await save(gs, turn, final, said)

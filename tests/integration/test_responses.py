@@ -166,3 +166,29 @@ async def test_refused_input_items(plane, item, param):
         # a refused request leaves no slot taken
         await asyncio.sleep(0)
         assert p.gateway.gs.inflight == 0
+
+
+async def test_output_logprobs_whole_and_streamed(plane):
+    """include message.output_text.logprobs (+ top_logprobs): one entry per output token in the
+    output_text part, streamed in the deltas, whose entries add up to the done event's."""
+    async with plane() as p:
+        r = await p.client.responses.create(model=MODEL, input="hi", max_output_tokens=6, top_logprobs=2,
+                                            include=["message.output_text.logprobs"])
+        lps = r.output[0].content[0].logprobs
+        assert len(lps) == r.usage.output_tokens == 6 and "".join(e.token for e in lps) == r.output_text
+        assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in lps)
+        stream = await p.client.responses.create(model=MODEL, input="hi", max_output_tokens=6, stream=True,
+                                                 include=["message.output_text.logprobs"])
+        events = [e async for e in stream]
+        streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+        done = next(e for e in events if e.type == "response.output_text.done")
+        assert len(streamed) == 6 and [x.token for x in streamed] == [x.token for x in done.logprobs]
+        assert events[-1].response.output[0].content[0].logprobs[0].token == streamed[0].token
+        plain = await p.client.responses.create(model=MODEL, input="hi", max_output_tokens=3)
+        assert plain.output[0].content[0].logprobs == []
+        for kw, param in (({"top_logprobs": 2}, "top_logprobs"), ({"include": ["reasoning.encrypted_content"]},
+                                                                    "include"),
+                          ({"top_logprobs": 21, "include": ["message.output_text.logprobs"]}, "top_logprobs")):
+            with pytest.raises(openai.BadRequestError) as err:
+                await p.client.responses.create(model=MODEL, input="hi", **kw)
+            assert err.value.body["param"] == param
