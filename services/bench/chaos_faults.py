@@ -3,8 +3,8 @@
 The cluster is what `polyserve up` starts (the same launcher code, supervisor included): sim
 engine, several workers. Faults are real signals to those processes. The observer subscribes
 to the request events, as any operator tool can, to count what the gateway accepted and what
-ended with a terminal event (`completed` / `failed`); where a JetStream stream keeps the
-request events, it reads them from there afterwards (nothing missed while it reconnected).
+ended with a terminal event (`completed` / `failed`); the terminal events it takes afterwards
+from the JetStream stream that keeps them (nothing missed while it reconnected; `Observer`).
 """
 from __future__ import annotations
 
@@ -17,15 +17,18 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import nats
+import nats.js.errors
 import redis
+from nats.js import api
 
 from polyserve.cli import launcher
 from polyserve.proto import Keys
-from polyserve.shared import auth, batching, infra
+from polyserve.shared import auth, batching, durable, infra
 
 MODEL = "chaos-sim"
 
@@ -172,17 +175,38 @@ def nats_nodes(state: launcher.ClusterState) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- observer
+STREAM_READER = "dispatcher"  # the user the event stream is read as (`Observer._reader`)
+READ_WAIT_S = 20.0  # how long `Observer.finish` waits for the stream to hold every accepted request's end
+
+
+async def _quiet(exc) -> None:  # disconnects are the point of the exercise
+    pass
+
+
 @dataclass
 class Observer:
     """Request events by request id: admitted, the workers it was dispatched to, and its
-    terminal events. `source` says where they were read from."""
+    terminal events; `last_seen` the last event of each heard live (kind, seconds since `start`)
+    and `away` when the live connection was down, for a failure's message. `source` says where
+    the terminal events were read from.
+
+    The live subscription is core NATS, at most once: what is published while the observer's own
+    connection is still reconnecting after a nats-server restart never reaches it, and the
+    gateway, reconnected first, sends its buffered events at once (a CI run missed the 25
+    `completed` of one 50 ms batch so; the stream had them). And an event the gateway's outbox
+    re-sends (its PubAck lost) reaches it twice. So `finish` takes the terminal events from the
+    JetStream stream that keeps them (deduplicated by message id, docs/reliability.md); the live
+    copy stands only where no stream can be read, and `source` says why."""
 
     state: launcher.ClusterState
     admitted: set[str] = field(default_factory=set)
     workers: dict[str, list[str]] = field(default_factory=dict)  # every worker it was dispatched to
     terminal: dict[str, list[str]] = field(default_factory=dict)
+    last_seen: dict[str, tuple[str, float]] = field(default_factory=dict)
+    away: list[list[float]] = field(default_factory=list)  # [disconnected, reconnected] (s since start)
     source: str = "core NATS subscription"
     _nc: object = None
+    _t0: float = field(default_factory=time.monotonic)
 
     @property
     def subject(self) -> str:
@@ -191,9 +215,15 @@ class Observer:
     def servers(self) -> list[str]:
         return [u.strip() for u in current(self.state).nats_url.split(",") if u.strip()]
 
-    def take(self, data: bytes) -> None:
+    def elapsed(self) -> float:
+        """Seconds since `start`, to 3 decimals."""
+        return round(time.monotonic() - self._t0, 3)
+
+    def take(self, data: bytes, live: bool = True) -> None:
         for ev in batching.event_dicts(data):  # one event or several (shared/batching.py)
             rid, kind = ev.get("request_id", ""), ev.get("event")
+            if live:
+                self.last_seen[rid] = (kind, self.elapsed())
             if kind == "admitted":
                 self.admitted.add(rid)
             elif kind == "dispatched":
@@ -205,29 +235,35 @@ class Observer:
         async def on(msg) -> None:
             self.take(msg.data)
 
-        async def quiet(exc) -> None:  # disconnects are the point of the exercise
-            pass
+        async def down() -> None:
+            if not self._nc.is_closed:  # not `finish` draining it
+                self.away.append([self.elapsed()])
 
+        async def back() -> None:
+            if self.away and len(self.away[-1]) == 1:
+                self.away[-1].append(self.elapsed())
+
+        self._t0 = time.monotonic()
         self._nc = await nats.connect(servers=self.servers(), name="chaos-observer", max_reconnect_attempts=-1,
-                                      reconnect_time_wait=0.2, error_cb=quiet,
-                                      inbox_prefix=auth.inbox_prefix(auth.OPERATOR).encode())
+                                      reconnect_time_wait=0.2, error_cb=_quiet, disconnected_cb=down,
+                                      reconnected_cb=back, inbox_prefix=auth.inbox_prefix(auth.OPERATOR).encode())
         await self._nc.subscribe(self.subject, cb=on)
         await self._nc.flush()
 
-    async def finish(self) -> None:
-        """Stop; replace what was seen with the JetStream stream's copy when one keeps the events."""
-        nc = self._nc
+    async def finish(self, expected: set[str] = frozenset(), wait_s: float = READ_WAIT_S) -> None:
+        """Stop listening; take the terminal events from the JetStream stream: all it holds, and
+        (up to `wait_s`: a NATS cluster electing its leaders, the gateway's outbox re-sending every
+        2 s) until it holds one of every `expected` request. Where no stream can be read (JetStream
+        off), the live copy stands and `source` says why."""
+        if self._nc is not None:
+            with contextlib.suppress(Exception):
+                await self._nc.drain()
+        live, self.terminal = self.terminal, {}
         try:
-            stream = await asyncio.wait_for(nc.jetstream().find_stream_name_by_subject(
-                f"{self.state.prefix}.v1.events.request.completed"), 5)
-        except Exception:  # noqa: BLE001 - no stream (or no JetStream access): the live copy stands
-            stream = None
-        if stream:
-            self.admitted, self.workers, self.terminal = set(), {}, {}
-            self.source = f"JetStream stream {stream}"
-            await self._replay(nc)
-        with contextlib.suppress(Exception):
-            await nc.drain()
+            self.source = await self._read_stream(set(expected), wait_s)
+        except Exception as exc:  # noqa: BLE001 - the row says it; the scenario's other figures stand
+            self.terminal = live
+            self.source = f"core NATS subscription (the JetStream stream was not read: {type(exc).__name__} {exc})"
 
     async def close(self) -> None:
         """Disconnect (after `finish`, or when the scenario failed before it)."""
@@ -235,14 +271,104 @@ class Observer:
             with contextlib.suppress(Exception):
                 await self._nc.close()
 
-    async def _replay(self, nc) -> None:
-        sub = await nc.jetstream().subscribe(self.subject, ordered_consumer=True)
-        with contextlib.suppress(asyncio.TimeoutError):
-            while True:
-                msg = await sub.next_msg(timeout=1.0)
-                self.take(msg.data)
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
+    def _reader(self) -> tuple[list[str], str]:
+        """Servers, with the credentials, and the inbox prefix to read the event stream with. The
+        operator (`cli`) may publish nothing, so it makes no JetStream API request (docs/security.md):
+        under `polyserve up`'s credentials the stream is read as a service that consumes it
+        (`STREAM_READER`, as tests/system do)."""
+        sec = auth.Secrets.load(Path(self.state.run_dir) / "secrets" / "credentials.json")
+        if sec is None:  # a cluster without credentials
+            return self.servers(), "_INBOX"
+        return ([auth.with_userinfo(u, STREAM_READER, sec.nats[STREAM_READER]) for u in self.servers()],
+                auth.inbox_prefix(STREAM_READER))
+
+    async def _read_stream(self, expected: set[str], wait_s: float) -> str:
+        """Read the whole event stream into `terminal` (class docstring); where it was read from."""
+        servers, inbox = self._reader()
+        nc = await nats.connect(servers=servers, name="chaos-observer-stream", max_reconnect_attempts=-1,
+                                reconnect_time_wait=0.2, error_cb=_quiet, inbox_prefix=inbox.encode())
+        try:
+            reader = _StreamReader(nc, durable.stream_name(self.state.prefix), lambda d: self.take(d, live=False))
+            done = await reader.run(lambda: expected <= self.terminal.keys(), time.monotonic() + wait_s)
+        finally:
+            with contextlib.suppress(Exception):
+                await nc.close()
+        if done:
+            return f"JetStream stream {reader.stream}"
+        return (f"JetStream stream {reader.stream} (incomplete after {wait_s:g}s: {len(reader.seqs)} messages "
+                f"read of sequences {reader.first}-{reader.last}, {reader.consumers} consumer(s))")
+
+
+class _StreamReader:
+    """Every message of a JetStream stream, each once (by stream sequence), to `take`, through a
+    push consumer from the first message on; until every sequence up to the stream's last (asked
+    again every 0.5 s: a NATS cluster that lost a node may answer for a while without its
+    leader, with an empty state) was read and `enough()`: what the caller waits for. A consumer
+    that delivers nothing for STALL_S while that is not so (one made while the cluster elected
+    its leaders) is replaced by one from the first sequence not read."""
+
+    STALL_S = 3.0
+
+    def __init__(self, nc, stream: str, take: Callable[[bytes], None]):
+        self.nc, self.stream, self.take = nc, stream, take
+        self.jsm = nc.jsm(timeout=durable.API_TIMEOUT_S)
+        self.seqs: set[int] = set()
+        self.first = 1
+        self.read = self.last = self.consumers = 0  # read: the highest sequence read
+        self._progress = time.monotonic()
+
+    async def _on(self, msg) -> None:
+        seq = msg.metadata.sequence.stream
+        if seq not in self.seqs:
+            self.seqs.add(seq)
+            self.read = max(self.read, seq)
+            self._progress = time.monotonic()
+            self.take(msg.data)
+
+    def missing(self) -> int:
+        """The first sequence up to the last not read yet; 0 when none."""
+        return next((s for s in range(self.first, self.last + 1) if s not in self.seqs), 0)
+
+    async def _consumer(self, deliver: str) -> str:
+        name = f"chaos-observer-{os.getpid()}-{self.consumers}-{time.monotonic_ns() % 10**9}"
+        await self.jsm.add_consumer(self.stream, api.ConsumerConfig(
+            name=name, deliver_subject=deliver, deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=self.missing() or self.read + 1, ack_policy=api.AckPolicy.NONE, inactive_threshold=60.0))
+        self.consumers += 1
+        self._progress = time.monotonic()
+        return name
+
+    async def run(self, enough: Callable[[], bool], deadline: float) -> bool:
+        """Read until every sequence and `enough()`, or `deadline`; whether both held. Raises what
+        the JetStream API said when there is no stream (NotFoundError) or it never answered."""
+        deliver = self.nc.new_inbox()
+        await self.nc.subscribe(deliver, cb=self._on)
+        consumer, answered, polled = "", False, 0.0
+        while True:
+            if time.monotonic() - polled >= 0.5:
+                polled = time.monotonic()
+                try:
+                    info = (await self.jsm.stream_info(self.stream)).state
+                    self.first, self.last = max(self.first, info.first_seq), max(self.last, info.last_seq)
+                    answered = True
+                    stalled = time.monotonic() - self._progress > self.STALL_S
+                    if not consumer or stalled and (self.missing() or not enough()):
+                        if consumer:
+                            with contextlib.suppress(Exception):
+                                await self.jsm.delete_consumer(self.stream, consumer)
+                        consumer = await self._consumer(deliver)
+                except nats.js.errors.NotFoundError:
+                    raise
+                except (nats.errors.TimeoutError, nats.js.errors.APIError):  # no leader yet (503, timeouts)
+                    if time.monotonic() > deadline and not answered:
+                        raise
+            if answered and not self.missing() and enough() or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        if consumer:
+            with contextlib.suppress(Exception):  # else it goes after inactive_threshold
+                await self.jsm.delete_consumer(self.stream, consumer)
+        return answered and not self.missing() and enough()
 
 
 # ---------------------------------------------------------------------------- faults

@@ -86,6 +86,7 @@ async def _drive(sc: Scenario, ctx: Ctx, say) -> dict:
     while len(ctx.observer.workers) < cfg.requests * cfg.fault_after and not load_task.done():
         await asyncio.sleep(0.02)
     in_flight = load.in_flight()
+    fault_at = ctx.observer.elapsed()
     say(f"  {sc.name}: {load.started} sent, {in_flight} in flight; injecting the fault")
     side: list[StreamResult] = []
     released = asyncio.Event()
@@ -110,8 +111,11 @@ async def _drive(sc: Scenario, ctx: Ctx, say) -> dict:
             if task is not None and not task.done():
                 task.cancel()
     await asyncio.sleep(1.5)  # the last terminal events on their way
-    await ctx.observer.finish()
+    # the terminal events from the stream that keeps them, until it has those of every accepted request
+    # (bounded: faults.READ_WAIT_S); the live copy misses what came while the observer reconnected
+    await ctx.observer.finish(ctx.observer.admitted | {r.rid for r in results + side if r.rid})
     row = summarize(sc, results + side, ctx, probes, info)
+    row["fault_at_s"] = fault_at
     row["restarts"] = faults.current(ctx.state).restarts
     row["in_flight_at_fault"] = in_flight
     row["load_s"] = round(time.monotonic() - t_load, 1)
@@ -167,7 +171,8 @@ def summarize(sc: Scenario, results: list[StreamResult], ctx: Ctx, probes: Probe
            "hung": _count(results, "hung"), "rejected_429": sum(1 for r in results if r.status == 429),
            "accepted": len(accepted), "no_terminal": sorted(accepted - obs.terminal.keys()),
            "duplicate_terminal": sorted(rid for rid, t in obs.terminal.items() if len(t) > 1),
-           "events_from": obs.source, "recovery_s": probes.recovery_s(), "probes": len(probes.log),
+           "events_from": obs.source, "observer_away_s": obs.away,
+           "recovery_s": probes.recovery_s(), "probes": len(probes.log),
            "probes_disrupted": probes.disrupted(), "probe_failures": probes.failures[:8],
            "samples": {k: [r.detail for r in results if r.kind == k][:3] for k in ("error", "short", "hung")},
            "error_causes": causes(results)}
@@ -183,6 +188,8 @@ def summarize(sc: Scenario, results: list[StreamResult], ctx: Ctx, probes: Probe
         slow = [r for r in results if r.tag == "slow"]
         row["slow_readers"] = {k: _count(slow, k) for k in ("ok", "error", "short", "hung")}
         row["slow_readers"]["samples"] = [r.detail for r in slow if r.kind != "ok"][:3]
+    # for a failure's message: the last event the live subscription heard of each (kind, s since start)
+    row["no_terminal_last_seen"] = {rid: obs.last_seen.get(rid) for rid in row["no_terminal"][:10]}
     row["misses"] = misses(row)
     return row
 
