@@ -221,3 +221,26 @@ async def test_tokenize_counts_a_tool_chat_as_the_worker_runs_it(plane, state, t
                 plain = await http.post("/tokenize", json={"model": dep, "messages": messages})
             assert got.status_code == 200, got.text
             assert got.json()["count"] == chat.usage.prompt_tokens > plain.json()["count"]
+
+
+async def test_a_responses_tool_turn_runs_the_same_template_prompt_as_its_chat(plane, tool_checkpoint):
+    """/v1/responses with function tools and the same history as input items (function_call,
+    function_call_output) reaches the template as the chat completion does: the same prompt tokens
+    and, greedy, the same text."""
+    messages = [{"role": "user", "content": "weather in oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "12C and rain"},
+                {"role": "user", "content": "and tomorrow?"}]
+    items = [messages[0], {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                           "arguments": "{\"city\": \"Oslo\"}"},
+             {"type": "function_call_output", "call_id": "call_1", "output": "12C and rain"}, messages[3]]
+    flat = {"type": "function", **WEATHER["function"]}
+    async with plane(worker_kw=hf(tool_checkpoint)) as p:
+        chat = await p.client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
+                                                      max_tokens=6, temperature=0)
+        resp = await p.client.responses.create(model=MODEL, input=items, tools=[flat], max_output_tokens=6,
+                                               temperature=0, store=False)
+        assert resp.output_text == chat.choices[0].message.content
+        assert resp.usage.input_tokens == chat.usage.prompt_tokens
