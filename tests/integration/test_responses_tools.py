@@ -140,3 +140,30 @@ async def test_what_is_wrong_is_a_400_naming_it(plane, fields, param):
         assert err.value.body["param"] == param, err.value.body
         await asyncio.sleep(0)
         assert p.gateway.gs.inflight == 0
+
+
+BAD_BODIES = [
+    {"tools": "get_weather"}, {"tools": [1]}, {"tools": [{"type": "function"}]},
+    {"tools": [{"type": "function", "name": "f", "parameters": "{}"}]}, {"tools": [WEATHER], "tool_choice": 5},
+    {"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "tools": []}},
+    {"text": "json"}, {"text": {"format": "json"}}, {"text": {"format": {"type": "grammar"}}},
+    {"include": "message.output_text.logprobs"}, {"top_logprobs": "2", "include": ["message.output_text.logprobs"]},
+    {"input": ["hi"]}, {"input": [{"type": "function_call", "call_id": 5, "name": "f", "arguments": "{}"}]},
+    {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {"x": 1}}]},
+    {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+               {"type": "function_call_output", "call_id": "c", "output": 7}]},
+    {"input": [{"type": "function_call_output", "output": "x"}]},
+]
+
+
+async def test_malformed_tool_fields_are_400s_never_500s(plane):
+    """Each malformed body is a 400 with a `param` (OpenAI's error shape), and leaves no slot taken."""
+    async with plane() as p:
+        for fields in BAD_BODIES:
+            with pytest.raises(openai.BadRequestError) as err:
+                await p.client.responses.create(model=MODEL, **{"input": "hi", "max_output_tokens": 3, **fields})
+            assert err.value.body.get("param"), (fields, err.value.body)
+        await asyncio.sleep(0)
+        assert p.gateway.gs.inflight == 0
+        ok = await p.client.responses.create(model=MODEL, input="hi", max_output_tokens=3)
+        assert ok.output_text
