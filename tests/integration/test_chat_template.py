@@ -161,6 +161,15 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                                            "required": ["city"], "additionalProperties": False}}}
 
 
+# a chat with an earlier call (its arguments a JSON string, as OpenAI clients send them) and its result
+TOOL_HISTORY = [{"role": "user", "content": "weather in oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "12C and rain"},
+                {"role": "user", "content": "and tomorrow?"}]
+
+
 @pytest.fixture(scope="module")
 def tool_checkpoint(tmp_path_factory):
     from transformers import AutoTokenizer
@@ -179,12 +188,7 @@ async def test_a_template_that_takes_tools_formats_the_tools_calls_and_results_i
     result (named after its call: OpenAI's tool messages carry no name, Hermes-style templates
     require one) reach the template as templates read them; `auto` answers as the completion of that prompt,
     `required` is still a call that parses."""
-    messages = [{"role": "user", "content": "weather in oslo?"},
-                {"role": "assistant", "content": None, "tool_calls": [{
-                    "id": "call_1", "type": "function",
-                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "12C and rain"},
-                {"role": "user", "content": "and tomorrow?"}]
+    messages = TOOL_HISTORY
     as_template_reads = [messages[0], {"role": "assistant", "content": "", "tool_calls": [{
         "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
         {"role": "tool", "content": "12C and rain", "tool_call_id": "call_1", "name": "get_weather"}, messages[3]]
@@ -227,12 +231,7 @@ async def test_a_responses_tool_turn_runs_the_same_template_prompt_as_its_chat(p
     """/v1/responses with function tools and the same history as input items (function_call,
     function_call_output) reaches the template as the chat completion does: the same prompt tokens
     and, greedy, the same text."""
-    messages = [{"role": "user", "content": "weather in oslo?"},
-                {"role": "assistant", "content": None, "tool_calls": [{
-                    "id": "call_1", "type": "function",
-                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "12C and rain"},
-                {"role": "user", "content": "and tomorrow?"}]
+    messages = TOOL_HISTORY
     items = [messages[0], {"type": "function_call", "call_id": "call_1", "name": "get_weather",
                            "arguments": "{\"city\": \"Oslo\"}"},
              {"type": "function_call_output", "call_id": "call_1", "output": "12C and rain"}, messages[3]]
