@@ -411,8 +411,9 @@ async def _events(gs: GatewayState, adm: Admission, turn: Turn, run: RequestRun)
                     yield event("response.output_text.delta", **at, delta=held, logprobs=logprobs.chat_content(held_lp))
                     held, lps, held_lp = "", lps + held_lp, []
         text, lps = "".join(texts) + held, lps + held_lp
-        status, items, said = turn.answer(text, finish, lps) if not opened else (status_of(finish), None, None)
-        if items is not None and items[0]["type"] == "function_call":
+        # text already released (opened) never parses as calls: it did not start as calls do
+        status, items, said = turn.answer(text, finish, lps)
+        if items[0]["type"] == "function_call":
             for k, item in enumerate(items):
                 for e in _call_events(event, k, item):
                     yield e
@@ -422,7 +423,6 @@ async def _events(gs: GatewayState, adm: Admission, turn: Turn, run: RequestRun)
                     yield e
                 if text:
                     yield event("response.output_text.delta", **at, delta=text, logprobs=logprobs.chat_content(lps))
-            items, said = [turn.message(text, status, lps)], {"role": "assistant", "content": text}
             yield event("response.output_text.done", **at, text=text, logprobs=logprobs.chat_content(lps))
             yield event("response.content_part.done", **at, part=part(text, lps))
             yield event("response.output_item.done", output_index=0, item=items[0])
