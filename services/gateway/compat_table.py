@@ -209,7 +209,8 @@ CHAT: dict[str, Rule] = {
                         "schema (constrained decoding, as response_format), so it always parses; `auto`: free "
                         "text, returned as calls when the whole answer is calls: the gateway's JSON or the formats "
                         "models are trained on (Hermes/Qwen `<tool_call>`, Mistral `[TOOL_CALLS]`, Llama 3.1 "
-                        "`<|python_tag|>` / `parameters`), several as parallel calls (random weights: text); `none`",
+                        "`<|python_tag|>` / `parameters`), several as parallel calls (random weights: text); text "
+                        "then calls in one of the marked formats: the text as `content` beside the calls; `none`",
                         noop=(None, "none", "auto")),
     "parallel_tool_calls": I("a forced call is one call; with `auto` every call the answer holds is returned "
                              "(parallel calls are never asked for in the prompt)", False),
@@ -340,8 +341,8 @@ RESPONSES: dict[str, Rule] = {
     "stream_options": I("`include_obfuscation` pads deltas against side channels; polyserve adds no padding",
                         {"include_obfuscation": False}),
     "tools": H("function tools (`name`, `description`, `parameters`), listed in the prompt as on chat "
-               "(services/gateway/responses_tools.py); an answer that is only calls comes back as `function_call` "
-               "output items (streamed: `response.function_call_arguments.delta`/`.done`); built-in tools (web "
+               "(services/gateway/responses_tools.py); an answer that is calls (after some text in a marked format: "
+               "a message item first) comes back as `function_call` output items (streamed: `response.function_call_arguments.delta`/`.done`); built-in tools (web "
                "search, file search, code interpreter, MCP, ...) are refused (400 `tools[i]`)",
                [{"type": "function", "name": "f", "parameters": {}}]),
     "tool_choice": H("as on chat: `required` or `{'type': 'function', 'name': ...}` generate the call's JSON "

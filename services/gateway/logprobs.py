@@ -62,6 +62,16 @@ def chat_content(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
             for e in entries]
 
 
+def split_at(entries: list[TokenLogprob], n: int) -> tuple[list[TokenLogprob], list[TokenLogprob]]:
+    """`entries` split where their tokens' text reaches `n` characters: the tokens that lie wholly
+    within the first `n`, and the rest."""
+    k, length = 0, 0
+    while k < len(entries) and length + len(entries[k].token) <= n:
+        length += len(entries[k].token)
+        k += 1
+    return entries[:k], entries[k:]
+
+
 def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
     """The completions `logprobs` object of `entries`, text offsets counted from `offset`."""
     offsets = []

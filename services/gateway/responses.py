@@ -248,11 +248,14 @@ class Turn:
     def answer(self, text: str, finish: str | None, entries: list | None = None) \
             -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
         """(status, output items, the stored assistant turn) of a finished answer: calls where it is
-        only calls to listed tools, else one message (with its tokens' logprobs, `entries`, if asked)."""
-        calls = rtools.calls_of(text, finish, self.tl)
-        if calls:
-            items = rtools.call_items(calls)
-            return "completed", items, rtools.assistant_turn(items)
+        calls to listed tools (after a message item for the text before them, when some text came
+        first in a marked format), else one message (with its tokens' logprobs, `entries`, if asked)."""
+        found = rtools.calls_of(text, finish, self.tl)
+        if found:
+            said, calls = found
+            said_lps = logprobs.split_at(entries, len(said))[0] if entries else None
+            items = ([self.message(said, "completed", said_lps)] if said else []) + rtools.call_items(calls)
+            return "completed", items, rtools.assistant_turn(items, said)
         status = status_of(finish)
         return status, [self.message(text, status, entries)], {"role": "assistant", "content": text}
 
@@ -406,26 +409,34 @@ async def _events(gs: GatewayState, adm: Admission, turn: Turn, run: RequestRun)
                     opened = True
                     for e in open_message():
                         yield e
-                if opened and held:
-                    texts.append(held)
-                    yield event("response.output_text.delta", **at, delta=held, logprobs=logprobs.chat_content(held_lp))
-                    held, lps, held_lp = "", lps + held_lp, []
-        text, lps = "".join(texts) + held, lps + held_lp
-        # text already released (opened) never parses as calls: it did not start as calls do
+                if opened and held:  # up to a call marker: calls may still follow the text
+                    n = rtools.release(turn.tl, held)
+                    if n:
+                        out_lp, held_lp = (held_lp, []) if n == len(held) else logprobs.split_at(held_lp, n)
+                        texts.append(held[:n])
+                        yield event("response.output_text.delta", **at, delta=held[:n],
+                                    logprobs=logprobs.chat_content(out_lp))
+                        held, lps = held[n:], lps + out_lp
+        sent, text, lps = "".join(texts), "".join(texts) + held, lps + held_lp
         status, items, said = turn.answer(text, finish, lps)
-        if items[0]["type"] == "function_call":
-            for k, item in enumerate(items):
-                for e in _call_events(event, k, item):
-                    yield e
-        else:
+        if items[0]["type"] == "message":  # the text, alone or before calls (output items 1, ...)
+            shown = items[0]["content"][0]["text"] if items[0]["content"] else ""
+            alone = len(items) == 1  # the whole answer: every token's logprobs, as they came
+            shown_lps = lps if alone else logprobs.split_at(lps, len(shown))[0]
             if not opened:
                 for e in open_message():
                     yield e
-                if text:
-                    yield event("response.output_text.delta", **at, delta=text, logprobs=logprobs.chat_content(lps))
-            yield event("response.output_text.done", **at, text=text, logprobs=logprobs.chat_content(lps))
-            yield event("response.content_part.done", **at, part=part(text, lps))
+            if len(shown) > len(sent):
+                rest_lps = held_lp if alone else logprobs.split_at(shown_lps, len(sent))[1]
+                yield event("response.output_text.delta", **at, delta=shown[len(sent):],
+                            logprobs=logprobs.chat_content(rest_lps))
+            yield event("response.output_text.done", **at, text=shown, logprobs=logprobs.chat_content(shown_lps))
+            yield event("response.content_part.done", **at, part=part(shown, shown_lps))
             yield event("response.output_item.done", output_index=0, item=items[0])
+        for k, item in enumerate(items):
+            if item["type"] == "function_call":
+                for e in _call_events(event, k, item):
+                    yield e
         final = turn.obj(status, items, usage, run.simulated)
         await save(gs, turn, final, said)
         yield event("response.completed" if status == "completed" else "response.incomplete", response=final)

@@ -142,9 +142,10 @@ def has_calls(conversation: list[dict[str, Any]]) -> bool:
     return any(m.get("tool_calls") or m["role"] == "tool" for m in conversation)
 
 
-def calls_of(text: str, finish: str | None, tl: tools.Tools) -> list[tuple[str, str]] | None:
-    """[(name, arguments)] when a finished answer is only calls to listed tools, else None."""
-    return tl.parse(text) if tl.listed and finish == "stop" else None
+def calls_of(text: str, finish: str | None, tl: tools.Tools) -> tuple[str, list[tuple[str, str]]] | None:
+    """(the text before them, [(name, arguments)]) when a finished answer is calls to listed tools,
+    alone or after some text in a marked format (`tools.split_calls`); else None."""
+    return tl.split(text) if tl.listed and finish == "stop" else None
 
 
 def call_items(calls: list[tuple[str, str]]) -> list[dict[str, Any]]:
@@ -153,16 +154,26 @@ def call_items(calls: list[tuple[str, str]]) -> list[dict[str, Any]]:
              "name": name, "arguments": arguments, "status": "completed"} for name, arguments in calls]
 
 
-def assistant_turn(items: list[dict[str, Any]]) -> dict[str, Any]:
-    """The stored conversation's assistant turn for call items (what the next turn answers)."""
-    return {"role": "assistant", "content": "", "tool_calls": [
+def assistant_turn(items: list[dict[str, Any]], text: str = "") -> dict[str, Any]:
+    """The stored conversation's assistant turn for call items, and the text said before them (what
+    the next turn answers)."""
+    return {"role": "assistant", "content": text, "tool_calls": [
         {"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
-        for it in items]}
+        for it in items if it["type"] == "function_call"]}
 
 
 def holds(tl: tools.Tools, held: str) -> bool:
     """Whether a streamed answer that starts with `held` must wait: it may still be only calls."""
     return tl.listed and (tl.forced or tools.may_be_calls(held))
+
+
+def release(tl: tools.Tools, text: str) -> int:
+    """How much of `text`, streamed after the answer began as text, may go out now: up to a call
+    marker (calls may follow some text), or short of a marker's first characters at its end."""
+    if not tl.listed:
+        return len(text)
+    at = tools.marker_at(text)
+    return at if at >= 0 else len(text) - tools.marker_prefix(text)
 
 
 def echo(body: Any, tl: tools.Tools) -> dict[str, Any]:

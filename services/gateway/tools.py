@@ -21,7 +21,9 @@ Tools (`tools`, `tool_choice`), by constrained generation of the call's JSON:
   is only calls in one of those is taken too (`calls_in`): Hermes / Qwen `<tool_call>{...}
   </tool_call>` blocks, Mistral's `[TOOL_CALLS] [{...}, ...]`, Llama 3.1's `<|python_tag|>`
   and `{"name": ..., "parameters": {...}}`, or a JSON list of calls: several calls are
-  parallel tool calls (vLLM's hermes, mistral and llama3_json parsers read the same).
+  parallel tool calls (vLLM's hermes, mistral and llama3_json parsers read the same). Some text
+  and then only calls in one of the marked formats (`<tool_call>`, `[TOOL_CALLS]`,
+  `<|python_tag|>`) is the message's `content` beside the calls, as those parsers return it.
 * `none` (and no tools): nothing is listed; plain text.
 A call comes back as `message.tool_calls` [{id, type: "function", function: {name,
 arguments (a JSON string)}}] with finish_reason "tool_calls"; streamed, as `delta.tool_calls`
@@ -157,7 +159,17 @@ class Tools:
 
     def parse(self, text: str) -> list[tuple[str, str]] | None:
         """[(name, arguments as a JSON string)] when `text` is only calls to listed tools."""
-        objs = calls_in(text)
+        return self.checked(calls_in(text))
+
+    def split(self, text: str) -> tuple[str, list[tuple[str, str]]] | None:
+        """(the text before the calls, [(name, arguments)]) when `text` is calls to listed tools,
+        alone or after some text in a marked format (`split_calls`); else None."""
+        found = split_calls(text)
+        calls = self.checked(found[1]) if found else None
+        return (found[0], calls) if found and calls else None
+
+    def checked(self, objs: list[dict] | None) -> list[tuple[str, str]] | None:
+        """[(name, arguments)] of call objects when every one calls a listed tool with an object."""
         if not objs:
             return None
         out = []
@@ -195,6 +207,37 @@ def calls_in(text: str) -> list[dict] | None:
     except ValueError:
         return None
     return objs if objs and all(isinstance(o, dict) for o in objs) else None
+
+
+# What opens calls that follow some text: a model often says a sentence, then calls (vLLM's hermes,
+# mistral and llama3_json parsers return that text as content beside the calls). Only these marked
+# formats count there: a bare JSON object at the end of prose may well be part of the answer.
+_MARKERS = ("<tool_call>",) + _PREFIXES
+
+
+def marker_at(text: str) -> int:
+    """Where the first call marker of `text` begins, or -1."""
+    hits = [i for i in (text.find(m) for m in _MARKERS) if i >= 0]
+    return min(hits) if hits else -1
+
+
+def marker_prefix(text: str) -> int:
+    """How many of `text`'s last characters may begin a call marker (to hold while streaming)."""
+    for n in range(min(len(text), max(map(len, _MARKERS)) - 1), 0, -1):
+        if any(m.startswith(text[-n:]) for m in _MARKERS):
+            return n
+    return 0
+
+
+def split_calls(text: str) -> tuple[str, list[dict]] | None:
+    """(the text before the calls, the call objects) of an answer that is only calls, or some text
+    and then only calls in a marked format (`_MARKERS`); None otherwise."""
+    objs = calls_in(text)
+    if objs:
+        return "", objs
+    at = marker_at(text)
+    objs = calls_in(text[at:]) if at > 0 else None
+    return (text[:at], objs) if objs else None
 
 
 def may_be_calls(held: str) -> bool:
@@ -318,13 +361,14 @@ def _call(name: str, arguments: str, index: int | None = None) -> dict[str, Any]
 
 
 def render_message(choice: dict[str, Any], tools: Tools) -> None:
-    """A full response's chat choice: its text becomes a tool call when it is one."""
+    """A full response's chat choice: its text becomes tool calls when it is calls (after some
+    text in a marked format: that text stays the message's content)."""
     message = choice["message"]
-    parsed = tools.parse(message.get("content") or "") if tools.listed and choice.get("finish_reason") == "stop" \
+    found = tools.split(message.get("content") or "") if tools.listed and choice.get("finish_reason") == "stop" \
         else None
-    if parsed is not None:
-        message["content"] = None
-        message["tool_calls"] = [_call(*call) for call in parsed]
+    if found is not None:
+        message["content"] = found[0] or None
+        message["tool_calls"] = [_call(*call) for call in found[1]]
         choice["finish_reason"] = "tool_calls"
 
 
@@ -332,20 +376,25 @@ class ToolStream:
     """Streamed chat chunks with tools listed: a choice's text is held while it may still be a
     call (forced: always; auto: while it is empty or starts as calls do, `may_be_calls`), then
     sent as `delta.tool_calls` chunks (per call its id and name, then its arguments) ending with
-    finish_reason "tool_calls", or released as content."""
+    finish_reason "tool_calls", or released as content. Released text is still watched for a
+    call marker (`_MARKERS`): from one on, the rest is held, and sent as calls when it is only
+    calls, else as content; a marker's first characters at a chunk's end wait for the next."""
 
     def __init__(self, tools: Tools):
         self.tools = tools
         self._held: dict[int, str] = {}
         self._role: set[int] = set()  # choices whose held first chunk carried the role
         self._passed: set[int] = set()  # auto choices that turned out to be text
+        self._tail: dict[int, str] = {}  # text of a passed choice held back: a marker, or its start
 
     def feed(self, body: dict[str, Any]) -> list[dict[str, Any]]:
         """The chunks to send for `body` (a stream_chunk of one choice): none while held."""
         choice = body["choices"][0]
         index, delta, reason = choice["index"], choice["delta"], choice["finish_reason"]
-        if not self.tools.listed or index in self._passed:
+        if not self.tools.listed:
             return [body]
+        if index in self._passed:
+            return self._after_text(body)
         if delta.pop("role", None):
             self._role.add(index)
         held = self._held[index] = self._held.get(index, "") + (delta.get("content") or "")
@@ -353,17 +402,45 @@ class ToolStream:
             return []
         self._held.pop(index)
         parsed = self.tools.parse(held) if reason == "stop" else None
+        if parsed is not None:
+            return self._calls(self._with_role(body, index), parsed, 0)
+        delta["content"] = held
+        if reason is None:
+            self._passed.add(index)
+        return self._after_text(self._with_role(body, index)) if not self.tools.forced else \
+            [self._with_role(body, index)]
+
+    def _after_text(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """A chunk of a choice whose answer began as text: calls may still follow a marker."""
+        choice = body["choices"][0]
+        index, delta, reason = choice["index"], choice["delta"], choice["finish_reason"]
+        text = self._tail.pop(index, "") + (delta.get("content") or "")
+        at = marker_at(text)
+        if reason is None:
+            keep = len(text) - at if at >= 0 else marker_prefix(text)
+            if keep:
+                self._tail[index], text = text[len(text) - keep:], text[:len(text) - keep]
+            delta["content"] = text
+            return [body] if text or "role" in delta or choice.get("logprobs") else []
+        self._passed.discard(index)
+        parsed = self.tools.parse(text[at:]) if at >= 0 and reason == "stop" else None
         if parsed is None:
-            if reason is None:
-                self._passed.add(index)
-            delta["content"] = held
-            return [self._with_role(body, index)]
+            delta["content"] = text
+            return [body]
+        before = [_like(body, {**delta, "content": text[:at]})] if text[:at] or "role" in delta else []
+        return before + self._calls(_like(body, {}), parsed, len(before))
+
+    @staticmethod
+    def _calls(body: dict[str, Any], parsed: list[tuple[str, str]], after: int) -> list[dict[str, Any]]:
+        """`parsed` as tool-call chunks shaped like `body` (its delta's role kept on the first),
+        ending with finish_reason "tool_calls"; `after`: chunks of text were sent before them."""
         out = []
         for i, (name, arguments) in enumerate(parsed):
             head = {"tool_calls": [_call(name, "", index=i)]}
-            out += [_like(body, {"content": None, **head} if i == 0 else head),
+            out += [_like(body, {"content": None, **head} if i == 0 and not after else head),
                     _like(body, {"tool_calls": [{"index": i, "function": {"arguments": arguments}}]})]
-        out[0] = self._with_role(out[0], index)
+        if "role" in body["choices"][0]["delta"]:
+            out[0]["choices"][0]["delta"] = {"role": "assistant", **out[0]["choices"][0]["delta"]}
         return out + [_like(body, {}, "tool_calls")]
 
     def _with_role(self, body: dict[str, Any], index: int) -> dict[str, Any]:

@@ -41,12 +41,13 @@ class StandIn(LoopbackHTTP):
     second and later chats), "no-tools" (a chat with tools: vLLM's 400 without a tool parser).
     reasoning: the first chunk's text comes as `reasoning`. A chat with tools is answered with a
     call as vLLM's tool parsers send it (`tool_calls`; streamed: id and name, then the arguments
-    in fragments; finish_reason "tool_calls")."""
+    in fragments; finish_reason "tool_calls"), after `said` as its content when given (the model's
+    words before the call, which vLLM's parsers return beside the calls)."""
 
     def __init__(self, refuse: str | None = None, reasoning: bool = False, completion_out: list[str] | None = None,
-                 finish: str = "length"):
+                 finish: str = "length", said: str | None = None):
         super().__init__()
-        self.refuse, self.reasoning = refuse, reasoning
+        self.refuse, self.reasoning, self.said = refuse, reasoning, said
         self.completion_out, self.finish = completion_out or COMPLETION_OUT, finish
 
     def answer(self, method: str, path: str, body: dict) -> tuple[int, bytes, str]:
@@ -65,19 +66,21 @@ class StandIn(LoopbackHTTP):
         if body.get("tools") and refuse == "no-tools":
             return 400, json.dumps({"error": {"message": VLLM_NO_TOOLS, "type": "BadRequestError"}}).encode(), JSON
         if body.get("tools"):
-            return (200, *self.call(body))
+            return (200, *self.call(body, self.said))
         return (200, *self.chat(body, self.reasoning))
 
     @staticmethod
-    def call(body: dict) -> tuple[bytes, str]:
+    def call(body: dict, said: str | None = None) -> tuple[bytes, str]:
         base = {"id": "chatcmpl-2", "created": 0, "model": "m"}
         name, args = body["tools"][0]["function"]["name"], '{"city": "Oslo"}'
         if not body.get("stream"):
-            msg = {"role": "assistant", "content": None, "tool_calls": [
+            msg = {"role": "assistant", "content": said, "tool_calls": [
                 {"id": "chatcmpl-tool-1", "type": "function", "function": {"name": name, "arguments": args}}]}
             choice = {"index": 0, "message": msg, "finish_reason": "tool_calls"}
             return json.dumps({**base, "object": "chat.completion", "choices": [choice]}).encode(), JSON
-        deltas = [{"role": "assistant", "content": ""},
+        words = [{"content": w} for w in (said.split(" ") if said else [])]
+        words = [{"content": w["content"] + " "} for w in words[:-1]] + words[-1:]
+        deltas = [{"role": "assistant", "content": ""}, *words,
                   {"tool_calls": [{"index": 0, "id": "chatcmpl-tool-1", "type": "function",
                                    "function": {"name": name, "arguments": ""}}]},
                   {"tool_calls": [{"index": 0, "function": {"arguments": args[:9]}}]},
@@ -363,6 +366,42 @@ async def test_an_auto_tool_chat_goes_to_the_upstreams_tool_parser(plane, state)
     assert sent[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     assert sent[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1", "name": "get_weather"}
     assert "tools" not in up.posts[2][1]
+
+
+async def test_text_before_an_upstream_call_reaches_the_client_as_content_beside_the_call(plane, state):
+    """An upstream answer with both `content` (the model's words before its call) and `tool_calls`:
+    the client gets both, on chat (whole and streamed: the text as content deltas, then the call
+    chunks) and on the Responses API (a message item, then the function_call item)."""
+    from polyserve.proto import Deployment
+    said = "Let me check the weather in Oslo."
+    await state.put_deployment(Deployment(id="up", model="up", engine="openai-http"))
+    with StandIn(said=said) as up:
+        async with plane(worker_kw=_worker(up)) as p:
+            messages = [{"role": "user", "content": "weather in oslo?"}]
+            out = await p.client.chat.completions.create(model="up", messages=messages, tools=[WEATHER], max_tokens=30)
+            msg = out.choices[0].message
+            assert out.choices[0].finish_reason == "tool_calls" and msg.content == said
+            assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == \
+                [("get_weather", {"city": "Oslo"})]
+            stream = await p.client.chat.completions.create(model="up", messages=messages, tools=[WEATHER],
+                                                            max_tokens=30, stream=True)
+            text, args, finish = "", "", None
+            async for chunk in stream:
+                for c in chunk.choices:
+                    assert not (text and args and c.delta.content)  # the text comes before the call
+                    text += c.delta.content or ""
+                    args += "".join(tc.function.arguments or "" for tc in c.delta.tool_calls or [])
+                    finish = c.finish_reason or finish
+            assert text == said and json.loads(args) == {"city": "Oslo"} and finish == "tool_calls"
+            rtool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+            r = await p.client.responses.create(model="up", input="weather in oslo?", tools=[rtool])
+            assert [o.type for o in r.output] == ["message", "function_call"] and r.output_text == said
+            assert json.loads(r.output[1].arguments) == {"city": "Oslo"}
+            async with p.client.responses.stream(model="up", input="weather in oslo?", tools=[rtool]) as rs:
+                deltas = [e.delta async for e in rs if e.type == "response.output_text.delta"]
+                final = await rs.get_final_response()
+            assert "".join(deltas) == said and [o.type for o in final.output] == ["message", "function_call"]
+            assert final.output[1].name == "get_weather" and final.output_text == said
 
 
 async def test_an_upstream_without_a_tool_parser_gets_the_transcript():

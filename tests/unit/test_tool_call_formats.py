@@ -76,3 +76,53 @@ def test_streamed_text_is_released_as_soon_as_it_cannot_be_a_call():
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "<t>bold</t> and more text"
     assert _stream(["Sunny", " today"])[0]["choices"][0]["delta"]["content"] == "Sunny"  # prose: not held
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("text, content", [
+    ("Let me look that up.\n" + CALL, "Let me look that up.\n"),
+    ('I will check. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}]', "I will check. "),
+    ('Checking.<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}', "Checking."),
+    (CALL, ""),
+])
+def test_text_then_calls_in_a_marked_format_gives_the_text_and_the_calls(text, content):
+    found = TOOLS.split(text)
+    assert found is not None and found[0] == content and [(n, json.loads(a)) for n, a in found[1]] == \
+        [("get_weather", W)]
+    choice = {"message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+    tools.render_message(choice, TOOLS)
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == (content or None)
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == W
+
+
+@pytest.mark.parametrize("text", [
+    'Here is the JSON: {"name": "get_weather", "arguments": {"city": "Oslo"}}',  # bare JSON after prose: content
+    "Use <tool_call> tags like this: <tool_call>not json</tool_call>",
+    "Checking. " + CALL + " done",  # text after the calls
+    'Sure. <tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',  # not a listed tool
+])
+def test_text_with_no_clean_calls_after_it_stays_content(text):
+    assert TOOLS.split(text) is None
+    chunks = _stream([text[i:i + 5] for i in range(0, len(text), 5)])
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_streamed_text_then_calls_sends_the_text_then_tool_call_chunks():
+    text = "Let me look that up.\n" + CALL
+    for size in (1, 3, 7, len(text)):
+        chunks = _stream([text[i:i + size] for i in range(0, len(text), size)])
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        assert deltas[0]["role"] == "assistant"
+        sent = "".join(d.get("content") or "" for d in deltas)
+        assert sent == "Let me look that up.\n" and "<" not in sent  # no piece of the marker leaks as text
+        args = [tc["function"]["arguments"] for d in deltas for tc in d.get("tool_calls", []) if "id" not in tc]
+        assert [json.loads(a) for a in args] == [W]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_marker_start_that_does_not_complete_is_released_with_the_next_chunk():
+    chunks = _stream(["Tags like <tool", "s are fine"])
+    assert [c["choices"][0]["delta"].get("content") for c in chunks] == ["Tags like ", "<tools are fine"]

@@ -29,9 +29,10 @@ Requests with prompt logprobs (`echo`) are completions: chats have no echo.
 Tool chats (tools listed, or earlier calls and results) go to the chat endpoint too, with `tools`
 and `tool_choice: "auto"`, so the upstream formats them with the model's template and reads the
 model's calls with its own tool parser (vLLM's `--tool-call-parser`). The upstream's `tool_calls`
-come back as text in the gateway's call format (`CallText`: `{"name", "arguments"}`, a JSON list
-for parallel calls) with finish reason "stop", which the gateway turns back into tool calls
-(gateway/tools.py). A forced call (`tool_choice` required or named: the request carries the call's
+come back as text in a call format the gateway reads (`CallText`: one Hermes-style
+`<tool_call>{"name", "arguments"}</tool_call>` block per call, after the choice's own text) with
+finish reason "stop", which the gateway turns back into tool calls and the text before them into
+the message's content (gateway/tools.py). A forced call (`tool_choice` required or named: the request carries the call's
 JSON schema as its structured output) stays a completion of the gateway's transcript under that
 schema. In `auto`, an upstream that will not take tools on its chat endpoint (vLLM without
 `--enable-auto-tool-choice`: a 400 naming tool choice; or a 5xx before any tool chat was answered)
@@ -157,7 +158,9 @@ class CallText:
             except ValueError:
                 args = raw  # the gateway then sees text that is not a call, and returns it as text
             calls.append({"name": name, "arguments": args})
-        return json.dumps(calls[0] if len(calls) == 1 else calls)
+        # Hermes-style blocks: the gateway takes them as calls alone or after the choice's text
+        # (`tools.split_calls`), so an upstream answer with both content and calls keeps both.
+        return "".join(f"<tool_call>{json.dumps(c)}</tool_call>" for c in calls)
 
 
 def routes(templated: bool, mode: str, chat_refusal: str, tool_refusal: str) -> dict[str, str]:
