@@ -124,6 +124,20 @@ class SamplingParams(Msg, kw_only=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token (completions `echo`)
     structured: StructuredOutput | None = None  # constrain the output (JSON schema, regex, choice, grammar)
+    # Penalties and biases, with vLLM's meaning (applied to the logits before temperature; greedy
+    # decoding sees them too): frequency/presence subtract count x f and (count > 0) x p for each
+    # token already generated; repetition divides a positive logit (multiplies a negative one) of
+    # any token in the prompt or the output; min_p drops tokens below min_p x the top probability
+    # (after temperature); logit_bias adds to a token id's logit (OpenAI: -100 bans, 100 forces).
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = {}
+
+    def penalised(self) -> bool:
+        """Whether any penalty asks the sampler to look at earlier tokens."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
 
 
 class GenerateRequest(Msg, kw_only=True):

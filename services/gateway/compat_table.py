@@ -89,6 +89,19 @@ def SO(why: str, example: Any, noop: tuple = (None,), sim: bool = False) -> Rule
 
 
 SIM_IGNORES = (IGNORED, "the sim draws pseudo-words (labelled simulated); only seed and temperature 0 shape them")
+PEN_UPSTREAM = (HONOURED, "passed upstream (frequency/presence penalty and logit_bias as OpenAI fields, "
+                "repetition_penalty and min_p as vLLM's extra fields), where the server applies it: vLLM does; "
+                "`transformers serve` maps frequency_penalty to its repetition penalty, ignores presence_penalty "
+                "and refuses repetition_penalty / min_p (its 422 is passed on)")
+
+
+def PEN(why: str, example: Any) -> Rule:
+    """A penalty, bias or min-p field: applied to the logits by hf (hf_sampling.sample) and vllm
+    (SamplingParams), passed upstream by openai-http, ignored by the sim (no distribution)."""
+    return Rule(HONOURED, f"{why}; applied before the token is chosen, greedy decoding too (the logprobs "
+                "stay the model's raw ones)", example=example, engines={"sim": SIM_IGNORES,
+                                                                          "openai-http": PEN_UPSTREAM})
+
 
 # Fields of both /v1/completions and /v1/chat/completions.
 SAMPLING: dict[str, Rule] = {
@@ -117,11 +130,14 @@ SAMPLING: dict[str, Rule] = {
     "prompt_cache_key": I("a cache-routing hint; the dispatcher does not route by cache key", "k"),
     "safety_identifier": I("polyserve keeps no per-user accounting", "someone"),
     "store": R("polyserve stores no completions", (None, False), True),
-    "frequency_penalty": R("no engine applies penalties yet", (None, 0, 0.0), 0.5),
-    "presence_penalty": R("no engine applies penalties yet", (None, 0, 0.0), 0.5),
-    "repetition_penalty": R("no engine applies penalties yet", (None, 1, 1.0), 1.2),
-    "logit_bias": R("no engine applies logit biases", (None, {}), {"50256": -100}),
-    "min_p": R("not applied by the samplers", (None, 0, 0.0), 0.1),
+    "frequency_penalty": PEN("-2 to 2: each token's logit minus f x its count in the output so far", 0.5),
+    "presence_penalty": PEN("-2 to 2: each token's logit minus p once it occurs in the output", 0.5),
+    "repetition_penalty": PEN("> 0 (1: off): a token of the prompt or the output has a positive logit divided, "
+                              "a negative one multiplied, by it (vLLM's and transformers' rule)", 1.2),
+    "logit_bias": PEN("token id -> bias in [-100, 100] added to its logit (-100 bans it, 100 all but forces it), "
+                      "up to 300 ids; an id beyond the model's vocabulary is a 400", {"3": -100}),
+    "min_p": PEN("0 to 1: after temperature, tokens below min_p x the most likely token's probability are "
+                 "dropped", 0.1),
     "use_beam_search": R("no beam search", (None, False), True),
     "length_penalty": R("beam search only; no beam search", (None, 1, 1.0), 0.5),
     "best_of": R("OpenAI's best_of (removed from vLLM): not supported", (None, 1), 2),

@@ -131,7 +131,32 @@ def sampling_params(body: CompletionBody | ChatBody, *, default_max_tokens: int,
     return SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens if body.ignore_eos else body.min_tokens,
                           temperature=1.0 if body.temperature is None else body.temperature,
                           top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0),
-                          seed=body.seed, stop=stop, n=n)
+                          seed=body.seed, stop=stop, n=n, frequency_penalty=body.frequency_penalty or 0.0,
+                          presence_penalty=body.presence_penalty or 0.0,
+                          repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                          min_p=body.min_p or 0.0, logit_bias=logit_bias(body.logit_bias))
+
+
+LOGIT_BIAS_MAX = 300  # OpenAI's limit on the entries of logit_bias
+
+
+def logit_bias(value: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's `logit_bias` (token ids as JSON keys, biases in [-100, 100]) as token id -> bias;
+    400 naming the field when a key is not a token id or a bias is out of range. Ids beyond the
+    model's vocabulary are the engine's 400 (the gateway does not know the vocabulary)."""
+    out: dict[int, float] = {}
+    for key, bias in (value or {}).items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise InvalidRequest(f"logit_bias keys are token ids; {key!r} is not one", "logit_bias") from None
+        if tok < 0 or not -100.0 <= bias <= 100.0:
+            raise InvalidRequest(f"logit_bias[{key!r}] = {bias}: ids are >= 0 and biases in [-100, 100]",
+                                 "logit_bias")
+        out[tok] = float(bias)
+    if len(out) > LOGIT_BIAS_MAX:
+        raise InvalidRequest(f"logit_bias has {len(out)} entries; the limit is {LOGIT_BIAS_MAX}", "logit_bias")
+    return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -62,6 +62,9 @@ class ResponsesBody(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # vLLM's extensions of the endpoint
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
@@ -133,7 +136,9 @@ def sampling(body: ResponsesBody, gs: GatewayState) -> SamplingParams:
         raise InvalidInput("stop takes up to 4 non-empty strings", "stop")
     return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                           top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0),
-                          seed=body.seed, stop=stop, n=1, logprobs=logprobs_asked(body))
+                          seed=body.seed, stop=stop, n=1, logprobs=logprobs_asked(body),
+                          frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
+                          repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty)
 
 
 LOGPROBS = "message.output_text.logprobs"

@@ -44,6 +44,11 @@ class _Sampling(BaseModel):
     user: str | None = None
     # extensions (vLLM-style)
     top_k: int | None = Field(None, ge=-1)  # None, 0 or -1: off
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # OpenAI's range; None: 0
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)  # vLLM: > 0; None: 1 (off)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key) -> bias in [-100, 100]
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool | None = False
     priority: int = 0

@@ -131,10 +131,10 @@ class SamplingParams:
                  seed: int | None = None, stop: str | list[str] | None = None, max_tokens: int | None = 16,
                  min_tokens: int = 0, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
                  structured_outputs: StructuredOutputsParams | None = None, logprobs: int | None = None,
-                 prompt_logprobs: int | None = None, **other: Any):
-        unknown = set(other) - {"presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-                                "stop_token_ids", "ignore_eos", "skip_special_tokens",
-                                "include_stop_str_in_output"}
+                 prompt_logprobs: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 repetition_penalty: float = 1.0, min_p: float = 0.0, logit_bias: dict[int, float] | None = None,
+                 **other: Any):
+        unknown = set(other) - {"stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output"}
         if unknown:
             raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
         if n < 1:
@@ -145,6 +145,15 @@ class SamplingParams:
             raise VLLMValidationError(f"top_p must be in (0, 1], got {top_p}.", parameter="top_p", value=top_p)
         if top_k < -1:
             raise VLLMValidationError(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
+        for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+            if not -2.0 <= value <= 2.0:  # vLLM's _verify_args, its messages
+                raise VLLMValidationError(f"{name} must be in [-2, 2], got {value}.")
+        if repetition_penalty <= 0.0:
+            raise VLLMValidationError(f"repetition_penalty must be greater than zero, got {repetition_penalty}.")
+        if not 0.0 <= min_p <= 1.0:
+            raise VLLMValidationError(f"min_p must be in [0, 1], got {min_p}.")
+        self.presence_penalty, self.frequency_penalty = presence_penalty, frequency_penalty
+        self.repetition_penalty, self.min_p, self.logit_bias = repetition_penalty, min_p, logit_bias
         if max_tokens is not None and max_tokens < 1:
             raise VLLMValidationError(f"max_tokens must be at least 1, got {max_tokens}.")
         if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):

@@ -110,3 +110,20 @@ def test_position_mapping_details():
     assert vllm_api.token_logprob(None, 6, 2, decode) == TokenLogprob(token="six", logprob=None, token_id=6)
     # fewer positions than tokens (never from vLLM): entries without a logprob, not an error
     assert [x.logprob for x in vllm_api.token_logprobs([pos], [5, 6], 1, decode)] == [-3.0, None]
+
+
+async def test_penalties_bias_and_min_p_reach_sampling_params_only_when_asked(build):  # noqa: F811
+    """Sent as vLLM's own SamplingParams fields (names checked against its sources in
+    test_vllm_surface); left out at their off values, so every release keeps its defaults; a value
+    vLLM refuses is the request's 400."""
+    engine, fake = await build("v1")
+    await collect(engine, "pen", max_tokens=2, frequency_penalty=0.5, presence_penalty=-0.5,
+                  repetition_penalty=1.2, min_p=0.1, logit_bias={7: -100.0})
+    await collect(engine, "off", max_tokens=2)
+    pen, off = (c["params"] for c in fake.engine.calls)
+    names = ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "logit_bias")
+    assert [getattr(pen, n) for n in names] == [0.5, -0.5, 1.2, 0.1, {7: -100.0}]
+    assert [getattr(off, n) for n in names] == [0.0, 0.0, 1.0, 0.0, None]  # vLLM's defaults: nothing sent
+    with pytest.raises(EngineError) as err:
+        await collect(engine, "bad", max_tokens=2, repetition_penalty=-1.0)
+    assert err.value.status == 400 and "repetition_penalty" in str(err.value)

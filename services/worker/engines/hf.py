@@ -144,6 +144,7 @@ class HfEngine(Refine, Engine):
         self._bundle = None
         self._batch: Batch | None = None
         self._grammars: hf_grammar.Grammars | None = None
+        self._vocab = 0  # the model's vocabulary size (logit_bias ids are checked against it)
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self.loras = AdapterManager(settings, self._lock, self._wake, self._fail_waiting_for)
@@ -172,6 +173,7 @@ class HfEngine(Refine, Engine):
         b = self._bundle
         vocab = max(len(b.tokenizer), int(getattr(b.model.config, "vocab_size", 0) or 0))
         self._grammars = hf_grammar.Grammars(b.tokenizer, b.eos_ids, vocab)
+        self._vocab = vocab
         if hf_grammar.available():  # the grammar tokenizer once, off the loop (structured outputs)
             await asyncio.to_thread(lambda: self._grammars.lltokenizer)
         self.loras.start(self._batch, self.model_name)
@@ -228,6 +230,9 @@ class HfEngine(Refine, Engine):
             raise EngineOverloaded(f"waiting queue full ({self.max_waiting} requests); retry later")
         if p.structured is not None:
             self._grammars.check(p.structured)  # a bad schema or grammar is a 400 before any token
+        if p.logit_bias and max(p.logit_bias) >= self._vocab:
+            raise EngineError(f"logit_bias names token id {max(p.logit_bias)}; this model's vocabulary has "
+                              f"{self._vocab} tokens (ids 0 to {self._vocab - 1})", 400)
         act = _Active(req, ids, next(self._seq), reserve)
         if req.adapter:
             self.loras.observe(req.adapter)

@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from polyserve.proto import SamplingParams, TokenLogprob
 from polyserve.worker.engine import Delta
 from polyserve.worker.engines import hf_grammar, hf_logprobs
+from polyserve.worker.engines.hf_sampling import Shaper, sample
 from polyserve.worker.engines.hf_slots import AdapterSlots
 from polyserve.worker.engines.hf_text import IncrementalDetokenizer, StopMatcher
 
@@ -94,6 +95,8 @@ class Row:
         self.texts = hf_logprobs.TokenTexts(tokenizer) if wants else None
         self.logprob: TokenLogprob | None = None  # of the token being accepted
         self.prompt_logprobs: list[TokenLogprob] | None = None  # sent with the first delta
+        # Penalties and logit_bias, applied by `sample` (hf_sampling.Shaper); None: the request has none.
+        self.shaper = Shaper(params, prompt_ids) if params.penalised() or params.logit_bias else None
 
     @property
     def gone(self) -> bool:
@@ -105,6 +108,8 @@ class Row:
         self.n_out += 1
         self.last_token = token
         self.out_ids.append(token)
+        if self.shaper is not None:
+            self.shaper.observe(token)
         checks = self.n_out >= self.params.min_tokens  # stop strings apply from the min_tokens-th token on
         if token in self.eos_ids:  # `sample` never picks EOS before min_tokens
             return self._end("stop", self.stop.flush())
@@ -131,43 +136,6 @@ class Row:
                       prompt_logprobs=self.prompt_logprobs)
         self.prompt_logprobs = None
         return delta
-
-
-def sample(logits: torch.Tensor, rows: Sequence[Row], suppress: torch.Tensor | None) -> list[int]:
-    """Next token per row: greedy (temperature 0) or temperature/top-k/top-p with the row's generator."""
-    logits = logits.float()
-    if suppress is not None:
-        logits[:, suppress] = float("-inf")
-    if any(r.guide is not None for r in rows):
-        hf_grammar.mask_rows(logits, rows)
-    held = [(i, eos) for i, row in enumerate(rows) if row.n_out < row.params.min_tokens for eos in row.eos_ids]
-    if held:  # one indexed write for every row still under min_tokens (a write per row cost ~10 us each)
-        logits[[i for i, _ in held], [eos for _, eos in held]] = float("-inf")
-    greedy = [i for i, r in enumerate(rows) if r.generator is None]
-    if len(greedy) == len(rows):  # all greedy: no copy of the [rows, vocab] logits
-        return logits.argmax(dim=-1).tolist()
-    out = [0] * len(rows)
-    if greedy:
-        for i, tok in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
-            out[i] = tok
-    for i, row in enumerate(rows):
-        if row.generator is not None:
-            out[i] = _sample_one(logits[i], row.params, row.generator)
-    return out
-
-
-def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-    logits = logits / p.temperature
-    if 0 < p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix reaching top_p (>= 1 token)
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
 LAYOUTS = ("ragged", "padded")

@@ -269,6 +269,11 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
             extra["top_k"] = p.top_k
         if p.min_tokens > 0:
             extra["min_tokens"] = p.min_tokens
+        kw.update(openai_http_wire.penalty_fields(p))
+        if p.repetition_penalty != 1.0:  # vLLM's extensions
+            extra["repetition_penalty"] = p.repetition_penalty
+        if p.min_p > 0.0:
+            extra["min_p"] = p.min_p
         extra.update(openai_http_wire.request_fields(p, self.structured_style))
         return kw, extra
 

@@ -44,6 +44,19 @@ def request_fields(p: SamplingParams, style: str = "structured_outputs") -> dict
     return out
 
 
+def penalty_fields(p: SamplingParams) -> dict[str, Any]:
+    """The OpenAI penalty fields a request sets (completions and chat alike): frequency and presence
+    penalty, logit_bias (token ids as JSON keys)."""
+    out: dict[str, Any] = {}
+    if p.frequency_penalty:
+        out["frequency_penalty"] = p.frequency_penalty
+    if p.presence_penalty:
+        out["presence_penalty"] = p.presence_penalty
+    if p.logit_bias:
+        out["logit_bias"] = {str(t): b for t, b in p.logit_bias.items()}
+    return out
+
+
 def structured_fields(spec: StructuredOutput, style: str = "structured_outputs") -> dict[str, Any]:
     if spec.json_object:
         return {"response_format": {"type": "json_object"}}

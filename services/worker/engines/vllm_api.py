@@ -83,7 +83,8 @@ SURFACE_USED = {
             "enable_lora", "max_lora_rank", "max_loras", "gpu_memory_utilization", "seed"],
         "vllm.sampling_params.SamplingParams": [
             "n", "temperature", "top_p", "top_k", "seed", "stop", "max_tokens", "min_tokens", "output_kind",
-            "structured_outputs", "logprobs", "prompt_logprobs"],
+            "structured_outputs", "logprobs", "prompt_logprobs", "frequency_penalty", "presence_penalty",
+            "repetition_penalty", "min_p", "logit_bias"],
         "vllm.sampling_params.StructuredOutputsParams": ["json", "regex", "choice", "grammar", "json_object"],
         "vllm.lora.request.LoRARequest": ["lora_name", "lora_int_id", "lora_path"],
         "vllm.inputs.llm.TokensPrompt": ["prompt_token_ids"],
@@ -186,6 +187,17 @@ def sampling_params(api: VllmApi, p: ProtoSamplingParams) -> Any:
         kw["logprobs"] = p.logprobs
     if p.prompt_logprobs is not None:
         kw["prompt_logprobs"] = p.prompt_logprobs
+    # Only what the request asks for (every release keeps its own defaults otherwise).
+    if p.frequency_penalty:
+        kw["frequency_penalty"] = p.frequency_penalty
+    if p.presence_penalty:
+        kw["presence_penalty"] = p.presence_penalty
+    if p.repetition_penalty != 1.0:
+        kw["repetition_penalty"] = p.repetition_penalty
+    if p.min_p:
+        kw["min_p"] = p.min_p
+    if p.logit_bias:
+        kw["logit_bias"] = dict(p.logit_bias)
     try:
         if p.structured is not None:
             kw["structured_outputs"] = structured_outputs(api, p.structured)

@@ -1,0 +1,53 @@
+"""frequency / presence / repetition penalties, logit_bias and min_p end to end with the official
+`openai` client: a gateway and an hf worker (the small random Llama). A logit_bias of +10 makes
+the greedy answer repeat one token; each penalty must make it repeat that token less, a bias of
+-100 must ban a token, and a bad value is a 400 naming the field."""
+from __future__ import annotations
+
+import os
+
+import openai
+import pytest
+
+from tests.integration.conftest import MODEL
+
+pytestmark = [pytest.mark.integration, pytest.mark.torch]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+HF = {"engine": "hf", "model": "tiny-llama-random", "deployment": MODEL}
+PROMPT = "the quick brown fox"
+
+
+async def _tokens(p, **kw) -> list[int]:
+    """The greedy answer's token ids (its text tokenized again with the random model's tokenizer)."""
+    from polyserve.worker.engines.hf_model import fallback_tokenizer
+    out = await p.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, **kw)
+    return fallback_tokenizer()(out.choices[0].text, add_special_tokens=False).input_ids
+
+
+async def test_penalties_and_bias_change_a_greedy_answer_and_bad_values_are_400s(plane):
+    from polyserve.worker.engines.hf_model import fallback_tokenizer
+    x = fallback_tokenizer().convert_tokens_to_ids("to")
+    async with plane(worker_kw=HF) as p:
+        plain = await _tokens(p)
+        pushed = await _tokens(p, logit_bias={str(x): 10})
+        assert pushed.count(x) >= 12 > plain.count(x), (pushed, plain)
+        for kw in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"extra_body": {"repetition_penalty": 2.0}}):
+            fewer = await _tokens(p, logit_bias={str(x): 10}, **kw)
+            assert fewer.count(x) < pushed.count(x) * 0.75, (kw, fewer.count(x), pushed.count(x))
+        top = plain[0]
+        banned = await _tokens(p, logit_bias={str(top): -100})
+        assert top not in banned and banned != plain
+        assert await _tokens(p, extra_body={"min_p": 0.5}) == plain  # greedy keeps the top token anyway
+        chat = await p.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
+                                                      max_tokens=8, temperature=0.7, seed=3, presence_penalty=0.5,
+                                                      frequency_penalty=0.5, logit_bias={str(top): -100},
+                                                      extra_body={"min_p": 0.05, "repetition_penalty": 1.2})
+        assert chat.choices[0].message.content
+        for kw, said in (({"frequency_penalty": 2.5}, "frequency_penalty"),
+                         ({"logit_bias": {"abc": 1}}, "logit_bias"),
+                         ({"logit_bias": {"5": 101}}, "logit_bias"),
+                         ({"logit_bias": {"10000000": -100}}, "vocabulary"),  # the worker's 400
+                         ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty")):
+            with pytest.raises(openai.BadRequestError) as err:
+                await p.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, **kw)
+            assert said in str(err.value), (kw, err.value)
