@@ -136,9 +136,11 @@ class Outbox:
         self._ack_sub: Any = None
         self._js: dict[str, bool] = {}  # prefix -> stream ready
         self._js_checked: dict[str, float] = {}
-        # Prefixes whose stream has stored an event: from then on an event is never sent best
-        # effort (core NATS) but kept until stored, also while the stream does not answer (a
-        # leader election after a node's death: its PubAcks are 503s and its API times out).
+        # Prefixes whose stream answered once (it exists or was made, or it stored an event):
+        # from then on an event is never sent best effort (core NATS) but kept until stored, also
+        # while the stream does not answer (a leader election after a node's death: its PubAcks
+        # are 503s and its API times out). A stream first seen at the first event was not enough:
+        # a node killed before any request ended sent every event of the election best effort.
         self._confirmed: set[str] = set()
         self._task: asyncio.Task | None = None
         self._tokens = itertools.count(1)
@@ -175,6 +177,11 @@ class Outbox:
         except Exception as exc:  # noqa: BLE001 - reconnect buffer full, closed: the resend loop retries
             logger.warning("could not publish %s (will retry): %s", subject, exc)
 
+    async def prepare(self, prefix: str) -> bool:
+        """Look for `prefix`'s stream now (a publisher's start), so that a fault before its first
+        event finds the stream known; whether it answered."""
+        return await self._kept(prefix)
+
     async def _kept(self, prefix: str) -> bool:
         """Whether `prefix`'s events go through the outbox: its stream is ready, or has stored one."""
         return await self._stream_ready(prefix) or prefix in self._confirmed
@@ -185,6 +192,8 @@ class Outbox:
         if not self._js.get(prefix) and now - self._js_checked.get(prefix, -1e9) > every:
             self._js_checked[prefix] = now
             self._js[prefix] = await ensure_stream(self.nc, prefix, self.replicas)
+            if self._js[prefix]:
+                self._confirmed.add(prefix)
         return self._js.get(prefix, False)
 
     async def _on_ack(self, m: NatsMsg) -> None:

@@ -88,6 +88,9 @@ class GatewayService(ServiceBase):
         await self.bus.listen(self.subjects.worker_event("heartbeat"), Heartbeat, self.gs.on_heartbeat)
         await self.bus.listen(self.subjects.worker_event("down"), WorkerDown, self.gs.on_down)
         await observe.start(self.gs)  # dashboards' metrics: own request events, fleet events (observe.py)
+        # The terminal events' stream, looked up before any traffic: once it has answered, an event
+        # is kept until stored (never best effort) through an outage, one that starts at once too.
+        await self.bus.outbox.prepare(self.subjects.prefix)
         with contextlib.suppress(Exception):
             await self.gs.refresh_deployments(force=True)
         # loop="none": uvicorn runs on the service's loop (uvloop when installed, shared/lifecycle.py);

@@ -218,6 +218,36 @@ async def test_events_are_kept_while_a_stream_that_worked_does_not_answer():
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+async def test_a_stream_found_at_start_keeps_the_events_of_an_outage_before_the_first_one():
+    """The gateway looks the stream up at its start (`Outbox.prepare`): an outage that begins
+    before any request has ended (the chaos suite's NATS node, killed 0.3 s into the load while
+    it led the stream) must not send the events best effort. Before, only a stored event made the
+    stream count as known, and the whole election's events went over core NATS, none stored."""
+    from polyserve.shared import durable
+
+    run_dir = Path(tempfile.mkdtemp(prefix="ps-evp-", dir="/tmp"))
+    proc, url, _ = infra.start_nats(run_dir / "nats")
+    subjects = Subjects(f"evp{os.getpid()}")
+    tracer, _ = make_tracer("t")
+    pub = await Bus.connect(url, tracer, "gateway")
+    try:
+        assert await pub.outbox.prepare(subjects.prefix), "the stream answered at the start"
+        jsm = pub.nc.jsm()
+        await jsm.delete_stream(durable.stream_name(subjects.prefix))  # the outage: PubAcks are 503s
+        for i in range(5):
+            await pub.publish(subjects.event("completed"), _event(i * 10)[1])
+            await asyncio.sleep(0.2)
+        assert await _until(lambda: pub.outbox.pending == 0, 12), f"{pub.outbox.pending} never stored"
+        info = await jsm.stream_info(durable.stream_name(subjects.prefix))
+        assert info.state.messages == 5, "every event of the outage stored, none sent best effort"
+    finally:
+        await pub.close()
+        infra.stop_pid(proc.pid)
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 async def test_a_service_instance_acknowledges_cumulatively_and_rereads_after_a_lost_delivery(monkeypatch):
     """Issue 15: a consumer of one service instance (AckAll) acknowledges the last event it
     handled, not each one: far fewer acks than events, none left pending. A delivery lost on
