@@ -9,7 +9,9 @@ published while a subscriber was still reconnecting, and those written into the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -93,7 +95,6 @@ async def test_terminal_events_survive_a_nats_restart(sig):
         for b in (pub, learn, watch):
             await b.close()
         infra.stop_pid(proc.pid)
-        import shutil
 
         shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -142,7 +143,6 @@ async def test_listener_uses_core_nats_until_jetstream_answers_then_switches():
             plain.kill()
         if proc is not None:
             infra.stop_pid(proc.pid)
-        import shutil
 
         shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -180,8 +180,25 @@ async def test_two_handlers_of_one_subject_share_one_consumer():
         for b in (pub, agent):
             await b.close()
         infra.stop_pid(proc.pid)
-        import shutil
 
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def _gateway_bus(tag: str):
+    """A nats-server of its own and a publisher Bus (as the gateway): (bus, subjects, the stream's name)."""
+    from polyserve.shared import durable
+
+    run_dir = Path(tempfile.mkdtemp(prefix=f"ps-{tag}-", dir="/tmp"))
+    proc, url, _ = infra.start_nats(run_dir / "nats")
+    subjects = Subjects(f"{tag}{os.getpid()}")
+    tracer, _ = make_tracer("t")
+    pub = await Bus.connect(url, tracer, "gateway")
+    try:
+        yield pub, subjects, durable.stream_name(subjects.prefix)
+    finally:
+        await pub.close()
+        infra.stop_pid(proc.pid)
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -191,31 +208,18 @@ async def test_events_are_kept_while_a_stream_that_worked_does_not_answer():
     NATS: they stay in the outbox and are stored when the stream answers again (here the stream is
     deleted and the outbox's re-check creates it; CI once lost 10 of 48 terminal events after a
     NATS node's SIGKILL)."""
-    from polyserve.shared import durable
-
-    run_dir = Path(tempfile.mkdtemp(prefix="ps-evk-", dir="/tmp"))
-    proc, url, _ = infra.start_nats(run_dir / "nats")
-    subjects = Subjects(f"evk{os.getpid()}")
-    tracer, _ = make_tracer("t")
-    pub = await Bus.connect(url, tracer, "gateway")
-    try:
+    async with _gateway_bus("evk") as (pub, subjects, stream):
         await pub.publish(subjects.event("completed"), _event(0)[1])
         assert await _until(lambda: pub.outbox.acked == 1, 5), "the stream stored the first event"
         jsm = pub.nc.jsm()
-        await jsm.delete_stream(durable.stream_name(subjects.prefix))
+        await jsm.delete_stream(stream)
         await pub.publish(subjects.event("completed"), _event(10)[1])  # its PubAck: 503
         await asyncio.sleep(0.5)
         for i in range(2, 6):
             await pub.publish(subjects.event("completed"), _event(i * 10)[1])
         assert await _until(lambda: pub.outbox.pending == 0, 12), f"{pub.outbox.pending} never stored"
-        info = await jsm.stream_info(durable.stream_name(subjects.prefix))
+        info = await jsm.stream_info(stream)
         assert info.state.messages == 5, "the five events after the stream's loss, none best effort"
-    finally:
-        await pub.close()
-        infra.stop_pid(proc.pid)
-        import shutil
-
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 async def test_a_stream_found_at_start_keeps_the_events_of_an_outage_before_the_first_one():
@@ -223,29 +227,16 @@ async def test_a_stream_found_at_start_keeps_the_events_of_an_outage_before_the_
     before any request has ended (the chaos suite's NATS node, killed 0.3 s into the load while
     it led the stream) must not send the events best effort. Before, only a stored event made the
     stream count as known, and the whole election's events went over core NATS, none stored."""
-    from polyserve.shared import durable
-
-    run_dir = Path(tempfile.mkdtemp(prefix="ps-evp-", dir="/tmp"))
-    proc, url, _ = infra.start_nats(run_dir / "nats")
-    subjects = Subjects(f"evp{os.getpid()}")
-    tracer, _ = make_tracer("t")
-    pub = await Bus.connect(url, tracer, "gateway")
-    try:
+    async with _gateway_bus("evp") as (pub, subjects, stream):
         assert await pub.outbox.prepare(subjects.prefix), "the stream answered at the start"
         jsm = pub.nc.jsm()
-        await jsm.delete_stream(durable.stream_name(subjects.prefix))  # the outage: PubAcks are 503s
+        await jsm.delete_stream(stream)  # the outage: PubAcks are 503s until a re-check makes it again
         for i in range(5):
             await pub.publish(subjects.event("completed"), _event(i * 10)[1])
             await asyncio.sleep(0.2)
         assert await _until(lambda: pub.outbox.pending == 0, 12), f"{pub.outbox.pending} never stored"
-        info = await jsm.stream_info(durable.stream_name(subjects.prefix))
+        info = await jsm.stream_info(stream)
         assert info.state.messages == 5, "every event of the outage stored, none sent best effort"
-    finally:
-        await pub.close()
-        infra.stop_pid(proc.pid)
-        import shutil
-
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 async def test_a_service_instance_acknowledges_cumulatively_and_rereads_after_a_lost_delivery(monkeypatch):
@@ -305,7 +296,6 @@ async def test_a_service_instance_acknowledges_cumulatively_and_rereads_after_a_
         for b in (pub, watch):
             await b.close()
         infra.stop_pid(proc.pid)
-        import shutil
 
         shutil.rmtree(run_dir, ignore_errors=True)
 
