@@ -95,7 +95,6 @@ async def test_terminal_events_survive_a_nats_restart(sig):
         for b in (pub, learn, watch):
             await b.close()
         infra.stop_pid(proc.pid)
-
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -143,7 +142,6 @@ async def test_listener_uses_core_nats_until_jetstream_answers_then_switches():
             plain.kill()
         if proc is not None:
             infra.stop_pid(proc.pid)
-
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -180,7 +178,6 @@ async def test_two_handlers_of_one_subject_share_one_consumer():
         for b in (pub, agent):
             await b.close()
         infra.stop_pid(proc.pid)
-
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -296,7 +293,6 @@ async def test_a_service_instance_acknowledges_cumulatively_and_rereads_after_a_
         for b in (pub, watch):
             await b.close()
         infra.stop_pid(proc.pid)
-
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
