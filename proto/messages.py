@@ -134,6 +134,11 @@ class SamplingParams(Msg, kw_only=True):
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: dict[int, float] = {}
+    # vLLM's stop_token_ids (the generation ends when one is sampled; min_tokens holds them back
+    # as it holds EOS; the token's text is not emitted) and include_stop_str_in_output (the stop
+    # string that ended the text is kept at its end).
+    stop_token_ids: list[int] = []
+    include_stop: bool = False
 
     def penalised(self) -> bool:
         """Whether any penalty asks the sampler to look at earlier tokens."""

@@ -224,11 +224,17 @@ def admit_count(ordered: Sequence[Candidate], running_seqs: int, kv_used: int,
 
 def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int:
     """Index of the earliest stop string in `text` at or after `start`, or -1."""
-    best = -1
+    return stop_span(text, stops, start)[0]
+
+
+def stop_span(text: str, stops: Sequence[str], start: int = 0) -> tuple[int, int]:
+    """(start, end) of the earliest stop string in `text` at or after `start` (the longest of those
+    starting there), or (-1, -1)."""
+    best, end = -1, -1
     for stop in stops:
         if not stop:
             continue
         pos = text.find(stop, start)
-        if pos >= 0 and (best < 0 or pos < best):
-            best = pos
-    return best
+        if pos >= 0 and (best < 0 or pos < best or (pos == best and pos + len(stop) > end)):
+            best, end = pos, pos + len(stop)
+    return best, end

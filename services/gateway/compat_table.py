@@ -141,8 +141,16 @@ SAMPLING: dict[str, Rule] = {
     "use_beam_search": R("no beam search", (None, False), True),
     "length_penalty": R("beam search only; no beam search", (None, 1, 1.0), 0.5),
     "best_of": R("OpenAI's best_of (removed from vLLM): not supported", (None, 1), 2),
-    "stop_token_ids": R("stop strings only", (None, []), [2]),
-    "include_stop_str_in_output": R("the stop string is never included", (None, False), True),
+    "stop_token_ids": Rule(HONOURED, "up to 64 ids: the answer ends when one is sampled (after min_tokens, as "
+                           "EOS), its text not included; an id beyond the model's vocabulary is a 400", example=[2],
+                           engines={"sim": (IGNORED, "the sim draws pseudo-words, not token ids; `stop` strings "
+                                                     "apply"),
+                                    "openai-http": (HONOURED, "passed upstream as vLLM's extra field (a server "
+                                                              "without it, e.g. `transformers serve`, answers 422, "
+                                                              "passed on)")}),
+    "include_stop_str_in_output": H("the stop string that ended the text is kept at its end", True,
+                                    **{"openai-http": (HONOURED, "passed upstream as vLLM's extra field (a server "
+                                                                 "without it answers 422, passed on)")}),
     "skip_special_tokens": R("special tokens are always skipped in the text", (None, True), False),
     "spaces_between_special_tokens": R("special tokens are always skipped", (None, True), False),
     "truncate_prompt_tokens": R("prompts are never truncated; an over-long prompt is a 400", (None,), 8),

@@ -134,7 +134,16 @@ def sampling_params(body: CompletionBody | ChatBody, *, default_max_tokens: int,
                           seed=body.seed, stop=stop, n=n, frequency_penalty=body.frequency_penalty or 0.0,
                           presence_penalty=body.presence_penalty or 0.0,
                           repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-                          min_p=body.min_p or 0.0, logit_bias=logit_bias(body.logit_bias))
+                          min_p=body.min_p or 0.0, logit_bias=logit_bias(body.logit_bias),
+                          stop_token_ids=stop_token_ids(body.stop_token_ids),
+                          include_stop=bool(body.include_stop_str_in_output))
+
+
+def stop_token_ids(value: list[int] | None) -> list[int]:
+    """vLLM's `stop_token_ids`: non-negative ids (beyond the vocabulary: the engine's 400)."""
+    if any(t < 0 for t in value or ()):
+        raise InvalidRequest("stop_token_ids are token ids (>= 0)", "stop_token_ids")
+    return list(value or ())
 
 
 LOGIT_BIAS_MAX = 300  # OpenAI's limit on the entries of logit_bias

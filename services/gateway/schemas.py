@@ -49,6 +49,8 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)  # vLLM: > 0; None: 1 (off)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     logit_bias: dict[str, float] | None = None  # token id (a JSON key) -> bias in [-100, 100]
+    stop_token_ids: list[int] | None = Field(None, max_length=64)  # vLLM's; ids checked by the engine
+    include_stop_str_in_output: bool | None = False
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool | None = False
     priority: int = 0

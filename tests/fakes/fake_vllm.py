@@ -133,8 +133,8 @@ class SamplingParams:
                  structured_outputs: StructuredOutputsParams | None = None, logprobs: int | None = None,
                  prompt_logprobs: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  repetition_penalty: float = 1.0, min_p: float = 0.0, logit_bias: dict[int, float] | None = None,
-                 **other: Any):
-        unknown = set(other) - {"stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output"}
+                 stop_token_ids: list[int] | None = None, include_stop_str_in_output: bool = False, **other: Any):
+        unknown = set(other) - {"ignore_eos", "skip_special_tokens"}
         if unknown:
             raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
         if n < 1:
@@ -154,6 +154,7 @@ class SamplingParams:
             raise VLLMValidationError(f"min_p must be in [0, 1], got {min_p}.")
         self.presence_penalty, self.frequency_penalty = presence_penalty, frequency_penalty
         self.repetition_penalty, self.min_p, self.logit_bias = repetition_penalty, min_p, logit_bias
+        self.stop_token_ids, self.include_stop_str_in_output = stop_token_ids, include_stop_str_in_output
         if max_tokens is not None and max_tokens < 1:
             raise VLLMValidationError(f"max_tokens must be at least 1, got {max_tokens}.")
         if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):

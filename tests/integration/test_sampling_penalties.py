@@ -51,3 +51,26 @@ async def test_penalties_and_bias_change_a_greedy_answer_and_bad_values_are_400s
             with pytest.raises(openai.BadRequestError) as err:
                 await p.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, **kw)
             assert said in str(err.value), (kw, err.value)
+
+
+async def test_stop_token_ids_and_include_stop_str_in_output(plane):
+    """hf: the answer ends at a stop token id (its text not included, finish_reason "stop");
+    with include_stop_str_in_output a stop string ends the text."""
+    from polyserve.worker.engines.hf_model import fallback_tokenizer
+    tok = fallback_tokenizer()
+    async with plane(worker_kw=HF) as p:
+        plain = await p.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+        ids = tok(plain.choices[0].text, add_special_tokens=False).input_ids
+        cut = await p.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                                extra_body={"stop_token_ids": [ids[4]]})
+        assert cut.choices[0].finish_reason == "stop"
+        assert tok(cut.choices[0].text, add_special_tokens=False).input_ids == ids[:4]
+        word = plain.choices[0].text.split()[3]
+        kept = await p.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                                 stop=[word], extra_body={"include_stop_str_in_output": True})
+        text = kept.choices[0].text
+        assert text.endswith(word) and plain.choices[0].text.startswith(text), (text, plain.choices[0].text)
+        with pytest.raises(openai.BadRequestError) as err:
+            await p.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
+                                              extra_body={"stop_token_ids": [10 ** 8]})
+        assert "stop_token_ids" in str(err.value)

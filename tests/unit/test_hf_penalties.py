@@ -103,3 +103,25 @@ async def test_a_logit_bias_id_beyond_the_vocabulary_is_a_400_before_any_token()
         assert texts[0] == texts[1]  # fields at their off values change nothing
     finally:
         await eng.stop()
+
+
+def test_stop_token_ids_end_a_row_like_eos_and_are_held_back_by_min_tokens():
+    logits = torch.zeros(2, V)
+    logits[:, 55] = 9.0  # every row's argmax: a stop token id of both rows
+    early = _row(temperature=0, stop_token_ids=[55], min_tokens=2)
+    free = _row(temperature=0, stop_token_ids=[55])
+    first = sample(logits.clone(), [early, free], None)
+    assert first[0] != 55 and first[1] == 55  # held back before min_tokens, as EOS is
+    delta = free.accept(55)
+    assert delta.finish_reason == "stop" and delta.text == ""  # the stop token's text is not emitted
+
+
+def test_the_stop_string_is_kept_at_the_end_only_when_asked():
+    from polyserve.core.queue_order import stop_span
+    from polyserve.worker.engines.hf_text import StopMatcher
+    assert stop_span("a END b STOP", ["STOP", "END"]) == (2, 5)
+    assert stop_span("xxENDING", ["END", "ENDING"]) == (2, 8)  # the longest of those starting first
+    for include, want in ((False, "one two "), (True, "one two END")):
+        m = StopMatcher(["END"], include=include)
+        out = [m.feed(p) for p in ("one t", "wo E", "ND and more")]
+        assert "".join(t for t, _ in out) == want and out[-1][1]

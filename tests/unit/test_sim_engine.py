@@ -92,6 +92,9 @@ async def test_stop_string_ends_generation_exactly():
     assert text[0] == expected
     assert reasons == {0: "stop"}
     assert tokens[0] < 30 and fin.stats.output_tokens == tokens[0]
+    async with engine() as e:  # include_stop_str_in_output: the same text, the stop string kept at its end
+        kept, reasons, *_ = await collect(e.generate(req("c", max_tokens=30, stop=["zzz", stop], include_stop=True)))
+    assert kept[0] == expected + stop and reasons == {0: "stop"}
 
 
 async def test_n_choices_are_independent_and_batched_together():

@@ -77,11 +77,11 @@ class Row:
         self.index = index
         self.params = params
         self.adapter = adapter or BASE
-        self.eos_ids = eos_ids
+        self.eos_ids = eos_ids | set(params.stop_token_ids) if params.stop_token_ids else eos_ids  # end the row
         self.max_positions = max_positions
         self.guide = guide  # structured outputs: the grammar's mask and text (hf_grammar)
         self.detok = guide if guide is not None else IncrementalDetokenizer(tokenizer, prompt_ids)
-        self.stop = StopMatcher(params.stop)
+        self.stop = StopMatcher(params.stop, include=params.include_stop)
         self.generator: torch.Generator | None = None
         if params.temperature > 0:
             seed = (params.seed + index) % (1 << 63) if params.seed is not None else secrets.randbits(62)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from polyserve.core.queue_order import stop_span
+
 # Tokens of prompt context kept in the decode window so that the first generated
 # token gets the spacing it has after the prompt (SentencePiece "▁", WordPiece "##").
 _CONTEXT_TOKENS = 4
@@ -51,11 +53,13 @@ class StopMatcher:
     """Holds back text that may be the start of a stop string; finds the first stop.
 
     `feed(piece)` returns (text safe to emit, stopped). When stopped, the emitted
-    text ends exactly before the stop string, which itself is never emitted.
+    text ends exactly before the stop string, which itself is emitted only with `include`
+    (vLLM's include_stop_str_in_output).
     """
 
-    def __init__(self, stops: Sequence[str]):
+    def __init__(self, stops: Sequence[str], include: bool = False):
         self.stops = [s for s in stops if s]
+        self.include = include
         self._longest = max((len(s) for s in self.stops), default=0)
         self.text = ""
         self.emitted = 0
@@ -67,9 +71,9 @@ class StopMatcher:
             out, self.emitted = self.text[self.emitted:], len(self.text)
             return out, False
         # Held-back text is never emitted, so a stop can only start at or after `emitted`.
-        hits = [i for i in (self.text.find(s, self.emitted) for s in self.stops) if i >= 0]
-        if hits:
-            cut = min(hits)
+        cut, end = stop_span(self.text, self.stops, self.emitted)
+        if cut >= 0:
+            cut = end if self.include else cut
             out = self.text[self.emitted:cut] if cut > self.emitted else ""
             self.text = self.text[:cut]
             self.emitted = cut

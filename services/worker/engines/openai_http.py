@@ -274,6 +274,10 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
             extra["repetition_penalty"] = p.repetition_penalty
         if p.min_p > 0.0:
             extra["min_p"] = p.min_p
+        if p.stop_token_ids:
+            extra["stop_token_ids"] = list(p.stop_token_ids)
+        if p.include_stop:
+            extra["include_stop_str_in_output"] = True
         extra.update(openai_http_wire.request_fields(p, self.structured_style))
         return kw, extra
 

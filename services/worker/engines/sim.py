@@ -421,10 +421,10 @@ class SimEngine(Engine):
             ch.pending += 1
             if r.req.params.logprobs is not None:
                 ch.logprobs.append(sim_logprobs.generated(ch.seed, ch.generated, piece, r.req.params.logprobs, VOCAB))
-            pos = policy.find_stop(ch.text, stops, search_from) \
-                if stops and ch.generated >= r.req.params.min_tokens else -1
-            if pos >= 0:
-                ch.text = ch.text[:pos]  # the stop string and what follows are not emitted
+            pos, end = policy.stop_span(ch.text, stops, search_from) \
+                if stops and ch.generated >= r.req.params.min_tokens else (-1, -1)
+            if pos >= 0:  # what follows the stop string is not emitted, nor the string unless asked
+                ch.text = ch.text[:end if r.req.params.include_stop else pos]
                 self._finish_choice(r, ch, "stop")
             elif ch.generated >= ch.limit:
                 self._finish_choice(r, ch, ch.reason_at_limit)

@@ -84,7 +84,7 @@ SURFACE_USED = {
         "vllm.sampling_params.SamplingParams": [
             "n", "temperature", "top_p", "top_k", "seed", "stop", "max_tokens", "min_tokens", "output_kind",
             "structured_outputs", "logprobs", "prompt_logprobs", "frequency_penalty", "presence_penalty",
-            "repetition_penalty", "min_p", "logit_bias"],
+            "repetition_penalty", "min_p", "logit_bias", "stop_token_ids", "include_stop_str_in_output"],
         "vllm.sampling_params.StructuredOutputsParams": ["json", "regex", "choice", "grammar", "json_object"],
         "vllm.lora.request.LoRARequest": ["lora_name", "lora_int_id", "lora_path"],
         "vllm.inputs.llm.TokensPrompt": ["prompt_token_ids"],
@@ -198,6 +198,10 @@ def sampling_params(api: VllmApi, p: ProtoSamplingParams) -> Any:
         kw["min_p"] = p.min_p
     if p.logit_bias:
         kw["logit_bias"] = dict(p.logit_bias)
+    if p.stop_token_ids:
+        kw["stop_token_ids"] = list(p.stop_token_ids)
+    if p.include_stop:
+        kw["include_stop_str_in_output"] = True
     try:
         if p.structured is not None:
             kw["structured_outputs"] = structured_outputs(api, p.structured)

@@ -25,8 +25,8 @@ vLLM API used (as in the 0.33.0 sources; `vllm_api` detects the rest):
   takes the id passed to generate();
 - `SamplingParams(n, temperature, top_p, top_k, seed, stop, max_tokens, min_tokens,
   output_kind=RequestOutputKind.DELTA, structured_outputs=StructuredOutputsParams(...), logprobs=k,
-  prompt_logprobs=k, frequency_penalty, presence_penalty, repetition_penalty, min_p, logit_bias: each only
-  when the request sets it)`; without RequestOutputKind outputs are cumulative and diffed (logprobs too);
+  prompt_logprobs=k, frequency_penalty, presence_penalty, repetition_penalty, min_p, logit_bias,
+  stop_token_ids, include_stop_str_in_output: each only when the request sets it)`; without RequestOutputKind outputs are cumulative and diffed (logprobs too);
   `CompletionOutput.logprobs` / `RequestOutput.prompt_logprobs` (per position {token id: Logprob(logprob,
   rank, decoded_token)}) become TokenLogprob entries (vllm_api.token_logprobs);
 - `await engine.abort(request_id)`; `engine.get_tokenizer()` (plain in 0.33, a coroutine in 0.11:
