@@ -186,6 +186,9 @@ class GenerateRequest(Msg, kw_only=True):
     # The chat's tools (OpenAI's [{type: "function", function: {name, description, parameters}}]),
     # for a chat template that lists them itself; `prompt` is then always the transcript with them.
     tools: "list[dict[str, Any]] | None" = None
+    # vLLM's chat_template_kwargs: extra variables for the chat template (e.g. Qwen3's
+    # enable_thinking); used where a template renders the chat, never by the transcript.
+    template_kwargs: "dict[str, Any]" = {}
 
 
 INLINE_TRANSCRIPT_CHARS = 65_536

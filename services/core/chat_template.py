@@ -15,8 +15,14 @@ class TemplateRefused(ValueError):
     """The template raised for these messages (e.g. roles that do not alternate): the client's 400."""
 
 
+# apply_chat_template's own keywords, and what render sets: a request's template variables may not be these
+RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                             "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                             "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
 def render(tokenizer, messages: list[dict], adds_bos: bool | None = None, end: str = "open",
-           tools: list[dict] | None = None) -> str | None:
+           tools: list[dict] | None = None, extra: dict | None = None) -> str | None:
     """`messages` through the tokenizer's chat template (None when it has no template), ending as
     `end` says (`GenerateRequest.chat_end`): "open" with the assistant's turn opened
     (add_generation_prompt), "closed" after the last message, "continue" inside the last message
@@ -27,7 +33,8 @@ def render(tokenizer, messages: list[dict], adds_bos: bool | None = None, end: s
     `tools` (and messages with `tool_calls` or the tool role) go to the template only when its
     source reads them (`handles_tools`): a template that does not would drop the tool definitions
     or the calls without a word, so such a chat is None here and keeps the gateway's transcript,
-    which lists them."""
+    which lists them. `extra`: more template variables (vLLM's chat_template_kwargs; never one of
+    RESERVED_KWARGS, which the gateway refuses)."""
     if not getattr(tokenizer, "chat_template", None):
         return None
     calls = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
@@ -37,11 +44,12 @@ def render(tokenizer, messages: list[dict], adds_bos: bool | None = None, end: s
         bos_id = getattr(tokenizer, "bos_token_id", None)
         adds_bos = bos_id is not None and list(tokenizer.encode(""))[:1] == [bos_id]
     try:
-        kw: dict = {"continue_final_message": True} if end == "continue" else {}  # (left out by default: older
+        kw: dict = {k: v for k, v in (extra or {}).items() if k not in RESERVED_KWARGS}
+        if end == "continue":  # (left out by default: older tokenizers lack the keyword)
+            kw["continue_final_message"] = True
         if tools:
             kw["tools"] = tools
-        text = tokenizer.apply_chat_template(messages, tokenize=False,  # tokenizers lack the keyword)
-                                             add_generation_prompt=end == "open", **kw)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=end == "open", **kw)
     except Exception as exc:  # noqa: BLE001 - jinja's TemplateError, a template's raise_exception, ...
         raise TemplateRefused(f"the model's chat template refused these messages: {exc}") from exc
     bos = getattr(tokenizer, "bos_token", None)

@@ -258,8 +258,11 @@ CHAT: dict[str, Rule] = {
     "documents": R("no RAG documents in the prompt", (None,), [{"text": "x"}]),
     "chat_template": R("the checkpoint's own chat template or the transcript; none from the request", (None,),
                        "{{ messages }}"),
-    "chat_template_kwargs": R("the checkpoint's own chat template or the transcript; none from the request",
-                              (None, {}), {"x": 1}),
+    "chat_template_kwargs": H("extra variables for the model's chat template (e.g. `enable_thinking`), where one renders the chat: the "
+                              "worker's checkpoint (hf, vllm, openai-http with a local one; an openai-http upstream's chat "
+                              "endpoint gets vLLM's field); a chat without a template (the transcript) has no use for them; "
+                              "apply_chat_template's own keywords (tools, add_generation_prompt, ...) are a 400",
+                              {"enable_thinking": False}, sim=(IGNORED, "the sim runs the transcript: no chat template")),
     "media_io_kwargs": R("no multimodal inputs", (None, {}), {"x": {}}),
     "return_prompt_text": R("responses carry the completion only", (None, False), True),
 }
@@ -319,8 +322,8 @@ TOKENIZE: dict[str, Rule] = {
                                 "false; the template's `continue_final_message`, the transcript's last line)"),
     "chat_template": R("the checkpoint's own chat template or the transcript; none from the request", (None,),
                        "{{ messages }}"),
-    "chat_template_kwargs": R("the checkpoint's own chat template or the transcript; none from the request",
-                              (None, {}), {"x": 1}),
+    "chat_template_kwargs": H("with `messages`: passed to the checkpoint's chat template as chat completions "
+                              "pass them", {"enable_thinking": False}),
     "media_io_kwargs": R("no multimodal inputs", (None, {}), {"x": {}}),
     "mm_processor_kwargs": R("no multimodal inputs", (None, {}), {"x": 1}),
     "tools": H("with `messages`: listed as chat completions list them (through the chat template where it "

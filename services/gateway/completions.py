@@ -43,18 +43,19 @@ async def chat(body: ChatBody, request: Request, gs: Gateway) -> Response:
     tl = tools.parse_tools(body)
     calls = any((m.model_extra or {}).get("tool_calls") for m in body.messages)
     end = policy.chat_end(body)
+    extra = policy.template_kwargs(body.chat_template_kwargs)
     if tl.listed or calls:  # the transcript carries the tool definitions and calls, for a worker
         text = tools.render_chat(body.messages, tl, end)  # whose chat template does not take them itself
         return await serve(gs, request, body, [text], chat=True, tl=tl, turns=tools.chat_turns(body.messages),
-                           chat_end=end)
+                           chat_end=end, template_kwargs=extra)
     # the worker formats the messages with the model's own chat template where it has one
     return await serve(gs, request, body, [policy.render_chat(body.messages, end)], chat=True, tl=tl,
-                       turns=policy.chat_turns(body.messages), chat_end=end)
+                       turns=policy.chat_turns(body.messages), chat_end=end, template_kwargs=extra)
 
 
 async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatBody, prompts: list[str],
                 chat: bool, tl: tools.Tools | None = None, turns: list[ChatTurn] | None = None,
-                chat_end: str = "open") -> Response:
+                chat_end: str = "open", template_kwargs: dict | None = None) -> Response:
     """Validate, admit and run the prompts; a stream keeps the in-flight slot until it ends."""
     s = gs.settings
     chars = sum(len(p) for p in prompts)
@@ -74,7 +75,7 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
     batch_id = "cmpl-" + uuid.uuid4().hex[:24] if len(prompts) > 1 else ""  # one prompt: the run's own id
     runs = [RequestRun(gs=gs, deployment=adm.deployment, prompt=p, params=params, stream=bool(body.stream),
                        adapter=adm.adapter, priority=body.priority, chat=turns, chat_end=chat_end,
-                       tools=tl.definitions() if tl is not None else None,
+                       tools=tl.definitions() if tl is not None else None, template_kwargs=template_kwargs,
                        **({"request_id": f"{batch_id}-{i}"} if batch_id else {}))
             for i, p in enumerate(prompts)]
     rid = batch_id or runs[0].request_id

@@ -104,6 +104,7 @@ class RequestRun(Delivery):
     chat: list[ChatTurn] | None = None  # a chat's messages, for a worker whose model has a chat template
     chat_end: str = "open"  # how the chat's prompt ends (GenerateRequest.chat_end; policy.chat_end)
     tools: list[dict] | None = None  # the chat's listed tools, for a worker's chat template (GenerateRequest.tools)
+    template_kwargs: dict | None = None  # chat_template_kwargs (GenerateRequest.template_kwargs)
 
     def _ms(self) -> float:
         return (time.monotonic() - self.t0) * 1e3
@@ -302,7 +303,7 @@ class RequestRun(Delivery):
                                window=self.gs.settings.stream_window, resume=resume, stream=self.stream,
                                last_on_done=not self.stream and self.params.n == 1, tenant=self.tenant,
                                chat=self.chat, chat_end=self.chat_end if self.chat is not None else "open",
-                               tools=self.tools)
+                               tools=self.tools, template_kwargs=self.template_kwargs or {})
 
     async def _next(self, first: bool) -> TokenChunk:
         """The next chunk in `seq` order. Chunks that overtook a missing one are held and

@@ -2,6 +2,7 @@
 and OpenAI response shapes. No I/O, so tests and benchmarks call it directly."""
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
@@ -137,6 +138,25 @@ def sampling_params(body: CompletionBody | ChatBody, *, default_max_tokens: int,
                           min_p=body.min_p or 0.0, logit_bias=logit_bias(body.logit_bias),
                           stop_token_ids=stop_token_ids(body.stop_token_ids),
                           include_stop=bool(body.include_stop_str_in_output))
+
+
+TEMPLATE_KWARGS_MAX_BYTES = 8192
+
+
+def template_kwargs(value: dict[str, Any] | None) -> dict[str, Any]:
+    """vLLM's `chat_template_kwargs`: extra variables for the model's chat template (e.g.
+    `enable_thinking`); 400 naming the field for one of apply_chat_template's own keywords or
+    more than TEMPLATE_KWARGS_MAX_BYTES of JSON."""
+    from polyserve.core.chat_template import RESERVED_KWARGS
+    value = value or {}
+    taken = sorted(set(value) & RESERVED_KWARGS)
+    if taken:
+        raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(taken)}: those come from the request's "
+                             "own fields", "chat_template_kwargs")
+    if len(json.dumps(value)) > TEMPLATE_KWARGS_MAX_BYTES:
+        raise InvalidRequest(f"chat_template_kwargs is over {TEMPLATE_KWARGS_MAX_BYTES} bytes of JSON",
+                             "chat_template_kwargs")
+    return dict(value)
 
 
 def stop_token_ids(value: list[int] | None) -> list[int]:

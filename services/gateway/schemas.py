@@ -88,6 +88,7 @@ class ChatBody(_Sampling):
     top_logprobs: int | None = None  # 0-20, with logprobs
     add_generation_prompt: bool = True  # vLLM's: how the prompt ends (policy.chat_end)
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more chat-template variables (policy.template_kwargs)
 
     @field_validator("messages", mode="before")
     @classmethod

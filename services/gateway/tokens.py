@@ -21,6 +21,7 @@ import asyncio
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
@@ -31,7 +32,7 @@ from polyserve.proto import Deployment
 from . import compat, tools
 from .context import Gateway, GatewayState
 from .errors import GatewayError
-from .policy import InvalidRequest, chat_end, chat_turns, render_chat
+from .policy import InvalidRequest, chat_end, chat_turns, render_chat, template_kwargs
 from .schemas import ChatMessage
 
 NO_IDS = {"sim": "the sim engine has no tokenizer: it counts ceil(1.3 x whitespace words) as prompt tokens "
@@ -47,6 +48,7 @@ class TokenizeBody(BaseModel):
     add_special_tokens: bool | None = None  # None: what the engine does for a prompt
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = False
 
 
@@ -170,7 +172,8 @@ async def tokenize(body: TokenizeBody, gs: Gateway) -> JSONResponse:
         with_tools = tl.listed or any((m.model_extra or {}).get("tool_calls") for m in body.messages)
         turns = tools.chat_turns(body.messages) if with_tools else chat_turns(body.messages)
         dt = await deployment_tokenizer(gs, dep)
-        text = await _templated(dt, turns, end, tl.definitions()) if dt.chat_template else None
+        extra = template_kwargs(body.chat_template_kwargs)
+        text = await _templated(dt, turns, end, tl.definitions(), extra) if dt.chat_template else None
         if text is None and with_tools:  # as chat completions run a chat with tools (completions.chat)
             text = tools.render_chat(body.messages, tl, end)
         elif text is None:
@@ -192,7 +195,8 @@ def _chat_tokenizer(path: str):
     return chat_template.load_tokenizer(path)
 
 
-async def _templated(dt: DeploymentTokenizer, turns: list, end: str, tool_defs: list | None) -> str | None:
+async def _templated(dt: DeploymentTokenizer, turns: list, end: str, tool_defs: list | None,
+                     extra: dict | None = None) -> str | None:
     """The messages through the checkpoint's chat template, as its workers run a chat (None: the
     template could not be loaded). A template that refuses them is the 400 a chat would get."""
     from polyserve.core import chat_template
@@ -200,7 +204,7 @@ async def _templated(dt: DeploymentTokenizer, turns: list, end: str, tool_defs: 
     if tok is None:
         return None
     try:
-        return chat_template.render(tok, [t.message() for t in turns], end=end, tools=tool_defs)
+        return chat_template.render(tok, [t.message() for t in turns], end=end, tools=tool_defs, extra=extra)
     except chat_template.TemplateRefused as exc:
         raise InvalidRequest(str(exc), "messages") from exc
 

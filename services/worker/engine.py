@@ -57,6 +57,7 @@ class EngineRequest:
     # something holding the model's template does (openai-http: the upstream's chat endpoint).
     messages: list[dict] | None = None
     chat_end: str = "open"  # how the chat's prompt ends (GenerateRequest.chat_end)
+    template_kwargs: dict | None = None  # extra chat-template variables (GenerateRequest.template_kwargs)
     tools: list[dict] | None = None  # the chat's listed tools beside `messages` (GenerateRequest.tools)
 
 
@@ -133,9 +134,11 @@ class Engine(abc.ABC):
         """What /v1/models reports about the served model."""
         return {"engine": self.name, "simulated": self.simulated}
 
-    def chat_prompt(self, messages: list[dict], end: str = "open", tools: list[dict] | None = None) -> str | None:
+    def chat_prompt(self, messages: list[dict], end: str = "open", tools: list[dict] | None = None,
+                    extra: dict | None = None) -> str | None:
         """The prompt the model's own chat template makes of a chat's `messages` (role, content,
-        tool_calls, tool_call_id) and `tools`, ending as `end` says (`GenerateRequest.chat_end`), or
+        tool_calls, tool_call_id), `tools` and `extra` template variables (chat_template_kwargs),
+        ending as `end` says (`GenerateRequest.chat_end`), or
         None when the model has none (or one that ignores tools the chat has): the gateway's
         role-prefixed transcript is used then."""
         return None
@@ -218,11 +221,11 @@ def make_stats(input_tokens: int, output_tokens: int, arrival: float, start: flo
 
 
 def templated_chat(tokenizer, messages: list[dict], adds_bos: bool | None = None, end: str = "open",
-                   tools: list[dict] | None = None) -> str | None:
+                   tools: list[dict] | None = None, extra: dict | None = None) -> str | None:
     """`core.chat_template.render` for an engine: a template that refuses the messages is the
     client's 400 (EngineError)."""
     try:
-        return chat_template.render(tokenizer, messages, adds_bos=adds_bos, end=end, tools=tools)
+        return chat_template.render(tokenizer, messages, adds_bos=adds_bos, end=end, tools=tools, extra=extra)
     except chat_template.TemplateRefused as exc:
         raise EngineError(str(exc), 400) from exc
 

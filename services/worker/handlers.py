@@ -197,7 +197,8 @@ class WorkerHandlers:
                              adapter=req.adapter, priority=req.priority,
                              predicted_tokens=max(0, req.predicted_tokens - (req.resume.tokens if cont else 0)),
                              length_class=req.length_class, continuation=cont, tenant=req.tenant,
-                             messages=messages, chat_end=req.chat_end, tools=req.tools if messages else None)
+                             messages=messages, chat_end=req.chat_end, tools=req.tools if messages else None,
+                             template_kwargs=req.template_kwargs or None)
         try:
             # Engines admit either in the generate() call (sim) or, as async
             # generators, before the first suspension of their first __anext__;
@@ -299,7 +300,7 @@ class WorkerHandlers:
         if req.chat is None:
             return req.prompt, None
         messages = [t.message() for t in req.chat]
-        templated = self.engine.chat_prompt(messages, req.chat_end, req.tools)
+        templated = self.engine.chat_prompt(messages, req.chat_end, req.tools, req.template_kwargs or None)
         if templated is not None:
             return templated, None
         # a long chat comes without its transcript (a tool chat never: the gateway's lists the tools)

@@ -161,12 +161,15 @@ async def test_a_chat_goes_to_the_chat_endpoint_as_messages(stream):
         await eng.start()
         try:
             assert eng.model_card()["chat"] == "/v1/chat/completions"
-            deltas, fin = await _run(eng, _chat(logprobs=2))
+            req = _chat(logprobs=2)
+            req.template_kwargs = {"enable_thinking": False}  # chat_template_kwargs: the upstream's template gets them
+            deltas, fin = await _run(eng, req)
             plain, _ = await _run(eng, EngineRequest("p1", "a completion", SamplingParams(max_tokens=2)))
         finally:
             await eng.stop()
     (path, body), (path2, body2) = up.posts
     assert path == "/v1/chat/completions" and body["messages"] == MESSAGES and "prompt" not in body
+    assert body["chat_template_kwargs"] == {"enable_thinking": False} and "chat_template_kwargs" not in body2
     assert body["logprobs"] is True and body["top_logprobs"] == 2 and body["max_tokens"] == 3
     assert path2 == "/v1/completions" and body2["prompt"] == "a completion"  # no messages: a completion
     assert "".join(d.text for d in deltas) == "".join(CHAT_OUT) and deltas[-1].finish_reason == "length"

@@ -295,13 +295,14 @@ class HfEngine(Refine, Engine):
         from polyserve.worker.engines.hf_model import format_chat
         return format_chat(self._bundle.tokenizer, messages)
 
-    def chat_prompt(self, messages: list[dict], end: str = "open", tools: list[dict] | None = None) -> str | None:
+    def chat_prompt(self, messages: list[dict], end: str = "open", tools: list[dict] | None = None,
+                    extra: dict | None = None) -> str | None:
         """The checkpoint's chat template applied to `messages` (None: it has none, or no model yet)."""
         b = self._bundle
         if b is None or not getattr(b.tokenizer, "chat_template", None):
             return None  # (before the BOS probe: most chats on the random model have no template)
         return templated_chat(b.tokenizer, messages, adds_bos=b.bos_id is not None and b.encode("")[:1] == [b.bos_id],
-                              end=end, tools=tools)
+                              end=end, tools=tools, extra=extra)
 
     # ----------------------------------------------------------------- adapters (see hf_lora)
     async def load_adapter(self, name: str, path: str, wait: bool = False) -> AdapterInfo:

@@ -301,6 +301,8 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
             else:
                 body = openai_http_chat.chat_body(*self.request_body(fl.req), messages, fl.req.continuation,
                                                   fl.req.chat_end, self.structured_style)
+                if fl.req.template_kwargs:  # vLLM's field: the upstream's template gets them
+                    body[1]["chat_template_kwargs"] = dict(fl.req.template_kwargs)
                 tooled = openai_http_chat.has_tools(messages, fl.req.tools)
                 if tooled:
                     openai_http_chat.with_tools(body[0], fl.req.tools)
@@ -473,11 +475,12 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
                           max_input_len=self.max_input_len, adapters=self.adapters.infos())
 
     # ----------------------------------------------------------------- tokens, card
-    def chat_prompt(self, messages: list[dict], end: str = "open", tools: list[dict] | None = None) -> str | None:
+    def chat_prompt(self, messages: list[dict], end: str = "open", tools: list[dict] | None = None,
+                    extra: dict | None = None) -> str | None:
         """The checkpoint's chat template (the `upstream_tokenizer` or `model_path` directory), applied
         here: the upstream's /v1/completions then runs what its /v1/chat/completions would."""
         tok = self._chat_tokenizer()
-        return templated_chat(tok, messages, end=end, tools=tools) if tok else None
+        return templated_chat(tok, messages, end=end, tools=tools, extra=extra) if tok else None
 
     def _chat_tokenizer(self) -> Any:
         if self._chat_tok is None:

@@ -413,12 +413,13 @@ class VllmEngine(Engine):
                 "kv_capacity_tokens": self.kv_capacity, "scheduling": self.scheduling,
                 "note": "vllm adapter: untested on a GPU in this project so far"}
 
-    def chat_prompt(self, messages: list[dict], end: str = "open", tools: list[dict] | None = None) -> str | None:
+    def chat_prompt(self, messages: list[dict], end: str = "open", tools: list[dict] | None = None,
+                    extra: dict | None = None) -> str | None:
         """The model's chat template applied to `messages` (None: its tokenizer has none). vLLM adds
         the tokenizer's special tokens to a text prompt (`encode` below), so a BOS the template writes
         is dropped."""
         tok = self._tokenizer  # vLLM's get_tokenizer(): the HF tokenizer (a cached subclass of its class)
-        return None if tok is None else templated_chat(tok, messages, end=end, tools=tools)
+        return None if tok is None else templated_chat(tok, messages, end=end, tools=tools, extra=extra)
 
     def format_chat(self, messages: list[dict]) -> str:
         """Chat messages as one prompt, with the model's chat template when it has one."""
