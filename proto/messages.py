@@ -139,6 +139,10 @@ class SamplingParams(Msg, kw_only=True):
     # string that ended the text is kept at its end).
     stop_token_ids: list[int] = []
     include_stop: bool = False
+    # vLLM's truncate_prompt_tokens: 0 = never (an over-long prompt is a 400); k > 0 = keep the
+    # prompt's last k tokens; -1 = its last max_input_len tokens (the worker's limit). The left
+    # side is cut, as vLLM does for generation.
+    truncate_prompt_tokens: int = 0
 
     def penalised(self) -> bool:
         """Whether any penalty asks the sampler to look at earlier tokens."""

@@ -181,6 +181,14 @@ def fair_priority(priority: int) -> int:
     return priority - 1 if t is not None and t.grant is not None and t.grant.ahead else priority
 
 
+def truncated_input(gs: GatewayState, deployment: Deployment, input_tokens: int, keep: int) -> int:
+    """The prompt's token estimate after the workers cut it (`SamplingParams.truncate_prompt_tokens`:
+    k keeps the last k, -1 the last max_input_len of the deployment's workers)."""
+    if keep == -1:
+        keep = gs.max_input_len(deployment.id)
+    return min(input_tokens, keep) if keep > 0 else input_tokens
+
+
 def check_input(gs: GatewayState, deployment: Deployment, input_tokens: int) -> None:
     """400 naming the limit when the prompt is longer than any live worker of the deployment
     takes (`max_input_len` from their heartbeats): retrying cannot help, so no 503."""

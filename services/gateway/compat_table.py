@@ -153,8 +153,12 @@ SAMPLING: dict[str, Rule] = {
                                                                  "without it answers 422, passed on)")}),
     "skip_special_tokens": R("special tokens are always skipped in the text", (None, True), False),
     "spaces_between_special_tokens": R("special tokens are always skipped", (None, True), False),
-    "truncate_prompt_tokens": R("prompts are never truncated; an over-long prompt is a 400", (None,), 8),
-    "truncation_side": R("prompts are never truncated", (None,), "left"),
+    "truncate_prompt_tokens": H("k: the prompt's last k tokens are kept (its left side cut, as vLLM cuts for "
+                                "generation); -1: its last max_input_len tokens (the worker's limit); without it "
+                                "an over-long prompt is a 400; not with `echo`", 8,
+                                **{"openai-http": (HONOURED, "passed upstream as vLLM's extra field (a server "
+                                                            "without it answers 422, passed on)")}),
+    "truncation_side": R("prompts are cut on the left only (truncate_prompt_tokens)", (None, "left"), "right"),
     "allowed_token_ids": R("no token restrictions", (None,), [1, 2]),
     "bad_words": R("no token restrictions", (None, []), ["bad"]),
     "prompt_logprobs": R("vLLM's own prompt-logprobs field is not served; use `echo` with `logprobs` "

@@ -157,7 +157,8 @@ class RequestRun(Delivery):
 
     async def _start(self) -> None:
         gs, s = self.gs, self.gs.settings
-        self.input_tokens = estimate_tokens(self.prompt)
+        self.input_tokens = admission.truncated_input(gs, self.deployment, estimate_tokens(self.prompt),
+                                                      self.params.truncate_prompt_tokens)
         await self._event("admitted", Admitted(**self._base(), input_tokens=self.input_tokens,
                                                max_tokens=self.params.max_tokens, stream=self.stream,
                                                n=self.params.n))

@@ -124,6 +124,9 @@ def sampling_params(body: CompletionBody | ChatBody, *, default_max_tokens: int,
     if body.min_tokens > max_tokens:
         raise InvalidRequest(f"min_tokens ({body.min_tokens}) cannot exceed max_tokens ({max_tokens})",
                              "min_tokens")
+    if body.truncate_prompt_tokens and getattr(body, "echo", False):
+        raise InvalidRequest("truncate_prompt_tokens cannot be combined with echo (the echoed prompt is the "
+                             "one sent)", "truncate_prompt_tokens")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     lim = limits.current()
     if len(stop) > lim.max_stop or any(not s or len(s) > lim.max_stop_chars for s in stop):
@@ -137,7 +140,8 @@ def sampling_params(body: CompletionBody | ChatBody, *, default_max_tokens: int,
                           repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                           min_p=body.min_p or 0.0, logit_bias=logit_bias(body.logit_bias),
                           stop_token_ids=stop_token_ids(body.stop_token_ids),
-                          include_stop=bool(body.include_stop_str_in_output))
+                          include_stop=bool(body.include_stop_str_in_output),
+                          truncate_prompt_tokens=body.truncate_prompt_tokens or 0)
 
 
 TEMPLATE_KWARGS_MAX_BYTES = 8192

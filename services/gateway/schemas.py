@@ -51,6 +51,7 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (a JSON key) -> bias in [-100, 100]
     stop_token_ids: list[int] | None = Field(None, max_length=64)  # vLLM's; ids checked by the engine
     include_stop_str_in_output: bool | None = False
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: keep the last k (-1: the worker's limit)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool | None = False
     priority: int = 0

@@ -173,6 +173,14 @@ async def relay(queue: "asyncio.Queue", request_id: str, is_done: Callable[[], b
             cancel(request_id)
 
 
+def truncated(ids: list[int], keep: int, limit: int) -> list[int]:
+    """A prompt's token ids cut on the left as `SamplingParams.truncate_prompt_tokens` says (`limit`:
+    the worker's max_input_len, for -1)."""
+    if keep == -1:
+        keep = limit
+    return ids[-keep:] if 0 < keep < len(ids) else ids
+
+
 def check_request(req: EngineRequest, *, max_batch: int, adapters, known, unit: str = "rows") -> None:
     """Admission checks every engine makes, as EngineErrors saying what to fix."""
     p = req.params

@@ -74,3 +74,24 @@ async def test_stop_token_ids_and_include_stop_str_in_output(plane):
             await p.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
                                               extra_body={"stop_token_ids": [10 ** 8]})
         assert "stop_token_ids" in str(err.value)
+
+
+async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(plane):
+    """hf: k keeps the prompt's last k tokens; -1 its last max_input_len, where the same prompt
+    without it is a 400 (context_length_exceeded); with echo it is a 400 naming the field."""
+    async with plane(worker_kw=HF) as p:
+        limit = p.worker.engine.max_input_len
+        cut = await p.client.completions.create(model=MODEL, prompt="word " * 40, max_tokens=2,
+                                                extra_body={"truncate_prompt_tokens": 7})
+        assert cut.usage.prompt_tokens == 7
+        long = "word " * (limit + 50)
+        with pytest.raises(openai.BadRequestError) as err:
+            await p.client.completions.create(model=MODEL, prompt=long, max_tokens=2)
+        assert err.value.code == "context_length_exceeded"
+        fit = await p.client.completions.create(model=MODEL, prompt=long, max_tokens=2,
+                                                extra_body={"truncate_prompt_tokens": -1})
+        assert fit.usage.prompt_tokens == limit
+        with pytest.raises(openai.BadRequestError) as err:
+            await p.client.completions.create(model=MODEL, prompt="a b c", max_tokens=2, echo=True, logprobs=0,
+                                              extra_body={"truncate_prompt_tokens": 2})
+        assert "truncate_prompt_tokens" in str(err.value)

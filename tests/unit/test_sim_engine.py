@@ -97,6 +97,16 @@ async def test_stop_string_ends_generation_exactly():
     assert kept[0] == expected + stop and reasons == {0: "stop"}
 
 
+async def test_truncate_prompt_tokens_counts_the_prompts_last_tokens_only():
+    async with engine() as e:
+        *_, whole = await collect(e.generate(req("w", max_tokens=2)))
+        *_, cut = await collect(e.generate(req("t", max_tokens=2, truncate_prompt_tokens=4)))
+        *_, over = await collect(e.generate(req("o", prompt="w " * (e.max_input_len + 9), max_tokens=2,
+                                                truncate_prompt_tokens=-1)))
+    assert whole.stats.input_tokens > 4 and cut.stats.input_tokens == 4
+    assert over.stats.input_tokens == e.max_input_len  # -1: the worker's limit, where it was a 400
+
+
 async def test_n_choices_are_independent_and_batched_together():
     async with engine() as e:
         text, reasons, tokens, fin = await collect(e.generate(req("a", max_tokens=6, n=3)))

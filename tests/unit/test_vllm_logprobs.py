@@ -128,3 +128,13 @@ async def test_penalties_bias_and_min_p_reach_sampling_params_only_when_asked(bu
     with pytest.raises(EngineError) as err:
         await collect(engine, "bad", max_tokens=2, repetition_penalty=-1.0)
     assert err.value.status == 400 and "repetition_penalty" in str(err.value)
+
+
+async def test_truncate_prompt_tokens_cuts_the_ids_vllm_gets(build):  # noqa: F811
+    """vLLM 0.33 truncates in its tokenizing front end, not in SamplingParams: the engine, which
+    hands vLLM token ids, keeps the prompt's last k itself (-1: its max_input_len)."""
+    engine, fake = await build("v1")
+    await collect(engine, "whole", "abcdefgh", max_tokens=2)
+    await collect(engine, "cut", "abcdefgh", max_tokens=2, truncate_prompt_tokens=3)
+    whole, cut = (c["prompt"]["prompt_token_ids"] for c in fake.engine.calls)
+    assert cut == whole[-3:] and len(whole) > 3

@@ -57,6 +57,7 @@ from polyserve.worker.engine import (
     make_stats,
     relay,
     templated_chat,
+    truncated,
 )
 from polyserve.worker.engines import hf_grammar
 from polyserve.worker.engines.hf_batch import LAYOUTS, Batch, Paused, Row
@@ -216,7 +217,7 @@ class HfEngine(Refine, Engine):
             raise EngineError("the hf engine is not running", 503)
         p = req.params
         check_request(req, max_batch=self.max_batch, adapters=self.adapters, known=self._known)
-        ids = self._bundle.encode(req.prompt)
+        ids = truncated(self._bundle.encode(req.prompt), p.truncate_prompt_tokens, self.max_input_len)
         if not ids:
             raise EngineError("the prompt encodes to no tokens", 400)
         if len(ids) > self.max_input_len:

@@ -278,6 +278,8 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
             extra["stop_token_ids"] = list(p.stop_token_ids)
         if p.include_stop:
             extra["include_stop_str_in_output"] = True
+        if p.truncate_prompt_tokens:
+            extra["truncate_prompt_tokens"] = p.truncate_prompt_tokens
         extra.update(openai_http_wire.request_fields(p, self.structured_style))
         return kw, extra
 

@@ -273,6 +273,9 @@ class SimEngine(Engine):
         if req.adapter and req.adapter not in self._adapters:
             raise EngineError(self._adapters.unknown_message(req.adapter), 404)
         l_in = self.count_tokens(req.prompt)
+        keep = self.max_input_len if p.truncate_prompt_tokens == -1 else p.truncate_prompt_tokens
+        if keep > 0:  # vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens
+            l_in = min(l_in, keep)
         if l_in > self.max_input_len:
             raise EngineError(f"prompt has {l_in} tokens; this worker accepts at most "
                               f"max_input_len={self.max_input_len} input tokens", 400)

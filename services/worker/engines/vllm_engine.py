@@ -86,6 +86,7 @@ from polyserve.worker.engine import (
     make_stats,
     relay,
     templated_chat,
+    truncated,
 )
 from polyserve.worker.engines import vllm_api
 from polyserve.worker.lora import AdapterError, AdapterRegistry, check_name, read_adapter
@@ -230,7 +231,7 @@ class VllmEngine(Engine):
         p = req.params
         check_request(req, max_batch=self.max_batch, adapters=self.adapters, known=self._known,
                       unit="sequences")
-        ids = list(self._tokenizer.encode(req.prompt))
+        ids = truncated(list(self._tokenizer.encode(req.prompt)), p.truncate_prompt_tokens, self.max_input_len)
         if not ids:
             raise EngineError("the prompt encodes to no tokens", 400)
         if len(ids) > self.max_input_len:
