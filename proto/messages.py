@@ -399,6 +399,9 @@ class Deployment(Msg, kw_only=True):
     scaler: ScalerPolicy = ScalerPolicy()
     ttft_slo_ms: float = TTFT_SLO_MS  # the SLOs this deployment is served to (aladdin/caraserve place against them)
     atgt_slo_ms: float = ATGT_SLO_MS
+    # How the model thinks, for chat answers' `reasoning` (gateway/reasoning.py): "" (none),
+    # "qwen3" or "deepseek_r1" (vLLM's --reasoning-parser names).
+    reasoning_parser: str = ""
     created: float = msgspec.field(default_factory=now)
 
 

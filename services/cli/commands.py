@@ -25,7 +25,8 @@ def _say(msg: str) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     spec = launcher.ClusterSpec(run_dir=Path(args.run_dir), engine=args.engine, model=args.model or "",
                                 model_path=args.model_path or "", host=args.host, port=args.port,
-                                prefix=args.prefix, policy=args.policy, min_replicas=args.min_replicas,
+                                prefix=args.prefix, policy=args.policy, reasoning_parser=args.reasoning_parser,
+                                min_replicas=args.min_replicas,
                                 max_replicas=args.max_replicas, ready_timeout_s=args.timeout,
                                 upstream_url=args.upstream_url or "", upstream_model=args.upstream_model or "",
                                 upstream_metrics_url=args.upstream_metrics_url or "",
@@ -214,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "`dispatched` events; the supervisor restarts each)")
     up.add_argument("--prefix", default="polyserve")
     up.add_argument("--policy", default="least_outstanding")
+    up.add_argument("--reasoning-parser", default="", choices=["", "qwen3", "deepseek_r1"],
+                    help="the model thinks between <think> tags (vLLM's parser names): chat answers carry its "
+                         "reasoning apart from the content (docs/openai-compatibility.md)")
     up.add_argument("--min-replicas", type=int, default=1)
     up.add_argument("--max-replicas", type=int, default=2)
     up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")

@@ -44,6 +44,7 @@ class ClusterSpec:
     redis_port: int = 6379
     prefix: str = "polyserve"
     policy: str = "least_outstanding"
+    reasoning_parser: str = ""  # the deployment's (proto Deployment.reasoning_parser): "", qwen3, deepseek_r1
     min_replicas: int = 1
     max_replicas: int = 2
     scaler: str = "pertoken"
@@ -241,6 +242,7 @@ def _ensure_deployment(r: redis.Redis, keys: Keys, spec: ClusterSpec, engine: st
     if r.exists(keys.deployment(dep_id)):
         return dep_id
     dep = Deployment(id=dep_id, model=model, engine=engine, policy=spec.policy,
+                     reasoning_parser=spec.reasoning_parser,
                      scaler=ScalerPolicy(type=spec.scaler, min_replicas=spec.min_replicas,
                                          max_replicas=spec.max_replicas, threshold_ms=spec.threshold_ms))
     r.set(keys.deployment(dep_id), msgspec.json.encode(dep))

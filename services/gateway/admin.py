@@ -118,7 +118,7 @@ async def create(body: DeploymentBody, gs: Gateway) -> JSONResponse:
         raise GatewayError(409, f"deployment '{dep_id}' already exists; DELETE it first or pick another id")
     dep = Deployment(id=dep_id, model=body.model, engine=body.engine, policy=body.policy,
                      scaler=ScalerPolicy(**body.scaler.model_dump()), ttft_slo_ms=body.ttft_slo_ms,
-                     atgt_slo_ms=body.atgt_slo_ms)
+                     atgt_slo_ms=body.atgt_slo_ms, reasoning_parser=body.reasoning_parser)
     await state_call(gs.state.put_deployment(dep))
     await gs.refresh_deployments(force=True)
     return JSONResponse(_to_json(dep), status_code=201)

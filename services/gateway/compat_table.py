@@ -246,7 +246,10 @@ CHAT: dict[str, Rule] = {
     "function_call": R("OpenAI's deprecated functions API: send `tool_choice`", (None, "none", "auto"),
                        {"name": "f"}),
     "reasoning_effort": R("no reasoning control", (None,), "low"),
-    "include_reasoning": R("no reasoning parser: reasoning text stays in the content", (None, True), False),
+    "include_reasoning": H("a deployment with a `reasoning_parser` (qwen3, deepseek_r1: vLLM's) returns a thinking "
+                           "model's reasoning as the message's `reasoning` (streamed: `delta.reasoning`), apart from "
+                           "its `content`; false leaves it out; without a parser the model's text is all content",
+                           False),
     "verbosity": R("no verbosity control", (None,), "low"),
     "modalities": R("text output only", (None, ["text"]), ["text", "audio"]),
     "audio": R("text output only", (None,), {"voice": "alloy", "format": "wav"}),

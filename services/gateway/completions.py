@@ -22,7 +22,7 @@ from opentelemetry import trace
 
 from polyserve.proto import ChatTurn, SamplingParams, TokenChunk
 
-from . import compat, disconnect, logprobs, policy, tools
+from . import compat, disconnect, logprobs, policy, reasoning, tools
 from .admission import Admission, admit
 from .context import Gateway, GatewayState
 from .errors import GatewayError
@@ -89,8 +89,11 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
                 handed_off = True
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 headers.update(_sim_header(adm.deployment.engine == "sim") or {})
-                calls = tools.ToolStream(tl) if tl is not None and tl.listed else None
-                return disconnect.EventStream(_stream(adm, runs, rid, chat, include_usage, render, calls), request,
+                shapers = [s for s in (
+                    reasoning.ReasoningStream(adm.deployment.reasoning_parser, include=body.include_reasoning
+                                              is not False) if chat and adm.deployment.reasoning_parser else None,
+                    tools.ToolStream(tl) if tl is not None and tl.listed else None) if s is not None]
+                return disconnect.EventStream(_stream(adm, runs, rid, chat, include_usage, render, shapers), request,
                                               headers=headers)
             out = await _collect(request, runs)
         headers.update(_sim_header(out.simulated) or {})
@@ -100,6 +103,9 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
         if render.active:
             for i, choice in enumerate(answer["choices"]):
                 render.choice(choice, i, out.prompts[i], out.logprobs[i], out.prompt_logprobs[i])
+        thinking = adm.deployment.reasoning_parser if chat else ""
+        for choice in answer["choices"] if thinking else ():  # the thinking apart, before tools read the content
+            reasoning.render_message(choice, thinking, include=body.include_reasoning is not False)
         if tl is not None and tl.listed:
             for choice in answer["choices"]:
                 tools.render_message(choice, tl)
@@ -205,7 +211,7 @@ async def _chunks(runs: list[RequestRun]) -> AsyncIterator[tuple[int, TokenChunk
 
 
 async def _stream(adm: Admission, runs: list[RequestRun], rid: str, chat: bool, include_usage: bool,
-                  render: logprobs.Renderer, calls: tools.ToolStream | None = None):
+                  render: logprobs.Renderer, shapers: list | None = None):
     """The SSE body; an error after the first byte goes out as an error chunk.
 
     Events that are ready together go out in one write: while the next chunk is already in the
@@ -234,7 +240,10 @@ async def _stream(adm: Admission, runs: list[RequestRun], rid: str, chat: bool, 
                     if render.active:
                         render.choice(body["choices"][0], index, runs[i].prompt, chunk.logprobs,
                                       chunk.prompt_logprobs)
-                    out += [_sse(b) for b in (calls.feed(body) if calls is not None else [body])]
+                    bodies = [body]
+                    for shaper in shapers or ():  # the reasoning apart, then tool calls (`feed` of each)
+                        bodies = [b for x in bodies for b in shaper.feed(x)]
+                    out += [_sse(b) for b in bodies]
                     firsts.add(index)
                 if out and not more():
                     yield b"".join(out)

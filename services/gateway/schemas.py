@@ -89,6 +89,7 @@ class ChatBody(_Sampling):
     top_logprobs: int | None = None  # 0-20, with logprobs
     add_generation_prompt: bool = True  # vLLM's: how the prompt ends (policy.chat_end)
     continue_final_message: bool = False
+    include_reasoning: bool | None = True  # vLLM's: False leaves a thinking model's reasoning out
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more chat-template variables (policy.template_kwargs)
 
     @field_validator("messages", mode="before")
@@ -128,6 +129,7 @@ class DeploymentBody(BaseModel):
     scaler: ScalerBody = ScalerBody()
     ttft_slo_ms: float = Field(TTFT_SLO_MS, ge=TTFT_SLO_RANGE_MS[0], le=TTFT_SLO_RANGE_MS[1])  # time to first token
     atgt_slo_ms: float = Field(ATGT_SLO_MS, ge=ATGT_SLO_RANGE_MS[0], le=ATGT_SLO_RANGE_MS[1])  # per generated token
+    reasoning_parser: Literal["", "qwen3", "deepseek_r1"] = ""  # chat answers' `reasoning` (reasoning.py)
 
 
 class AdapterBody(BaseModel):

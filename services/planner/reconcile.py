@@ -35,7 +35,7 @@ EPOCH_KEY = "{prefix}:planner:epoch"
 
 ENGINES = ("sim", "hf", "vllm", "encoder", "openai-http")
 _ID = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
-_DEP_FIELDS = {"id", "model", "engine", "policy", "scaler", "ttft_slo_ms", "atgt_slo_ms"}
+_DEP_FIELDS = {"id", "model", "engine", "policy", "scaler", "ttft_slo_ms", "atgt_slo_ms", "reasoning_parser"}
 _SCALER_FIELDS = {"type", "min_replicas", "max_replicas", "window_s", "threshold_ms"}
 _ADAPTER_FIELDS = {"name", "path", "deployment"}
 
@@ -141,10 +141,13 @@ def _deployment(c: _Checker, value: Any, path: str) -> Deployment | None:
     scaler = _scaler(c, d.get("scaler", {}), f"{path}.scaler")
     ttft = c.number(d, path, "ttft_slo_ms", TTFT_SLO_MS, within=bounds.TTFT_SLO_RANGE_MS)
     atgt = c.number(d, path, "atgt_slo_ms", ATGT_SLO_MS, within=bounds.ATGT_SLO_RANGE_MS)
+    thinking = d.get("reasoning_parser", "")
+    if thinking not in ("", "qwen3", "deepseek_r1"):  # gateway/reasoning.py PARSERS
+        c.err(f"{path}.reasoning_parser", f"unknown reasoning parser {thinking!r}; choose qwen3 or deepseek_r1")
     if not (model and dep_id) or not d:
         return None
     return Deployment(id=dep_id, model=model, engine=str(engine), policy=str(policy), scaler=scaler,
-                      ttft_slo_ms=float(ttft), atgt_slo_ms=float(atgt))
+                      ttft_slo_ms=float(ttft), atgt_slo_ms=float(atgt), reasoning_parser=str(thinking))
 
 
 def adapter_rank(path: Path) -> int:

@@ -207,6 +207,10 @@ async def test_admin_api_deployments_and_key(plane):
             r = await h.post("/v1/deployments", json=dict(body, id="c", scaler={"min_replicas": 5,
                                                                                "max_replicas": 2}), headers=auth)
             assert r.status_code == 400
+            r = await h.post("/v1/deployments", json=dict(body, id="d", reasoning_parser="granite"), headers=auth)
+            assert r.status_code == 400 and "reasoning_parser" in r.text
+            r = await h.post("/v1/deployments", json=dict(body, id="e", reasoning_parser="deepseek_r1"), headers=auth)
+            assert r.status_code == 201 and r.json()["reasoning_parser"] == "deepseek_r1"
             ids = [d["id"] for d in (await h.get("/v1/deployments", headers=auth)).json()["data"]]
             assert "chat-a" in ids and MODEL in ids
             assert (await h.get("/v1/deployments/chat-a", headers=auth)).json()["model"] == "m-a"

@@ -180,14 +180,14 @@ async def test_a_chat_goes_to_the_chat_endpoint_as_messages(stream):
     assert "".join(d.text for d in plain) == "".join(COMPLETION_OUT)
 
 
-async def test_reasoning_text_is_part_of_the_output_and_structured_outputs_go_under_vllms_field():
+async def test_reasoning_comes_back_in_think_tags_and_structured_outputs_go_under_vllms_field():
     with StandIn(reasoning=True) as up:
         for stream in (True, False):
             eng = _engine(up, upstream_stream=stream)
             await eng.start()
             try:
                 deltas, _ = await _run(eng, _chat(structured=StructuredOutput(json='{"type": "object"}')))
-                assert "".join(d.text for d in deltas) == "".join(CHAT_OUT)
+                assert "".join(d.text for d in deltas) == f"<think>{CHAT_OUT[0]}</think>" + "".join(CHAT_OUT[1:])
                 await _run(eng, _chat("c2", structured=StructuredOutput(json_object=True)))
                 await _run(eng, _chat("c3", structured=StructuredOutput(regex="[a-z]+")))
             finally:

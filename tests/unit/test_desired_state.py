@@ -17,6 +17,7 @@ deployments:
     model: sim-llama2-70b
     policy: aladdin
     scaler: {type: tracking, min_replicas: 0, max_replicas: 3}
+    reasoning_parser: qwen3
   - model: org/other model
 adapters:
   - name: sql
@@ -34,6 +35,7 @@ def test_parses_deployments_and_adapters(tmp_path):
     assert (chat.id, chat.policy, chat.scaler.type, chat.scaler.max_replicas) == ("chat", "aladdin",
                                                                                 "target_tracking", 3)
     assert (other.id, other.engine, other.scaler.min_replicas) == ("org-other-model", "sim", 1)
+    assert (chat.reasoning_parser, other.reasoning_parser) == ("qwen3", "")
     [spec] = got.adapters
     assert (spec.name, spec.rank, spec.path) == ("sql", 8, str(tmp_path / "sql-lora"))
 
@@ -49,6 +51,8 @@ def test_parses_deployments_and_adapters(tmp_path):
      "deployments[0].scaler.min_replicas: must not exceed max_replicas"),
     ("deployments:\n  - {model: m}\n  - {model: m}\n", "d.yaml:3: deployments[1].id: deployment id 'm' is declared twice"),
     ("deployments:\n  - {model: m, policy: fastest}\n", "unknown dispatch policy 'fastest'"),
+    ("deployments:\n  - {model: m, reasoning_parser: granite}\n",
+     "deployments[0].reasoning_parser: unknown reasoning parser 'granite'"),
     ("adapters:\n  - {name: a, path: /nope, deployment: x}\n", "adapters[0].deployment: no deployment 'x'"),
     ("deployments: {model: m}\n", "d.yaml:1: deployments: must be a list"),
     ("deployments:\n  - model: [m\n", "d.yaml: not valid YAML"),

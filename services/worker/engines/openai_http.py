@@ -96,6 +96,7 @@ class _Flight:
     usage: tuple[int, int] | None = None  # (prompt_tokens, completion_tokens) from the upstream
     done: bool = False
     calls: Any = None  # a tool chat on the chat endpoint: openai_http_chat.CallText
+    think: Any = field(default_factory=lambda: openai_http_chat.ThinkText())  # reasoning back in its tags
 
 
 class OpenAIHttpEngine(UpstreamLoRA, Engine):
@@ -382,7 +383,7 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
             if i in fl.ended or not 0 <= i < n:
                 continue
             fl.seen.add(i)
-            text = openai_http_chat.choice_text(choice) + (fl.calls.feed(i, choice) if fl.calls else "")
+            text = fl.think.text(i, choice) + (fl.calls.feed(i, choice) if fl.calls else "")
             reason = getattr(choice, "finish_reason", None)
             reason = FINISH_REASONS.get(reason, reason) if reason else None
             delta = openai_http_wire.choice_delta(fl.req, choice, text, whole, fl.usage, self.api_url)

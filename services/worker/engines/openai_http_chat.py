@@ -39,7 +39,8 @@ schema. In `auto`, an upstream that will not take tools on its chat endpoint (vL
 sends tool chats as transcripts from then on, logged once and shown in the model card (`tools`).
 
 Answers: a chunk's `delta` (a whole answer's `message`) `content`, after any `reasoning` text
-(vLLM with a reasoning parser splits it off; it is part of the output, as on /v1/completions);
+(vLLM with a reasoning parser splits it off; it comes back between `<think>` and `</think>`,
+`ThinkText`, as on /v1/completions);
 logprobs from `logprobs.content` (openai_http_wire.entries reads both shapes).
 """
 from __future__ import annotations
@@ -80,16 +81,31 @@ def chat_body(kw: dict, extra: dict, messages: list[dict], continuation: str, en
     return kw, extra
 
 
-def choice_text(choice: Any) -> str:
-    """The text of a completion choice, a chat chunk's delta or a whole chat answer's message."""
-    text = getattr(choice, "text", None)
-    if text is not None:
-        return text
-    part = getattr(choice, "delta", None) or getattr(choice, "message", None)
-    if part is None:
-        return ""
-    reasoning = getattr(part, "reasoning", None) or getattr(part, "reasoning_content", None) or ""
-    return reasoning + (getattr(part, "content", None) or "")
+class ThinkText:
+    """The text of a completion choice, a chat chunk's delta or a whole chat answer's message. An
+    upstream's `reasoning` (vLLM with a reasoning parser splits it off) goes back between `<think>`
+    and `</think>`, ahead of the content, as the model wrote it: a deployment with a
+    `reasoning_parser` splits it off again at the gateway (gateway/reasoning.py), one without one
+    shows the model's raw text."""
+
+    def __init__(self) -> None:
+        self._open: set[int] = set()  # choices whose reasoning has begun and not ended
+
+    def text(self, index: int, choice: Any) -> str:
+        text = getattr(choice, "text", None)
+        if text is not None:
+            return text
+        part = getattr(choice, "delta", None) or getattr(choice, "message", None)
+        reasoning = (getattr(part, "reasoning", None) or getattr(part, "reasoning_content", None) or "") if part else ""
+        content = (getattr(part, "content", None) or "") if part else ""
+        out = ""
+        if reasoning:
+            out = reasoning if index in self._open else "<think>" + reasoning
+            self._open.add(index)
+        if index in self._open and (content or getattr(choice, "finish_reason", None)):
+            out += "</think>"
+            self._open.discard(index)
+        return out + content
 
 
 def refuses_chats(status: int, message: str, answered_before: bool) -> bool:

@@ -1,0 +1,121 @@
+"""A reasoning model's thinking, apart from its answer (vLLM's `--reasoning-parser`, the chat
+message's `reasoning` field).
+
+A deployment's `reasoning_parser` names the model's way of thinking, with vLLM's parser names:
+
+* `qwen3` (Qwen3, QwQ, and any model that writes `<think>` ... `</think>` itself): an answer that
+  starts with `<think>` is reasoning up to `</think>`, then content; any other answer is content
+  (a model asked not to think: Qwen3's `enable_thinking: false` leaves the tags out);
+* `deepseek_r1` (DeepSeek-R1 and its distillations, whose chat template opens `<think>` in the
+  prompt): the answer is reasoning from its first token (a leading `<think>` dropped) up to
+  `</think>`, then content; with no `</think>` all of it is reasoning (cut while thinking).
+
+The content's leading newlines after `</think>` are dropped; tool calls are looked for in the
+content only. Streamed, text goes out as `delta.reasoning` while thinking and as `delta.content`
+after it; the first characters of a tag at a chunk's end wait for the next chunk, nothing else
+waits. `include_reasoning: false` (vLLM's) leaves the reasoning out of the response. Completions
+(`/v1/completions`) stay raw text, as vLLM's do.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+OPEN, CLOSE = "<think>", "</think>"
+PARSERS = ("qwen3", "deepseek_r1")
+
+
+def canonical(name: str | None) -> str:
+    """A `reasoning_parser` value, checked ("" = none); ValueError naming the choices."""
+    key = (name or "").strip().lower()
+    if key and key not in PARSERS:
+        raise ValueError(f"unknown reasoning_parser {name!r}; choose one of {', '.join(PARSERS)} (or none)")
+    return key
+
+
+def split(text: str, parser: str) -> tuple[str | None, str]:
+    """(reasoning or None, content) of a whole answer under `parser`."""
+    lead = text.lstrip()
+    if lead.startswith(OPEN):
+        inside = lead[len(OPEN):]
+    elif parser == "deepseek_r1":
+        inside = text
+    else:
+        return None, text
+    end = inside.find(CLOSE)
+    if end < 0:
+        return inside, ""
+    return inside[:end], inside[end + len(CLOSE):].lstrip("\n")
+
+
+def render_message(choice: dict[str, Any], parser: str, include: bool) -> None:
+    """A full response's chat choice with its reasoning apart (before tools read the content)."""
+    message = choice["message"]
+    reasoning, content = split(message.get("content") or "", parser)
+    if reasoning is not None:
+        message["content"] = content
+        if include:
+            message["reasoning"] = reasoning
+
+
+def _pending(text: str, tag: str) -> int:
+    """How many of `text`'s last characters may begin `tag`."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ReasoningStream:
+    """Streamed chat chunks of a thinking model, per choice: `delta.content` becomes
+    `delta.reasoning` while the model thinks (module docstring)."""
+
+    def __init__(self, parser: str, include: bool = True):
+        self.parser, self.include = parser, include
+        self._state: dict[int, str] = {}  # choice -> "start", "think", "after" (`</think>` seen), "answer"
+        self._held: dict[int, str] = {}
+
+    def feed(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """The chunks to send for `body` (a stream_chunk of one choice): its text split or held."""
+        choice = body["choices"][0]
+        index, done = choice["index"], choice["finish_reason"] is not None
+        state = self._state.get(index, "start")
+        if state == "answer":
+            return [body]
+        text = self._held.pop(index, "") + (choice["delta"].get("content") or "")
+        reasoning = content = ""
+        if state == "start":
+            lead = text.lstrip()
+            if lead.startswith(OPEN):
+                state, text = "think", lead[len(OPEN):]
+            elif OPEN.startswith(lead) and not done:  # nothing yet, or the first characters of the tag
+                self._held[index] = text
+                return self._out(body, "", "")
+            else:
+                state = "think" if self.parser == "deepseek_r1" else "answer"
+                if state == "answer":
+                    content = text
+        if state == "think":
+            end = text.find(CLOSE)
+            if end >= 0:
+                reasoning, text, state = text[:end], text[end + len(CLOSE):], "after"
+            elif done:
+                reasoning, text = text, ""
+            else:
+                keep = _pending(text, CLOSE)
+                reasoning, self._held[index], text = text[:len(text) - keep], text[len(text) - keep:], ""
+        if state == "after":  # the newlines right after `</think>` are dropped
+            content = text.lstrip("\n")
+            state = "answer" if content else "after"
+        self._state[index] = state
+        return self._out(body, reasoning, content)
+
+    def _out(self, body: dict[str, Any], reasoning: str, content: str) -> list[dict[str, Any]]:
+        choice = body["choices"][0]
+        delta = {k: v for k, v in choice["delta"].items() if k != "content"}
+        if reasoning and self.include:
+            delta["reasoning"] = reasoning
+        if content or choice["finish_reason"] is not None:
+            delta["content"] = content
+        if not delta and choice["finish_reason"] is None and not choice.get("logprobs"):
+            return []
+        return [{**body, "choices": [{**choice, "delta": delta}]}]

@@ -1,0 +1,63 @@
+"""A thinking model's reasoning apart from its answer (gateway/reasoning.py), end to end with the
+official `openai` client: gateway -> openai-http worker -> an upstream speaking vLLM's wire.
+
+* `qwen3`: the upstream's own reasoning parser sent `reasoning` beside `content`; the worker passes
+  it on between `<think>` tags and the gateway splits it off again into `message.reasoning`
+  (streamed: `delta.reasoning`), or leaves it out with `include_reasoning: false`;
+* `deepseek_r1`: a raw answer (a transcript completed on /v1/completions) that starts inside the
+  thinking, `</think>` ending it;
+* no parser: the model's text as it came, tags and all."""
+from __future__ import annotations
+
+import pytest
+
+from polyserve.proto import Deployment
+from tests.integration.test_openai_http_chat import CHAT_OUT, StandIn, _worker
+
+pytestmark = pytest.mark.integration
+ASK = [{"role": "user", "content": "hi"}]
+
+
+async def _both(p) -> tuple[tuple, tuple]:
+    """(reasoning, content) of a whole answer and of the same answer streamed."""
+    whole = (await p.client.chat.completions.create(model="up", messages=ASK, max_tokens=8)).choices[0].message
+    stream = await p.client.chat.completions.create(model="up", messages=ASK, max_tokens=8, stream=True)
+    r, c = "", ""
+    async for chunk in stream:
+        for ch in chunk.choices:
+            r += (ch.delta.model_extra or {}).get("reasoning") or ""
+            assert not (c and (ch.delta.model_extra or {}).get("reasoning")), "reasoning after the content"
+            c += ch.delta.content or ""
+    return ((whole.model_extra or {}).get("reasoning"), whole.content), (r or None, c)
+
+
+async def test_qwen3_reasoning_from_the_upstreams_parser_is_the_messages_reasoning(plane, state):
+    await state.put_deployment(Deployment(id="up", model="up", engine="openai-http", reasoning_parser="qwen3"))
+    with StandIn(reasoning=True) as up:
+        async with plane(worker_kw=_worker(up)) as p:
+            whole, streamed = await _both(p)
+            assert whole == streamed == (CHAT_OUT[0], "".join(CHAT_OUT[1:]))
+            quiet = await p.client.chat.completions.create(model="up", messages=ASK, max_tokens=8,
+                                                           extra_body={"include_reasoning": False})
+            assert "reasoning" not in (quiet.choices[0].message.model_extra or {})
+            assert quiet.choices[0].message.content == "".join(CHAT_OUT[1:])
+            raw = await p.client.completions.create(model="up", prompt="hi", max_tokens=3)
+            assert "reasoning" not in (raw.choices[0].model_extra or {})  # completions stay raw text
+
+
+async def test_deepseek_r1_answers_start_inside_the_thinking(plane, state):
+    await state.put_deployment(Deployment(id="up", model="up", engine="openai-http",
+                                          reasoning_parser="deepseek_r1"))
+    out = ["add the ", "digits</th", "ink>\n\n", "It is ", "7."]
+    with StandIn(completion_out=out, finish="stop") as up:
+        async with plane(worker_kw={**_worker(up), "upstream_chat": "completions"}) as p:
+            whole, streamed = await _both(p)
+    assert whole == streamed == ("add the digits", "It is 7.")
+
+
+async def test_without_a_parser_the_answer_is_the_models_text(plane, state):
+    await state.put_deployment(Deployment(id="up", model="up", engine="openai-http"))
+    with StandIn(reasoning=True) as up:
+        async with plane(worker_kw=_worker(up)) as p:
+            whole, streamed = await _both(p)
+    assert whole == streamed == (None, f"<think>{CHAT_OUT[0]}</think>" + "".join(CHAT_OUT[1:]))
