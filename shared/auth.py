@@ -72,7 +72,9 @@ def nats_permissions(prefix: str) -> dict[str, dict]:
                      "subscribe": {"allow": [*pp["sub"], f"{inbox_prefix(user)}.>"]}}
         if user != "gateway":  # the gateway answers no requests
             out[user]["allow_responses"] = True
-    out[OPERATOR] = {"publish": {"deny": [">"]},
+    # the operator publishes nothing but JetStream's two read-only lookups on the event stream
+    # (`polyserve events --since`: stream state, one stored message; cli/events.py)
+    out[OPERATOR] = {"publish": {"allow": [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}"]},
                      "subscribe": {"allow": [f"{prefix}.>", f"{inbox_prefix(OPERATOR)}.>"]}}
     return out
 

@@ -11,10 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-import msgspec
-
 from polyserve.cli import launcher
-from polyserve.shared import batching
 from polyserve.shared.auth import redact
 
 
@@ -119,38 +116,29 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    """Print events as JSON lines, like `nats sub 'polyserve.>'`."""
+    """Print events as JSON lines, like `nats sub 'polyserve.>'`; with --since, the stored terminal
+    events of that span first (cli/events.py)."""
     import nats
 
+    from polyserve.cli import events
+    from polyserve.shared import auth
+    from polyserve.shared.bus import connect_options
+
+    try:
+        since = events.duration_s(args.since) if args.since else None
+    except ValueError as exc:
+        _say(f"polyserve events: {exc}")
+        return 2
     state = launcher.ClusterState.load(Path(args.run_dir))
     url = args.server or (state.nats_url if state else "nats://127.0.0.1:4222")
-    subject = args.subject or f"{state.prefix if state else 'polyserve'}.>"
+    prefix = state.prefix if state else "polyserve"
 
     async def main() -> None:
         ca = (state.nats_tls_ca if state else "") or os.environ.get("POLYSERVE_NATS_TLS_CA", "")
-        from polyserve.shared.bus import connect_options
-
-        nc = await nats.connect(**connect_options(url), **({"tls": ssl.create_default_context(cafile=ca)} if ca else {}))
-        count = 0
-        done = asyncio.Event()
-
-        async def on_msg(msg) -> None:
-            nonlocal count
-            # several events of one subject may share a message (shared/batching.py): one line each
-            lines = ([msgspec.json.encode(e) for e in batching.event_dicts(msg.data)]
-                     if batching.is_batch(msg.data) else [msg.data])
-            for data in lines:
-                _say(f"[{msg.subject}] {data.decode(errors='replace')}")
-                count += 1
-                if args.count and count >= args.count:
-                    done.set()
-
-        await nc.subscribe(subject, cb=on_msg)
-        _say(f"listening on {subject} at {redact(url)}; Ctrl-C to stop")
-        try:
-            await asyncio.wait_for(done.wait(), timeout=args.seconds or None)
-        except asyncio.TimeoutError:
-            pass
+        nc = await nats.connect(**connect_options(url), inbox_prefix=auth.inbox_prefix(auth.OPERATOR),
+                                **({"tls": ssl.create_default_context(cafile=ca)} if ca else {}))
+        await events.run(nc, prefix, args.subject or f"{prefix}.>", _say, since, args.count, args.seconds,
+                         redact(url))
         await nc.drain()
 
     try:
@@ -251,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--server")
     ev.add_argument("--count", type=int, default=0, help="stop after this many events")
     ev.add_argument("--seconds", type=float, default=0, help="stop after this long")
+    ev.add_argument("--since", metavar="DURATION", help="first the stored completed/failed request events of "
+                    "this span (90s, 15m, 2h; the stream keeps an hour), then live events")
     ev.set_defaults(fn=cmd_events)
 
     hc = sub.add_parser("health", help="container healthcheck: the gateway's /readyz, else a live registration")

@@ -103,6 +103,30 @@ def test_openai_client_and_events(cluster, client, events):
     assert all(g["simulated"] for g in events.of("gpu"))
 
 
+def test_events_since_prints_the_stored_terminal_events_as_the_operator(cluster, client, events):
+    """`polyserve events --since` (a process, as the operator's NATS user: it may publish only
+    JetStream's read-only lookups on the event stream) prints the completed events of requests
+    that ended before it started, from the stream, oldest first, then goes on live."""
+    ids = [client.completions.create(model="sys-sim", prompt=f"hello {i}", max_tokens=3).id for i in range(3)]
+    events.wait(lambda: {e["request_id"] for e in events.of("completed")} >= set(ids), what="completed events")
+    time.sleep(0.5)  # the gateway's outbox: stored once the stream acknowledges
+    out = subprocess.run([sys.executable, "-m", "polyserve.cli", "--run-dir", cluster.run_dir, "events",
+                          "--since", "10m", "--seconds", "2"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    stored = out.stdout.split("listening on", 1)[0]
+    assert "no stored events" not in stored, out.stdout
+    seen = [i for i in ids if i in stored]
+    assert seen == ids and stored.index(ids[0]) < stored.index(ids[2]), stored[-2000:]
+    assert all(line.startswith(f"[{cluster.prefix}.v1.events.request.") for line in stored.splitlines() if line)
+    recent = subprocess.run([sys.executable, "-m", "polyserve.cli", "--run-dir", cluster.run_dir, "events",
+                             "--since", "1s", "--count", "1", "--seconds", "2"], capture_output=True, text=True,
+                            timeout=60)
+    assert ids[0] not in recent.stdout.split("listening on", 1)[0]  # older than the span: not shown
+    bad = subprocess.run([sys.executable, "-m", "polyserve.cli", "--run-dir", cluster.run_dir, "events",
+                          "--since", "soon"], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "15m" in bad.stdout
+
+
 def test_worker_killed_mid_stream_fails_fast_and_is_not_placed_on(cluster, client, events):
     st = cluster_status(cluster)
     victim = st["workers"][0]["worker_id"]

@@ -82,7 +82,9 @@ def test_nats_permissions_confine_each_service():
     assert "_INBOX.gateway.>" in perms["worker"]["publish"]["allow"]  # token chunks
     generate_readers = [u for u, pp in perms.items() if "p.v1.worker.*.generate" in pp["subscribe"]["allow"]]
     assert generate_readers == ["worker"]
-    assert perms[auth.OPERATOR]["publish"] == {"deny": [">"]}
+    # the operator publishes only JetStream's read-only lookups on the event stream (events --since)
+    assert perms[auth.OPERATOR]["publish"] == {"allow": ["$JS.API.STREAM.INFO.p_request_events",
+                                                         "$JS.API.STREAM.MSG.GET.p_request_events"]}
     for user, pp in perms.items():
         assert all(s.startswith(("p.", "_INBOX.")) for s in pp["subscribe"]["allow"]), user
 
