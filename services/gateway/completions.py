@@ -79,6 +79,9 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
                        **({"request_id": f"{batch_id}-{i}"} if batch_id else {}))
             for i, p in enumerate(prompts)]
     rid = batch_id or runs[0].request_id
+    # a thinking model's reasoning apart (reasoning.py); not for an output constrained from its first
+    # token (structured outputs, a forced tool call): it has no thinking to split off
+    thinking = adm.deployment.reasoning_parser if chat and params.structured is None else ""
     span = adm.begin("gateway " + ("chat" if chat else "completion"), request.headers)
     span.set_attribute("polyserve.request_id", rid)
     handed_off = False
@@ -90,8 +93,8 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 headers.update(_sim_header(adm.deployment.engine == "sim") or {})
                 shapers = [s for s in (
-                    reasoning.ReasoningStream(adm.deployment.reasoning_parser, include=body.include_reasoning
-                                              is not False) if chat and adm.deployment.reasoning_parser else None,
+                    reasoning.ReasoningStream(thinking, include=body.include_reasoning is not False)
+                    if thinking else None,
                     tools.ToolStream(tl) if tl is not None and tl.listed else None) if s is not None]
                 return disconnect.EventStream(_stream(adm, runs, rid, chat, include_usage, render, shapers), request,
                                               headers=headers)
@@ -103,7 +106,6 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
         if render.active:
             for i, choice in enumerate(answer["choices"]):
                 render.choice(choice, i, out.prompts[i], out.logprobs[i], out.prompt_logprobs[i])
-        thinking = adm.deployment.reasoning_parser if chat else ""
         for choice in answer["choices"] if thinking else ():  # the thinking apart, before tools read the content
             reasoning.render_message(choice, thinking, include=body.include_reasoning is not False)
         if tl is not None and tl.listed:

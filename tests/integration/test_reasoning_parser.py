@@ -61,3 +61,24 @@ async def test_without_a_parser_the_answer_is_the_models_text(plane, state):
         async with plane(worker_kw=_worker(up)) as p:
             whole, streamed = await _both(p)
     assert whole == streamed == (None, f"<think>{CHAT_OUT[0]}</think>" + "".join(CHAT_OUT[1:]))
+
+
+async def test_a_forced_call_is_not_read_as_thinking(plane, state):
+    """deepseek_r1 reads an answer as thinking from its first token; an output constrained from its
+    first token (here a forced tool call, generated under its schema) has none, so it stays the call."""
+    import json
+
+    from tests.integration.test_openai_http_chat import WEATHER
+    await state.put_deployment(Deployment(id="up", model="up", engine="openai-http",
+                                          reasoning_parser="deepseek_r1"))
+    with StandIn(completion_out=['{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}'], finish="stop") as up:
+        async with plane(worker_kw=_worker(up)) as p:
+            for stream in (False, True):
+                out = await p.client.chat.completions.create(model="up", messages=ASK, tools=[WEATHER],
+                                                             tool_choice="required", max_tokens=30, stream=stream)
+                if stream:
+                    args = "".join([tc.function.arguments or "" async for c in out for ch in c.choices
+                                    for tc in ch.delta.tool_calls or []])
+                else:
+                    args = out.choices[0].message.tool_calls[0].function.arguments
+                assert json.loads(args) == {"city": "Oslo"}
