@@ -124,29 +124,18 @@ class SamplingParams(Msg, kw_only=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token (completions `echo`)
     structured: StructuredOutput | None = None  # constrain the output (JSON schema, regex, choice, grammar)
-    # Penalties and biases, with vLLM's meaning (applied to the logits before temperature; greedy
-    # decoding sees them too): frequency/presence subtract count x f and (count > 0) x p for each
-    # token already generated; repetition divides a positive logit (multiplies a negative one) of
-    # any token in the prompt or the output; min_p drops tokens below min_p x the top probability
-    # (after temperature); logit_bias adds to a token id's logit (OpenAI: -100 bans, 100 forces).
+    # vLLM's meanings (worker/engines/hf_sampling.py writes them out): penalties and logit_bias act on
+    # the logits before temperature (greedy too), min_p after it; stop_token_ids end the answer as
+    # EOS does; include_stop keeps the stop string; truncate_prompt_tokens: 0 never, k the last k
+    # prompt tokens, -1 the worker's max_input_len (cut on the left).
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: dict[int, float] = {}
-    # vLLM's stop_token_ids (the generation ends when one is sampled; min_tokens holds them back
-    # as it holds EOS; the token's text is not emitted) and include_stop_str_in_output (the stop
-    # string that ended the text is kept at its end).
     stop_token_ids: list[int] = []
     include_stop: bool = False
-    # vLLM's truncate_prompt_tokens: 0 = never (an over-long prompt is a 400); k > 0 = keep the
-    # prompt's last k tokens; -1 = its last max_input_len tokens (the worker's limit). The left
-    # side is cut, as vLLM does for generation.
     truncate_prompt_tokens: int = 0
-
-    def penalised(self) -> bool:
-        """Whether any penalty asks the sampler to look at earlier tokens."""
-        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
 
 
 class GenerateRequest(Msg, kw_only=True):
@@ -190,8 +179,7 @@ class GenerateRequest(Msg, kw_only=True):
     # The chat's tools (OpenAI's [{type: "function", function: {name, description, parameters}}]),
     # for a chat template that lists them itself; `prompt` is then always the transcript with them.
     tools: "list[dict[str, Any]] | None" = None
-    # vLLM's chat_template_kwargs: extra variables for the chat template (e.g. Qwen3's
-    # enable_thinking); used where a template renders the chat, never by the transcript.
+    # vLLM's chat_template_kwargs (e.g. enable_thinking), where a chat template renders the chat
     template_kwargs: "dict[str, Any]" = {}
 
 
@@ -399,8 +387,7 @@ class Deployment(Msg, kw_only=True):
     scaler: ScalerPolicy = ScalerPolicy()
     ttft_slo_ms: float = TTFT_SLO_MS  # the SLOs this deployment is served to (aladdin/caraserve place against them)
     atgt_slo_ms: float = ATGT_SLO_MS
-    # How the model thinks, for chat answers' `reasoning` (gateway/reasoning.py): "" (none),
-    # "qwen3" or "deepseek_r1" (vLLM's --reasoning-parser names).
+    # "", "qwen3" or "deepseek_r1" (vLLM's names): chat answers' `reasoning` (gateway/reasoning.py)
     reasoning_parser: str = ""
     created: float = msgspec.field(default_factory=now)
 

@@ -177,6 +177,8 @@ def logit_bias(value: dict[str, float] | None) -> dict[int, float]:
     """OpenAI's `logit_bias` (token ids as JSON keys, biases in [-100, 100]) as token id -> bias;
     400 naming the field when a key is not a token id or a bias is out of range. Ids beyond the
     model's vocabulary are the engine's 400 (the gateway does not know the vocabulary)."""
+    if len(value or ()) > LOGIT_BIAS_MAX:
+        raise InvalidRequest(f"logit_bias has {len(value)} entries; the limit is {LOGIT_BIAS_MAX}", "logit_bias")
     out: dict[int, float] = {}
     for key, bias in (value or {}).items():
         try:
@@ -187,8 +189,6 @@ def logit_bias(value: dict[str, float] | None) -> dict[int, float]:
             raise InvalidRequest(f"logit_bias[{key!r}] = {bias}: ids are >= 0 and biases in [-100, 100]",
                                  "logit_bias")
         out[tok] = float(bias)
-    if len(out) > LOGIT_BIAS_MAX:
-        raise InvalidRequest(f"logit_bias has {len(out)} entries; the limit is {LOGIT_BIAS_MAX}", "logit_bias")
     return out
 
 

@@ -96,7 +96,7 @@ class Row:
         self.logprob: TokenLogprob | None = None  # of the token being accepted
         self.prompt_logprobs: list[TokenLogprob] | None = None  # sent with the first delta
         # Penalties and logit_bias, applied by `sample` (hf_sampling.Shaper); None: the request has none.
-        self.shaper = Shaper(params, prompt_ids) if params.penalised() or params.logit_bias else None
+        self.shaper = Shaper(params, prompt_ids) if Shaper.wanted(params) else None
 
     @property
     def gone(self) -> bool:

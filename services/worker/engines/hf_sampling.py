@@ -24,6 +24,12 @@ class Shaper:
         self._seen: torch.Tensor | None = None  # tokens of the prompt or the output (repetition)
         self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    @staticmethod
+    def wanted(params: SamplingParams) -> bool:
+        """Whether a request asks for a bias or a penalty (the rest of its rows' sampling needs none)."""
+        return bool(params.logit_bias or params.frequency_penalty or params.presence_penalty
+                    or params.repetition_penalty != 1.0)
+
     def observe(self, token: int) -> None:
         """A token the row accepted."""
         if self._bias is None:

@@ -265,22 +265,8 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
             kw["stop"] = list(p.stop)
         if p.seed is not None:
             kw["seed"] = p.seed
-        extra = dict(self.extra_body)
-        if p.top_k > 0:
-            extra["top_k"] = p.top_k
-        if p.min_tokens > 0:
-            extra["min_tokens"] = p.min_tokens
         kw.update(openai_http_wire.penalty_fields(p))
-        if p.repetition_penalty != 1.0:  # vLLM's extensions
-            extra["repetition_penalty"] = p.repetition_penalty
-        if p.min_p > 0.0:
-            extra["min_p"] = p.min_p
-        if p.stop_token_ids:
-            extra["stop_token_ids"] = list(p.stop_token_ids)
-        if p.include_stop:
-            extra["include_stop_str_in_output"] = True
-        if p.truncate_prompt_tokens:
-            extra["truncate_prompt_tokens"] = p.truncate_prompt_tokens
+        extra = {**self.extra_body, **openai_http_wire.vllm_fields(p)}
         extra.update(openai_http_wire.request_fields(p, self.structured_style))
         return kw, extra
 

@@ -57,6 +57,27 @@ def penalty_fields(p: SamplingParams) -> dict[str, Any]:
     return out
 
 
+def vllm_fields(p: SamplingParams) -> dict[str, Any]:
+    """vLLM's extensions of the OpenAI body that a request sets, sent as extra body fields (a server
+    without them, such as `transformers serve`, answers 422)."""
+    out: dict[str, Any] = {}
+    if p.top_k > 0:
+        out["top_k"] = p.top_k
+    if p.min_tokens > 0:
+        out["min_tokens"] = p.min_tokens
+    if p.repetition_penalty != 1.0:
+        out["repetition_penalty"] = p.repetition_penalty
+    if p.min_p > 0.0:
+        out["min_p"] = p.min_p
+    if p.stop_token_ids:
+        out["stop_token_ids"] = list(p.stop_token_ids)
+    if p.include_stop:
+        out["include_stop_str_in_output"] = True
+    if p.truncate_prompt_tokens:
+        out["truncate_prompt_tokens"] = p.truncate_prompt_tokens
+    return out
+
+
 def structured_fields(spec: StructuredOutput, style: str = "structured_outputs") -> dict[str, Any]:
     if spec.json_object:
         return {"response_format": {"type": "json_object"}}
