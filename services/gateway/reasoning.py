@@ -13,8 +13,9 @@ A deployment's `reasoning_parser` names the model's way of thinking, with vLLM's
 The content's leading newlines after `</think>` are dropped; tool calls are looked for in the
 content only. Streamed, text goes out as `delta.reasoning` while thinking and as `delta.content`
 after it; the first characters of a tag at a chunk's end wait for the next chunk, nothing else
-waits. `include_reasoning: false` (vLLM's) leaves the reasoning out of the response. Completions
-(`/v1/completions`) stay raw text, as vLLM's do.
+waits. `include_reasoning: false` (vLLM's) leaves the reasoning out of the response. The Responses
+API returns it as a `reasoning` output item ahead of the answer's items (`ThinkingItem`).
+Completions (`/v1/completions`) stay raw text, as vLLM's do.
 """
 from __future__ import annotations
 
@@ -119,3 +120,49 @@ class ReasoningStream:
         if not delta and choice["finish_reason"] is None and not choice.get("logprobs"):
             return []
         return [{**body, "choices": [{**choice, "delta": delta}]}]
+
+
+def response_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """A Responses API reasoning output item (vLLM's shape: the text as one `reasoning_text` part)."""
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
+
+
+class ThinkingItem:
+    """A streamed Response's reasoning item (output 0, ahead of the answer's items): its events as
+    the thinking streams, and the content that follows it."""
+
+    def __init__(self, parser: str, item_id: str):
+        self.stream, self.item_id = ReasoningStream(parser), item_id
+        self.text, self.state = "", "none"  # none | open | done
+
+    @property
+    def next_index(self) -> int:
+        """The output index of the answer's first item."""
+        return 0 if self.state == "none" else 1
+
+    def feed(self, text: str, last: bool) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
+        """(the content in `text`, the (event type, fields) to send for its thinking)."""
+        body = {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": "stop" if last else None}]}
+        events, content = [], ""
+        for out in self.stream.feed(body):
+            delta = out["choices"][0]["delta"]
+            if delta.get("reasoning"):
+                if self.state == "none":
+                    events.append(("response.output_item.added", {"output_index": 0, "item": response_item(
+                        self.item_id, "", "in_progress")}))
+                    self.state = "open"
+                self.text += delta["reasoning"]
+                events.append(("response.reasoning_text.delta", {"item_id": self.item_id, "output_index": 0,
+                                                                 "content_index": 0, "delta": delta["reasoning"]}))
+            content += delta.get("content") or ""
+        return content, events + (self.close() if content or last else [])
+
+    def close(self) -> list[tuple[str, dict[str, Any]]]:
+        """The item's closing events (none when it never opened or is closed)."""
+        if self.state != "open":
+            return []
+        self.state = "done"
+        return [("response.reasoning_text.done", {"item_id": self.item_id, "output_index": 0, "content_index": 0,
+                                                  "text": self.text}),
+                ("response.output_item.done", {"output_index": 0, "item": response_item(self.item_id, self.text)})]

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from polyserve.proto import ChatTurn, SamplingParams
 
-from . import compat, disconnect, logprobs, policy, tenancy, tools
+from . import compat, disconnect, logprobs, policy, reasoning, tenancy, tools
 from . import responses_tools as rtools
 from .admission import Admission, admit
 from .context import Gateway, GatewayState
@@ -221,6 +221,8 @@ class Turn:
     tl: tools.Tools = field(default_factory=tools.Tools)
     rid: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex)
     item_id: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)
+    thinking: str = ""  # the deployment's reasoning_parser, when the output is not constrained (reasoning.py)
+    reasoning_id: str = field(default_factory=lambda: "rs_" + uuid.uuid4().hex)
     created_at: int = field(default_factory=lambda: int(time.time()))
     owner: dict[str, str] = field(default_factory=lambda: owner_now())
 
@@ -255,14 +257,16 @@ class Turn:
         """(status, output items, the stored assistant turn) of a finished answer: calls where it is
         calls to listed tools (after a message item for the text before them, when some text came
         first in a marked format), else one message (with its tokens' logprobs, `entries`, if asked)."""
+        thought, text = reasoning.split(text, self.thinking) if self.thinking else (None, text)
+        head = [reasoning.response_item(self.reasoning_id, thought)] if thought else []
         found = rtools.calls_of(text, finish, self.tl)
         if found:
             said, calls = found
             said_lps = logprobs.split_at(entries, len(said))[0] if entries else None
             items = ([self.message(said, "completed", said_lps)] if said else []) + rtools.call_items(calls)
-            return "completed", items, rtools.assistant_turn(items, said)
+            return "completed", head + items, rtools.assistant_turn(items, said)
         status = status_of(finish)
-        return status, [self.message(text, status, entries)], {"role": "assistant", "content": text}
+        return status, head + [self.message(text, status, entries)], {"role": "assistant", "content": text}
 
     def obj(self, status: str, output: list[dict[str, Any]] | None = None, usage: tuple[int, int] | None = None,
             simulated: bool = False) -> dict[str, Any]:
@@ -330,7 +334,11 @@ async def create(body: ResponsesBody, request: Request, gs: Gateway) -> Response
         raise policy.InvalidRequest(f"'{adm.deployment.id}' is an embedding model (engine {engine}); it serves "
                                     "/v1/embeddings, not responses", "model")
     headers = compat.ignored_header(compat.check("responses", body, engine))
-    turn = Turn(body=body, model=adm.deployment.id, conversation=conversation + new, params=params, tl=tl)
+    turn = Turn(body=body, model=adm.deployment.id, conversation=conversation + new, params=params, tl=tl,
+                thinking=adm.deployment.reasoning_parser if params.structured is None else "")
+    if turn.thinking and params.logprobs is not None:
+        raise InvalidInput("output logprobs are not served with a reasoning_parser deployment on /v1/responses "
+                           "(chat completions serve both)", "include")
     prompt = turn.prompt()
     if len(prompt) > gs.settings.max_prompt_chars:
         raise InvalidInput(f"the conversation is {len(prompt)} characters; the limit is "
@@ -393,13 +401,16 @@ async def _events(gs: GatewayState, adm: Admission, turn: Turn, run: RequestRun)
     opened = False  # the message item has begun: text flows as deltas
 
     def open_message() -> list[bytes]:
-        return [event("response.output_item.added", output_index=0, item=turn.message(None, "in_progress")),
+        return [event("response.output_item.added", output_index=at["output_index"],
+                      item=turn.message(None, "in_progress")),
                 event("response.content_part.added", **at, part=part(""))]
+
+    think = reasoning.ThinkingItem(turn.thinking, turn.reasoning_id) if turn.thinking else None
 
     try:
         yield event("response.created", response=turn.obj("in_progress"))
         yield event("response.in_progress", response=turn.obj("in_progress"))
-        texts, finish, usage, held = [], None, (0, 0), ""
+        texts, finish, usage, held, raw = [], None, (0, 0), "", []
         lps: list = []  # the logprobs of every token so far; held_lp: of the held text
         held_lp: list = []
         with trace.use_span(adm.span, end_on_exit=False):
@@ -408,9 +419,16 @@ async def _events(gs: GatewayState, adm: Admission, turn: Turn, run: RequestRun)
                     usage = (chunk.stats.input_tokens, chunk.stats.output_tokens) if chunk.stats else usage
                     continue
                 finish = chunk.finish_reason or finish
-                held += chunk.text or ""
+                piece = chunk.text or ""
+                raw.append(piece)
+                if think is not None:  # the thinking as a reasoning item first, the content after it
+                    piece, thought = think.feed(piece, chunk.finish_reason is not None)
+                    for kind, fields in thought:
+                        yield event(kind, **fields)
+                    at["output_index"] = think.next_index
+                held += piece
                 held_lp += chunk.logprobs or []
-                if not opened and not rtools.holds(turn.tl, held):  # not (or no longer possibly) a call
+                if not opened and held and not rtools.holds(turn.tl, held):  # not (or no longer possibly) a call
                     opened = True
                     for e in open_message():
                         yield e
@@ -422,10 +440,13 @@ async def _events(gs: GatewayState, adm: Admission, turn: Turn, run: RequestRun)
                         yield event("response.output_text.delta", **at, delta=held[:n],
                                     logprobs=logprobs.chat_content(out_lp))
                         held, lps = held[n:], lps + out_lp
-        sent, text, lps = "".join(texts), "".join(texts) + held, lps + held_lp
-        status, items, said = turn.answer(text, finish, lps)
-        if items[0]["type"] == "message":  # the text, alone or before calls (output items 1, ...)
-            shown = items[0]["content"][0]["text"] if items[0]["content"] else ""
+        for kind, fields in think.close() if think is not None else ():
+            yield event(kind, **fields)
+        sent, lps = "".join(texts), lps + held_lp
+        status, items, said = turn.answer("".join(raw), finish, lps)
+        m = next((k for k, it in enumerate(items) if it["type"] == "message"), None)
+        if m is not None:  # the text, alone or before calls (after the reasoning item, if any)
+            shown = items[m]["content"][0]["text"] if items[m]["content"] else ""
             alone = len(items) == 1  # the whole answer: every token's logprobs, as they came
             shown_lps = lps if alone else logprobs.split_at(lps, len(shown))[0]
             if not opened:
@@ -437,7 +458,7 @@ async def _events(gs: GatewayState, adm: Admission, turn: Turn, run: RequestRun)
                             logprobs=logprobs.chat_content(rest_lps))
             yield event("response.output_text.done", **at, text=shown, logprobs=logprobs.chat_content(shown_lps))
             yield event("response.content_part.done", **at, part=part(shown, shown_lps))
-            yield event("response.output_item.done", output_index=0, item=items[0])
+            yield event("response.output_item.done", output_index=m, item=items[m])
         for k, item in enumerate(items):
             if item["type"] == "function_call":
                 for e in _call_events(event, k, item):

@@ -82,3 +82,23 @@ async def test_a_forced_call_is_not_read_as_thinking(plane, state):
                 else:
                     args = out.choices[0].message.tool_calls[0].function.arguments
                 assert json.loads(args) == {"city": "Oslo"}
+
+
+async def test_the_responses_api_returns_the_thinking_as_a_reasoning_item(plane, state):
+    """/v1/responses: a reasoning output item (its text one `reasoning_text` part) ahead of the
+    message, whole and streamed: the reasoning item's events end before the message's begin (the
+    stand-in's answers end "length": the response is `incomplete`)."""
+    await state.put_deployment(Deployment(id="up", model="up", engine="openai-http", reasoning_parser="qwen3"))
+    with StandIn(reasoning=True) as up:
+        async with plane(worker_kw=_worker(up)) as p:
+            whole = await p.client.responses.create(model="up", input="hi", max_output_tokens=8)
+            events = [e async for e in await p.client.responses.create(model="up", input="hi", max_output_tokens=8,
+                                                                         stream=True)]
+    streamed = events[-1].response
+    for r in (whole, streamed):
+        assert [o.type for o in r.output] == ["reasoning", "message"]
+        assert r.output[0].content[0].text == CHAT_OUT[0] and r.output_text == "".join(CHAT_OUT[1:])
+    kinds = [(e.type, getattr(e, "output_index", None)) for e in events]
+    assert kinds.index(("response.output_item.done", 0)) < kinds.index(("response.output_item.added", 1))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == CHAT_OUT[0]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "".join(CHAT_OUT[1:])
