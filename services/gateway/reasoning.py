@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .tools import partial_tag
+
 OPEN, CLOSE = "<think>", "</think>"
 PARSERS = ("qwen3", "deepseek_r1")
 
@@ -56,14 +58,6 @@ def render_message(choice: dict[str, Any], parser: str, include: bool) -> None:
         message["content"] = content
         if include:
             message["reasoning"] = reasoning
-
-
-def _pending(text: str, tag: str) -> int:
-    """How many of `text`'s last characters may begin `tag`."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ReasoningStream:
@@ -102,7 +96,7 @@ class ReasoningStream:
             elif done:
                 reasoning, text = text, ""
             else:
-                keep = _pending(text, CLOSE)
+                keep = partial_tag(text, (CLOSE,))
                 reasoning, self._held[index], text = text[:len(text) - keep], text[len(text) - keep:], ""
         if state == "after":  # the newlines right after `</think>` are dropped
             content = text.lstrip("\n")

@@ -170,10 +170,7 @@ def holds(tl: tools.Tools, held: str) -> bool:
 def release(tl: tools.Tools, text: str) -> int:
     """How much of `text`, streamed after the answer began as text, may go out now: up to a call
     marker (calls may follow some text), or short of a marker's first characters at its end."""
-    if not tl.listed:
-        return len(text)
-    at = tools.marker_at(text)
-    return at if at >= 0 else len(text) - tools.marker_prefix(text)
+    return tools.releasable(text) if tl.listed else len(text)
 
 
 def echo(body: Any, tl: tools.Tools) -> dict[str, Any]:

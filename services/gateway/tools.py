@@ -221,12 +221,19 @@ def marker_at(text: str) -> int:
     return min(hits) if hits else -1
 
 
-def marker_prefix(text: str) -> int:
-    """How many of `text`'s last characters may begin a call marker (to hold while streaming)."""
-    for n in range(min(len(text), max(map(len, _MARKERS)) - 1), 0, -1):
-        if any(m.startswith(text[-n:]) for m in _MARKERS):
+def partial_tag(text: str, tags: tuple[str, ...] = _MARKERS) -> int:
+    """How many of `text`'s last characters may begin one of `tags` (to hold while streaming)."""
+    for n in range(min(len(text), max(map(len, tags)) - 1), 0, -1):
+        if any(t.startswith(text[-n:]) for t in tags):
             return n
     return 0
+
+
+def releasable(text: str) -> int:
+    """How much of `text`, streamed after an answer began as text, may go out now: up to a call
+    marker (calls may follow some text), or short of a marker's first characters at its end."""
+    at = marker_at(text)
+    return at if at >= 0 else len(text) - partial_tag(text)
 
 
 def split_calls(text: str) -> tuple[str, list[dict]] | None:
@@ -415,14 +422,13 @@ class ToolStream:
         choice = body["choices"][0]
         index, delta, reason = choice["index"], choice["delta"], choice["finish_reason"]
         text = self._tail.pop(index, "") + (delta.get("content") or "")
-        at = marker_at(text)
         if reason is None:
-            keep = len(text) - at if at >= 0 else marker_prefix(text)
-            if keep:
-                self._tail[index], text = text[len(text) - keep:], text[:len(text) - keep]
+            n = releasable(text)
+            self._tail[index], text = text[n:], text[:n]
             delta["content"] = text
             return [body] if text or "role" in delta or choice.get("logprobs") else []
         self._passed.discard(index)
+        at = marker_at(text)
         parsed = self.tools.parse(text[at:]) if at >= 0 and reason == "stop" else None
         if parsed is None:
             delta["content"] = text

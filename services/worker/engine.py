@@ -173,12 +173,17 @@ async def relay(queue: "asyncio.Queue", request_id: str, is_done: Callable[[], b
             cancel(request_id)
 
 
+def kept_tokens(n: int, keep: int, limit: int) -> int:
+    """How many of a prompt's `n` tokens `SamplingParams.truncate_prompt_tokens` keeps (`limit`: the
+    worker's max_input_len, for -1; 0: all)."""
+    keep = limit if keep == -1 else keep
+    return min(n, keep) if keep > 0 else n
+
+
 def truncated(ids: list[int], keep: int, limit: int) -> list[int]:
-    """A prompt's token ids cut on the left as `SamplingParams.truncate_prompt_tokens` says (`limit`:
-    the worker's max_input_len, for -1)."""
-    if keep == -1:
-        keep = limit
-    return ids[-keep:] if 0 < keep < len(ids) else ids
+    """A prompt's token ids cut on the left to `kept_tokens`."""
+    k = kept_tokens(len(ids), keep, limit)
+    return ids[len(ids) - k:]
 
 
 def check_request(req: EngineRequest, *, max_batch: int, adapters, known, unit: str = "rows") -> None:

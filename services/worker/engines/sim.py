@@ -45,6 +45,7 @@ from polyserve.worker.engine import (
     Finished,
     Withdrawn,
     free_adapter,
+    kept_tokens,
     make_stats,
 )
 from polyserve.worker.engines import sim_json, sim_logprobs
@@ -272,10 +273,7 @@ class SimEngine(Engine):
             raise EngineError(f"n={p.n} exceeds this worker's batch size {self.max_batch}", 400)
         if req.adapter and req.adapter not in self._adapters:
             raise EngineError(self._adapters.unknown_message(req.adapter), 404)
-        l_in = self.count_tokens(req.prompt)
-        keep = self.max_input_len if p.truncate_prompt_tokens == -1 else p.truncate_prompt_tokens
-        if keep > 0:  # vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens
-            l_in = min(l_in, keep)
+        l_in = kept_tokens(self.count_tokens(req.prompt), p.truncate_prompt_tokens, self.max_input_len)
         if l_in > self.max_input_len:
             raise EngineError(f"prompt has {l_in} tokens; this worker accepts at most "
                               f"max_input_len={self.max_input_len} input tokens", 400)
