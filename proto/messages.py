@@ -100,6 +100,8 @@ class StructuredOutput(Msg, kw_only=True):
     regex: str | None = None
     choice: list[str] | None = None  # one of these strings, exactly
     grammar: str | None = None  # a context-free grammar: Lark (llguidance) or GBNF/EBNF (`::=` rules)
+    # [open, close] of a thinking model: free text up to `close`, then the constraint (vLLM's reasoning_ended)
+    think: list[str] = []
 
     def kind(self) -> str:
         """Which constraint is set: json, json_object, regex, choice or grammar."""

@@ -136,6 +136,16 @@ def upstream_env(spec: ClusterSpec) -> dict[str, str]:
     return env
 
 
+def reasoning_env(spec: ClusterSpec, env: dict[str, str]) -> dict[str, str]:
+    """vLLM's own reasoning parser for a vllm worker of a `--reasoning-parser` deployment, so its
+    structured outputs are constrained after the thinking (gateway/reasoning.py `gate`); engine args
+    the operator set in POLYSERVE_WORKER_VLLM_ENGINE_ARGS win."""
+    if not spec.reasoning_parser:
+        return {}
+    args = json.loads(env.get("POLYSERVE_WORKER_VLLM_ENGINE_ARGS") or "{}")
+    return {"POLYSERVE_WORKER_VLLM_ENGINE_ARGS": json.dumps({"reasoning_parser": spec.reasoning_parser, **args})}
+
+
 def _port(wanted: int) -> int:
     return wanted if wanted and not infra.port_in_use(wanted) else infra.free_port()
 
@@ -381,6 +391,7 @@ def _service_env(state: ClusterState, spec: ClusterSpec, port: int) -> dict[str,
     if spec.config_file:
         env["POLYSERVE_PLANNER_DESIRED_STATE_FILE"] = str(Path(spec.config_file).resolve())
     env.update(upstream_env(spec))
+    env.update(reasoning_env(spec, env))
     if spec.gateways > 1:  # one port for all of them: the kernel spreads the connections
         env["POLYSERVE_GATEWAY_REUSE_PORT"] = "true"
     env.setdefault("POLYSERVE_GATEWAY_ADAPTER_ROOTS", str(default_run_dir().parent / "adapters"))  # issue 14

@@ -73,15 +73,14 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
                                     "/v1/embeddings, not completions", "model")
     headers = compat.ignored_header(compat.check("chat" if chat else "completions", body, engine))
     batch_id = "cmpl-" + uuid.uuid4().hex[:24] if len(prompts) > 1 else ""  # one prompt: the run's own id
+    thinking = adm.deployment.reasoning_parser if chat else ""  # (reasoning.py) split off, a constraint after it
+    params = reasoning.gate(params, thinking)
     runs = [RequestRun(gs=gs, deployment=adm.deployment, prompt=p, params=params, stream=bool(body.stream),
                        adapter=adm.adapter, priority=body.priority, chat=turns, chat_end=chat_end,
                        tools=tl.definitions() if tl is not None else None, template_kwargs=template_kwargs,
                        **({"request_id": f"{batch_id}-{i}"} if batch_id else {}))
             for i, p in enumerate(prompts)]
     rid = batch_id or runs[0].request_id
-    # a thinking model's reasoning apart (reasoning.py); not for an output constrained from its first
-    # token (structured outputs, a forced tool call): it has no thinking to split off
-    thinking = adm.deployment.reasoning_parser if chat and params.structured is None else ""
     span = adm.begin("gateway " + ("chat" if chat else "completion"), request.headers)
     span.set_attribute("polyserve.request_id", rid)
     handed_off = False

@@ -16,10 +16,20 @@ after it; the first characters of a tag at a chunk's end wait for the next chunk
 waits. `include_reasoning: false` (vLLM's) leaves the reasoning out of the response. The Responses
 API returns it as a `reasoning` output item ahead of the answer's items (`ThinkingItem`).
 Completions (`/v1/completions`) stay raw text, as vLLM's do.
+
+A constraint on the answer (`response_format`, `structured_outputs`, a forced tool call) applies
+after the thinking (`gate`): the model thinks freely up to `</think>` and the content after it is
+what matches, as vLLM's structured outputs with a reasoning parser do. A prompt that already
+closed the thinking (Qwen3's `enable_thinking: false` puts `<think></think>` in it) is constrained
+from the first token. Completions keep the constraint from the first token (raw text, no split).
 """
 from __future__ import annotations
 
 from typing import Any
+
+import msgspec
+
+from polyserve.proto import SamplingParams
 
 from .tools import partial_tag
 
@@ -33,6 +43,15 @@ def canonical(name: str | None) -> str:
     if key and key not in PARSERS:
         raise ValueError(f"unknown reasoning_parser {name!r}; choose one of {', '.join(PARSERS)} (or none)")
     return key
+
+
+def gate(params: SamplingParams, parser: str) -> SamplingParams:
+    """`params` for a thinking model: a constraint (structured outputs, a forced tool call) applies
+    after the model's thinking, not from its first token (vLLM's structured outputs with a
+    reasoning parser); the worker lets the text run free up to `</think>`."""
+    if not parser or params.structured is None:
+        return params
+    return msgspec.structs.replace(params, structured=msgspec.structs.replace(params.structured, think=[OPEN, CLOSE]))
 
 
 def split(text: str, parser: str) -> tuple[str | None, str]:

@@ -221,7 +221,7 @@ class Turn:
     tl: tools.Tools = field(default_factory=tools.Tools)
     rid: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex)
     item_id: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)
-    thinking: str = ""  # the deployment's reasoning_parser, when the output is not constrained (reasoning.py)
+    thinking: str = ""  # the deployment's reasoning_parser (reasoning.py; a constraint applies after it)
     reasoning_id: str = field(default_factory=lambda: "rs_" + uuid.uuid4().hex)
     created_at: int = field(default_factory=lambda: int(time.time()))
     owner: dict[str, str] = field(default_factory=lambda: owner_now())
@@ -334,8 +334,9 @@ async def create(body: ResponsesBody, request: Request, gs: Gateway) -> Response
         raise policy.InvalidRequest(f"'{adm.deployment.id}' is an embedding model (engine {engine}); it serves "
                                     "/v1/embeddings, not responses", "model")
     headers = compat.ignored_header(compat.check("responses", body, engine))
+    params = reasoning.gate(params, adm.deployment.reasoning_parser)  # a constraint after the thinking
     turn = Turn(body=body, model=adm.deployment.id, conversation=conversation + new, params=params, tl=tl,
-                thinking=adm.deployment.reasoning_parser if params.structured is None else "")
+                thinking=adm.deployment.reasoning_parser)
     if turn.thinking and params.logprobs is not None:
         raise InvalidInput("output logprobs are not served with a reasoning_parser deployment on /v1/responses "
                            "(chat completions serve both)", "include")

@@ -402,20 +402,29 @@ class ToolStream:
             return [body]
         if index in self._passed:
             return self._after_text(body)
+        thought = []
+        if delta.get("reasoning"):  # a thinking model's reasoning (reasoning.py) goes out as it comes, with
+            # the role; calls are read from the content only
+            said = {"reasoning": delta.pop("reasoning")}
+            role = delta.pop("role", None)
+            thought = [{**body, "choices": [{"index": index, "delta": {"role": role, **said} if role else said,
+                                             "finish_reason": None}]}]
+            if not delta.get("content") and reason is None:
+                return thought
         if delta.pop("role", None):
             self._role.add(index)
         held = self._held[index] = self._held.get(index, "") + (delta.get("content") or "")
         if reason is None and (self.tools.forced or may_be_calls(held)):
-            return []
+            return thought
         self._held.pop(index)
         parsed = self.tools.parse(held) if reason == "stop" else None
         if parsed is not None:
-            return self._calls(self._with_role(body, index), parsed, 0)
+            return thought + self._calls(self._with_role(body, index), parsed, 0)
         delta["content"] = held
         if reason is None:
             self._passed.add(index)
-        return self._after_text(self._with_role(body, index)) if not self.tools.forced else \
-            [self._with_role(body, index)]
+        return thought + (self._after_text(self._with_role(body, index)) if not self.tools.forced else
+                          [self._with_role(body, index)])
 
     def _after_text(self, body: dict[str, Any]) -> list[dict[str, Any]]:
         """A chunk of a choice whose answer began as text: calls may still follow a marker."""

@@ -54,6 +54,9 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
     enable_lora: bool = True  # vllm engine
     max_lora_rank: int = 64  # vllm engine
     max_loras: int = 4  # vllm engine: adapters resident on the GPU at once
+    # vllm engine: a JSON object of further AsyncEngineArgs fields (e.g. {"reasoning_parser": "qwen3"},
+    # which `polyserve up --reasoning-parser` sets); fields this vLLM does not declare are dropped, logged
+    vllm_engine_args: str = ""
     encoder_max_length: int = 0  # encoder engine: the runtime's static input length (0 = the model's)
     encoder_batch: int = 1  # encoder engine: static batch size
     encoder_shape: str = "static"  # encoder engine: "static" runtime or "dynamic" (DT)
@@ -100,6 +103,8 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
             raise SettingsError(f"engine {self.engine!r} is unknown; choose one of {', '.join(ENGINES)}")
         if self.engine == "openai-http":
             self._validate_upstream()
+        if self.vllm_engine_args:
+            _check_json_object(self.vllm_engine_args, "vllm_engine_args")
         if self.scheduling not in SCHEDULING:
             raise SettingsError(f"scheduling {self.scheduling!r} is unknown; choose one of {', '.join(SCHEDULING)}")
         if self.worker_id and any(c in self.worker_id for c in " .*>:"):

@@ -264,6 +264,7 @@ class AsyncEngineArgs:
     enable_prefix_caching: bool | None = None
     disable_log_stats: bool = False
     enable_log_requests: bool = False
+    reasoning_parser: str = ""  # the fake has no thinking: structured outputs are constrained from token 1
 
 
 # --------------------------------------------------------------------- the tokenizer

@@ -63,25 +63,30 @@ async def test_without_a_parser_the_answer_is_the_models_text(plane, state):
     assert whole == streamed == (None, f"<think>{CHAT_OUT[0]}</think>" + "".join(CHAT_OUT[1:]))
 
 
-async def test_a_forced_call_is_not_read_as_thinking(plane, state):
-    """deepseek_r1 reads an answer as thinking from its first token; an output constrained from its
-    first token (here a forced tool call, generated under its schema) has none, so it stays the call."""
+async def test_a_forced_call_comes_after_the_thinking(plane, state):
+    """deepseek_r1 reads an answer as thinking from its first token; a constraint (here a forced tool
+    call: a completion of the transcript under the call's schema) applies after the thinking, as an
+    upstream vLLM with its own reasoning parser enforces it: the raw text thinks, closes the thinking,
+    then holds the call, which is read from the content only."""
     import json
 
     from tests.integration.test_openai_http_chat import WEATHER
     await state.put_deployment(Deployment(id="up", model="up", engine="openai-http",
                                           reasoning_parser="deepseek_r1"))
-    with StandIn(completion_out=['{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}'], finish="stop") as up:
+    out = ["I should ask", " for Oslo</th", "ink>\n\n", '{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}']
+    with StandIn(completion_out=out, finish="stop") as up:
         async with plane(worker_kw=_worker(up)) as p:
             for stream in (False, True):
                 out = await p.client.chat.completions.create(model="up", messages=ASK, tools=[WEATHER],
                                                              tool_choice="required", max_tokens=30, stream=stream)
                 if stream:
-                    args = "".join([tc.function.arguments or "" async for c in out for ch in c.choices
-                                    for tc in ch.delta.tool_calls or []])
+                    chunks = [ch.delta async for c in out for ch in c.choices]
+                    args = "".join(tc.function.arguments or "" for d in chunks for tc in d.tool_calls or [])
+                    thought = "".join((d.model_extra or {}).get("reasoning") or "" for d in chunks)
                 else:
                     args = out.choices[0].message.tool_calls[0].function.arguments
-                assert json.loads(args) == {"city": "Oslo"}
+                    thought = out.choices[0].message.model_extra["reasoning"]
+                assert json.loads(args) == {"city": "Oslo"} and thought == "I should ask for Oslo"
 
 
 async def test_the_responses_api_returns_the_thinking_as_a_reasoning_item(plane, state):
@@ -102,3 +107,24 @@ async def test_the_responses_api_returns_the_thinking_as_a_reasoning_item(plane,
     assert kinds.index(("response.output_item.done", 0)) < kinds.index(("response.output_item.added", 1))
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == CHAT_OUT[0]
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "".join(CHAT_OUT[1:])
+
+
+async def test_a_forced_call_on_the_responses_api_follows_a_reasoning_item(plane, state):
+    """/v1/responses with a forced function call on a deepseek_r1 deployment: a reasoning item, then
+    the function_call item with the arguments written after the thinking, whole and streamed."""
+    import json
+
+    await state.put_deployment(Deployment(id="up", model="up", engine="openai-http",
+                                          reasoning_parser="deepseek_r1"))
+    tool = {"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    out = ["Oslo, then", "</think>", '{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}']
+    with StandIn(completion_out=out, finish="stop") as up:
+        async with plane(worker_kw=_worker(up)) as p:
+            kw = dict(model="up", input="weather in Oslo?", tools=[tool], tool_choice="required",
+                      max_output_tokens=30)
+            whole = await p.client.responses.create(**kw)
+            events = [e async for e in await p.client.responses.create(stream=True, **kw)]
+    for r in (whole, events[-1].response):
+        assert [o.type for o in r.output] == ["reasoning", "function_call"], r.output
+        assert r.output[0].content[0].text == "Oslo, then" and json.loads(r.output[1].arguments) == {"city": "Oslo"}

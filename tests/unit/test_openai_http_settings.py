@@ -1,6 +1,8 @@
 """The openai-http engine's settings and how `polyserve up` passes them on (no servers)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from polyserve.cli import commands, launcher
@@ -63,7 +65,45 @@ def test_up_passes_upstream_flags(tmp_path, monkeypatch):
     assert launcher.default_model("openai-http") == "upstream-model"
 
 
+def test_up_gives_vllm_workers_the_deployments_reasoning_parser(tmp_path):
+    spec = launcher.ClusterSpec(run_dir=tmp_path, engine="vllm", reasoning_parser="qwen3")
+    assert launcher.reasoning_env(spec, {}) == {"POLYSERVE_WORKER_VLLM_ENGINE_ARGS": '{"reasoning_parser": "qwen3"}'}
+    mine = {"POLYSERVE_WORKER_VLLM_ENGINE_ARGS": '{"reasoning_parser": "deepseek_r1", "seed": 3}'}
+    assert json.loads(launcher.reasoning_env(spec, mine)["POLYSERVE_WORKER_VLLM_ENGINE_ARGS"]) == {
+        "reasoning_parser": "deepseek_r1", "seed": 3}  # the operator's own engine args win
+    assert launcher.reasoning_env(launcher.ClusterSpec(run_dir=tmp_path), mine) == {}
+
+
 def test_up_refuses_openai_http_without_an_address(tmp_path, monkeypatch):
     monkeypatch.delenv("POLYSERVE_WORKER_UPSTREAM_URL", raising=False)
     with pytest.raises(launcher.LaunchError, match="--upstream-url"):
         launcher.up(launcher.ClusterSpec(run_dir=tmp_path, engine="openai-http"), progress=lambda *_: None)
+
+
+def test_vllm_engine_args_is_a_worker_setting_read_as_json():
+    s = WorkerSettings(engine="sim", vllm_engine_args='{"reasoning_parser": "qwen3"}')
+    s.validate()
+    with pytest.raises(SettingsError, match="vllm_engine_args"):
+        WorkerSettings(engine="sim", vllm_engine_args="[1]").validate()
+
+
+def test_an_upstream_answer_without_thinking_is_content_when_the_constraint_follows_the_thinking():
+    """openai_http_chat.ThinkText: the upstream's `reasoning` goes back between the tags; a request
+    constrained after its thinking (StructuredOutput.think) whose answer has none gets an empty
+    thinking first, so the gateway's parser reads the constrained text as the content."""
+    from types import SimpleNamespace as NS
+
+    from polyserve.proto import StructuredOutput
+    from polyserve.worker.engines.openai_http_chat import ThinkText
+
+    def chunk(content=None, reasoning=None, finish=None):
+        return NS(delta=NS(content=content, reasoning=reasoning), finish_reason=finish)
+
+    gated = SamplingParams(structured=StructuredOutput(choice=["a"], think=["<think>", "</think>"]))
+    t = ThinkText.of(gated)
+    assert t.text(0, chunk('{"a"')) + t.text(0, chunk("}", finish="stop")) == '<think></think>{"a"}'
+    t = ThinkText.of(gated)
+    said = [t.text(0, chunk(reasoning="hm")), t.text(0, chunk('{"a"}')), t.text(0, chunk(finish="stop"))]
+    assert "".join(said) == '<think>hm</think>{"a"}'
+    plain = ThinkText.of(SamplingParams())
+    assert plain.text(0, chunk("x")) == "x"

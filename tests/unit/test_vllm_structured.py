@@ -46,3 +46,19 @@ async def test_a_vllm_without_structured_outputs_is_a_400(build, monkeypatch):  
     with pytest.raises(EngineError) as err:
         await collect(engine, "old", max_tokens=4, structured=StructuredOutput(regex="a"))
     assert err.value.status == 400
+
+
+async def test_a_thinking_models_constraint_needs_vllms_reasoning_parser(build):  # noqa: F811
+    """StructuredOutput.think (gateway/reasoning.py `gate`): with vLLM's own `reasoning_parser` (the
+    engine arg `polyserve up --reasoning-parser` adds) vLLM constrains after the thinking and the text
+    is vLLM's; without it vLLM constrains from the first token, so each choice's text starts with an
+    empty `<think></think>` and the gateway reads the constrained text as the content."""
+    spec = StructuredOutput(choice=["yes", "no"], think=["<think>", "</think>"])
+    engine, fake = await build("v1")
+    plain = await collect(engine, "bare", max_tokens=4, n=2, structured=spec)
+    assert all(plain.text[i].startswith("<think></think>") for i in (0, 1)), plain.text
+    assert fake.engine.calls[-1]["params"].structured_outputs.choice == ["yes", "no"]
+    engine, fake = await build("v1", vllm_engine_args={"reasoning_parser": "qwen3"})
+    assert fake.engine.engine_args.reasoning_parser == "qwen3"
+    parsed = await collect(engine, "parsed", max_tokens=4, structured=spec)
+    assert not parsed.text[0].startswith("<think>"), parsed.text

@@ -80,7 +80,13 @@ class Row:
         self.eos_ids = eos_ids | set(params.stop_token_ids) if params.stop_token_ids else eos_ids  # end the row
         self.max_positions = max_positions
         self.guide = guide  # structured outputs: the grammar's mask and text (hf_grammar)
-        self.detok = guide if guide is not None else IncrementalDetokenizer(tokenizer, prompt_ids)
+        # a thinking model: no mask until its thinking ends (hf_grammar.ThinkGate), the guide held here
+        think = params.structured.think if guide is not None and params.structured is not None else None
+        self.gate = hf_grammar.ThinkGate(think, tokenizer, prompt_ids) if think else None
+        self._held_guide = None
+        if self.gate is not None and not self.gate.ended:
+            self.guide, self._held_guide = None, guide
+        self.detok = self.guide if self.guide is not None else IncrementalDetokenizer(tokenizer, prompt_ids)
         self.stop = StopMatcher(params.stop, include=params.include_stop)
         self.generator: torch.Generator | None = None
         if params.temperature > 0:
@@ -115,7 +121,12 @@ class Row:
             return self._end("stop", self.stop.flush())
         if self.guide is not None:
             self.guide.consume(token)
-        text, stopped = self.stop.feed(self.detok.add(token), check=checks)
+        piece = self.detok.add(token)
+        if self._held_guide is not None and self.gate.feed(piece):  # thought: the grammar from the next token
+            piece += self.detok.flush()
+            self.guide = self.detok = self._held_guide
+            self._held_guide = None
+        text, stopped = self.stop.feed(piece, check=checks)
         if stopped:
             return self._end("stop", text)
         if self.guide is not None and self.guide.done:  # the grammar is complete: nothing may follow

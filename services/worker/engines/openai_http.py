@@ -96,7 +96,10 @@ class _Flight:
     usage: tuple[int, int] | None = None  # (prompt_tokens, completion_tokens) from the upstream
     done: bool = False
     calls: Any = None  # a tool chat on the chat endpoint: openai_http_chat.CallText
-    think: Any = field(default_factory=lambda: openai_http_chat.ThinkText())  # reasoning back in its tags
+    think: Any = None  # openai_http_chat.ThinkText: reasoning back in its tags
+
+    def __post_init__(self) -> None:
+        self.think = openai_http_chat.ThinkText.of(self.req.params)
 
 
 class OpenAIHttpEngine(UpstreamLoRA, Engine):

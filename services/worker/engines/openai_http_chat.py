@@ -86,10 +86,18 @@ class ThinkText:
     upstream's `reasoning` (vLLM with a reasoning parser splits it off) goes back between `<think>`
     and `</think>`, ahead of the content, as the model wrote it: a deployment with a
     `reasoning_parser` splits it off again at the gateway (gateway/reasoning.py), one without one
-    shows the model's raw text."""
+    shows the model's raw text. `gated` (a constraint after the thinking: proto StructuredOutput.think):
+    an answer with no reasoning gets an empty `<think></think>` ahead of its content, so the gateway
+    reads the constrained content as content (the upstream's parser took the thinking, or there was none)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gated: str = "") -> None:
         self._open: set[int] = set()  # choices whose reasoning has begun and not ended
+        self._empty = gated  # gated: the empty thinking ("<think></think>") owed to an answer without one
+        self._fresh: set[int] = set()  # gated: choices that have sent text
+
+    @classmethod
+    def of(cls, params: Any) -> "ThinkText":
+        return cls(gated="".join(params.structured.think) if params.structured else "")
 
     def text(self, index: int, choice: Any) -> str:
         text = getattr(choice, "text", None)
@@ -99,8 +107,11 @@ class ThinkText:
         reasoning = (getattr(part, "reasoning", None) or getattr(part, "reasoning_content", None) or "") if part else ""
         content = (getattr(part, "content", None) or "") if part else ""
         out = ""
+        if self._empty and index not in self._fresh and (reasoning or content):
+            self._fresh.add(index)
+            out = "" if reasoning else self._empty
         if reasoning:
-            out = reasoning if index in self._open else "<think>" + reasoning
+            out += reasoning if index in self._open else "<think>" + reasoning
             self._open.add(index)
         if index in self._open and (content or getattr(choice, "finish_reason", None)):
             out += "</think>"

@@ -310,6 +310,8 @@ class SimEngine(Engine):
             if p.structured is not None:  # the whole schema-valid text, cut at max_tokens like any other
                 try:
                     script = sim_json.pieces(sim_json.text(p.structured, rng))
+                    # a thinking model constrained after its thinking: the sim's thinking is empty
+                    script = ["".join(p.structured.think)] + script if p.structured.think else script
                 except (sim_json.UnsupportedSchema, ValueError) as exc:
                     raise EngineError(f"structured output: {exc}", 400) from exc
                 natural = len(script)

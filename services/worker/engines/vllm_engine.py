@@ -54,7 +54,8 @@ max_input_len, scheduling, dtype ("float32", the hf engine's CPU default, and ""
 "auto"). `device` is ignored (vLLM picks its platform), `kv_capacity_tokens` too (vLLM sizes its
 cache from gpu_memory_utilization). Optional, read with getattr: gpu_memory_utilization (0.9),
 max_model_len (0 = the model's), enable_lora (True), max_lora_rank (64), max_loras (4),
-seed (0), vllm_engine_args (dict or JSON of extra AsyncEngineArgs fields).
+seed (0), vllm_engine_args (dict or JSON of extra AsyncEngineArgs fields; `polyserve up
+--reasoning-parser` adds vLLM's `reasoning_parser`, so a constraint applies after the thinking).
 """
 from __future__ import annotations
 
@@ -117,6 +118,7 @@ class _Req:
         self.ended: set[int] = set()
         self.done = False
         self.prompt_raw: list | None = None  # vLLM's prompt logprobs (params.prompt_logprobs set)
+        self.no_think: set[int] = set()  # choices still owed an empty "<think></think>" (_admit)
         self.prompt_sent: set[int] = set()  # choices whose first delta carried them
 
 
@@ -241,6 +243,10 @@ class VllmEngine(Engine):
             raise EngineOverloaded(f"waiting queue full ({self.max_waiting} requests); retry later")
         sampling = vllm_api.sampling_params(self.api, p)
         act = _Req(req, ids, sampling, self._loras.get(req.adapter) if req.adapter else None)
+        if p.structured is not None and p.structured.think and not self.engine_args.get("reasoning_parser"):
+            # vLLM constrains from the first token without its own reasoning parser: the answer has
+            # no thinking, said as an empty one so the gateway reads it as the content (reasoning.py)
+            act.no_think = set(range(p.n))
         self._known[req.request_id] = act
         act.task = asyncio.create_task(self._pump(act), name=f"vllm:{req.request_id}")
         return act
@@ -274,6 +280,9 @@ class VllmEngine(Engine):
     def _delta(self, act: _Req, i: int, text: str, count: int, reason: str | None, new_ids: list[int],
                raw_lps: Any) -> Delta:
         """A choice's Delta, with its tokens' logprobs (params.logprobs) and, on its first, the prompt's."""
+        if i in act.no_think:
+            act.no_think.discard(i)
+            text = "".join(act.req.params.structured.think) + text
         p, delta = act.req.params, Delta(index=i, text=text, tokens=count, finish_reason=reason)
         if p.logprobs is not None and count:
             delta.logprobs = vllm_api.token_logprobs(raw_lps, new_ids, p.logprobs, self._token_text) or None
