@@ -100,8 +100,6 @@ class StructuredOutput(Msg, kw_only=True):
     regex: str | None = None
     choice: list[str] | None = None  # one of these strings, exactly
     grammar: str | None = None  # a context-free grammar: Lark (llguidance) or GBNF/EBNF (`::=` rules)
-    # [open, close] of a thinking model: free text up to `close`, then the constraint (vLLM's reasoning_ended)
-    think: list[str] = []
 
     def kind(self) -> str:
         """Which constraint is set: json, json_object, regex, choice or grammar."""
@@ -126,10 +124,8 @@ class SamplingParams(Msg, kw_only=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token (completions `echo`)
     structured: StructuredOutput | None = None  # constrain the output (JSON schema, regex, choice, grammar)
-    # vLLM's meanings (worker/engines/hf_sampling.py writes them out): penalties and logit_bias act on
-    # the logits before temperature (greedy too), min_p after it; stop_token_ids end the answer as
-    # EOS does; include_stop keeps the stop string; truncate_prompt_tokens: 0 never, k the last k
-    # prompt tokens, -1 the worker's max_input_len (cut on the left).
+    # vLLM's meanings (hf_sampling.py writes them out): penalties, logit_bias before temperature, min_p
+    # after; stop_token_ids end as EOS; truncate_prompt_tokens: 0 never, k the last k, -1 max_input_len
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -138,6 +134,10 @@ class SamplingParams(Msg, kw_only=True):
     stop_token_ids: list[int] = []
     include_stop: bool = False
     truncate_prompt_tokens: int = 0
+    # [open, close] of a thinking model (a reasoning_parser deployment): `structured` applies after
+    # `close` (vLLM's reasoning_ended); past thinking_budget thinking tokens `close` is forced
+    think: list[str] = []
+    thinking_budget: int | None = None
 
 
 class GenerateRequest(Msg, kw_only=True):

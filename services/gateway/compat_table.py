@@ -250,6 +250,10 @@ CHAT: dict[str, Rule] = {
                            "model's reasoning as the message's `reasoning` (streamed: `delta.reasoning`), apart from "
                            "its `content`; false leaves it out; without a parser the model's text is all content",
                            False),
+    "thinking_token_budget": H("vLLM's: a `reasoning_parser` deployment's model thinks at most this many tokens, "
+                               "then `</think>` is forced and the answer follows (hf; vllm with `reasoning_config` "
+                               "in its engine args; openai-http: passed upstream; sim: it does not think); a "
+                               "deployment without a parser: 400", 0),
     "verbosity": R("no verbosity control", (None,), "low"),
     "modalities": R("text output only", (None, ["text"]), ["text", "audio"]),
     "audio": R("text output only", (None,), {"voice": "alloy", "format": "wav"}),

@@ -31,6 +31,7 @@ import msgspec
 
 from polyserve.proto import SamplingParams
 
+from .policy import InvalidRequest
 from .tools import partial_tag
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -45,13 +46,17 @@ def canonical(name: str | None) -> str:
     return key
 
 
-def gate(params: SamplingParams, parser: str) -> SamplingParams:
+def gate(params: SamplingParams, parser: str, budget: int | None = None) -> SamplingParams:
     """`params` for a thinking model: a constraint (structured outputs, a forced tool call) applies
     after the model's thinking, not from its first token (vLLM's structured outputs with a
-    reasoning parser); the worker lets the text run free up to `</think>`."""
-    if not parser or params.structured is None:
+    reasoning parser): the worker lets the text run free up to `</think>`; with `budget` (vLLM's
+    `thinking_token_budget`) the worker forces `</think>` after that many thinking tokens."""
+    if budget is not None and not parser:
+        raise InvalidRequest("thinking_token_budget needs a deployment with a reasoning_parser (qwen3, deepseek_r1): "
+                             "without one polyserve cannot tell the thinking apart", "thinking_token_budget")
+    if not parser or (params.structured is None and budget is None):
         return params
-    return msgspec.structs.replace(params, structured=msgspec.structs.replace(params.structured, think=[OPEN, CLOSE]))
+    return msgspec.structs.replace(params, think=[OPEN, CLOSE], thinking_budget=budget)
 
 
 def split(text: str, parser: str) -> tuple[str | None, str]:

@@ -91,6 +91,7 @@ class ChatBody(_Sampling):
     continue_final_message: bool = False
     include_reasoning: bool | None = True  # vLLM's: False leaves a thinking model's reasoning out
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more chat-template variables (policy.template_kwargs)
+    thinking_token_budget: int | None = Field(None, ge=0)  # vLLM's: at most this many thinking tokens (reasoning.py)
 
     @field_validator("messages", mode="before")
     @classmethod

@@ -133,7 +133,8 @@ class SamplingParams:
                  structured_outputs: StructuredOutputsParams | None = None, logprobs: int | None = None,
                  prompt_logprobs: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  repetition_penalty: float = 1.0, min_p: float = 0.0, logit_bias: dict[int, float] | None = None,
-                 stop_token_ids: list[int] | None = None, include_stop_str_in_output: bool = False, **other: Any):
+                 stop_token_ids: list[int] | None = None, include_stop_str_in_output: bool = False,
+                 thinking_token_budget: int | None = None, **other: Any):
         unknown = set(other) - {"ignore_eos", "skip_special_tokens"}
         if unknown:
             raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
@@ -155,6 +156,7 @@ class SamplingParams:
         self.presence_penalty, self.frequency_penalty = presence_penalty, frequency_penalty
         self.repetition_penalty, self.min_p, self.logit_bias = repetition_penalty, min_p, logit_bias
         self.stop_token_ids, self.include_stop_str_in_output = stop_token_ids, include_stop_str_in_output
+        self.thinking_token_budget = thinking_token_budget
         if max_tokens is not None and max_tokens < 1:
             raise VLLMValidationError(f"max_tokens must be at least 1, got {max_tokens}.")
         if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
@@ -265,6 +267,7 @@ class AsyncEngineArgs:
     disable_log_stats: bool = False
     enable_log_requests: bool = False
     reasoning_parser: str = ""  # the fake has no thinking: structured outputs are constrained from token 1
+    reasoning_config: Any = None  # vLLM's ReasoningConfig (thinking_token_budget); the fake only records it
 
 
 # --------------------------------------------------------------------- the tokenizer

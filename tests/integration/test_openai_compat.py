@@ -121,7 +121,10 @@ async def test_generative_fields_walk_the_matrix(plane, endpoint):
         else:
             create = p.client.chat.completions.create
             base = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-        cases = [c for c in rows(endpoint) if c[0] not in ("stop", "ignore_eos")]
+        # thinking_token_budget needs a reasoning_parser deployment (this one has none: its 400 is
+        # test_reasoning_structured.py's, with the honoured case)
+        cases = [c for c in rows(endpoint) if c[0] not in ("stop", "ignore_eos", "thinking_token_budget")
+                 or (c[0] == "thinking_token_budget" and c[2] == REFUSED)]
         failures = await _walk(create, base, cases)
         # ignore_eos and stop work alone; together they are refused, naming ignore_eos
         failures += await _walk(create, base, [("ignore_eos", True, HONOURED), ("stop", ["zzz"], HONOURED)])

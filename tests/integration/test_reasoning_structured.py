@@ -6,7 +6,8 @@ The checkpoint is the small random Llama with `<think>` and `</think>` added to 
 DeepSeek-R1's and Qwen3's are); `logit_bias` on `</think>` makes the random model end its thinking
 at once, so what follows is certain: the grammar's text, read as the message's content. A prompt that
 already closed the thinking (a template that writes `<think></think>` when `enable_thinking` is
-false, as Qwen3's does) is constrained from the first token: the biased `</think>` is masked out."""
+false, as Qwen3's does) is constrained from the first token: the biased `</think>` is masked out.
+Otherwise the template opens the thinking in the prompt, as DeepSeek-R1's does."""
 from __future__ import annotations
 
 import json
@@ -23,8 +24,9 @@ from tests.integration.test_structured_outputs import MESSAGES, SCHEMA, WEATHER 
 
 pytestmark = [pytest.mark.integration, pytest.mark.torch]
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
-            "{% if add_generation_prompt %}<assistant> {% endif %}"
-            "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+            "{% if add_generation_prompt %}<assistant> "
+            "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% else %}<think>{% endif %}"
+            "{% endif %}")
 RF = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
 
 
@@ -91,3 +93,33 @@ async def test_a_prompt_that_closed_the_thinking_is_constrained_at_once(plane, s
             response_format=RF, extra_body={"chat_template_kwargs": {"enable_thinking": False}})).choices[0]
         jsonschema.validate(json.loads(out.message.content), SCHEMA)  # `</think>` was masked: JSON from token 1
         assert "reasoning" not in (out.message.model_extra or {})
+
+
+async def test_a_thinking_budget_closes_the_thinking_and_the_answer_follows(plane, state, checkpoint):
+    """vLLM's thinking_token_budget: the random model would think to max_tokens; with a budget of 5
+    the worker forces `</think>` after 5 thinking tokens and the JSON follows, whole and streamed."""
+    async with await _plane(plane, state, checkpoint, "deepseek_r1") as p:
+        kw = dict(model="thinker", messages=MESSAGES, max_tokens=80, temperature=0, response_format=RF,
+                  extra_body={"thinking_token_budget": 5})
+        out = await p.client.chat.completions.create(**kw)
+        jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
+        assert out.choices[0].message.model_extra["reasoning"].strip()
+        content = "".join([ch.delta.content or "" async for c in await p.client.chat.completions.create(
+            stream=True, **kw) for ch in c.choices])
+        assert content == out.choices[0].message.content
+        free = await p.client.chat.completions.create(model="thinker", messages=MESSAGES, max_tokens=12, temperature=0,
+                                                      extra_body={"thinking_token_budget": 3})
+        assert free.choices[0].message.model_extra["reasoning"].strip() and free.choices[0].message.content is not None
+
+
+async def test_a_thinking_budget_without_a_parser_is_a_400(plane, state, checkpoint):
+    import openai
+    async with await _plane(plane, state, checkpoint, "") as p:
+        with pytest.raises(openai.BadRequestError) as err:
+            await p.client.chat.completions.create(model="thinker", messages=MESSAGES, max_tokens=4,
+                                                   extra_body={"thinking_token_budget": 3})
+        assert err.value.body["param"] == "thinking_token_budget", err.value.body
+        with pytest.raises(openai.BadRequestError) as err:  # completions: not served (raw text)
+            await p.client.completions.create(model="thinker", prompt="hi", max_tokens=4,
+                                              extra_body={"thinking_token_budget": 3})
+        assert err.value.body["param"] == "thinking_token_budget", err.value.body

@@ -90,19 +90,21 @@ async def test_a_thinking_models_constraint_starts_after_its_thinking(engine):
     """StructuredOutput.think (a reasoning_parser deployment, vLLM's reasoning_ended): no mask while
     the model thinks; from the token after the closing tag the grammar holds. Tags here are single
     words of the random model's WordPiece vocabulary ("start" ... "done"), `logit_bias` the lever."""
-    spec = StructuredOutput(choice=["yes", "no"], think=["start", "done"])
+    spec = StructuredOutput(choice=["yes", "no"])
+    think = ["start", "done"]
     done = engine._bundle.tokenizer.convert_tokens_to_ids("done")
     # thinking never ends: the text runs free (no mask), so it is not the choice
-    texts, finish = await run(engine, "t1", max_tokens=6, min_tokens=6, seed=5, structured=spec)
+    texts, finish = await run(engine, "t1", max_tokens=6, min_tokens=6, seed=5, structured=spec, think=think)
     assert texts[0] not in ("yes", "no") and finish[0] == "length", texts
     # "done" first (biased): then the choice, exactly, and the row stops when the grammar is complete
-    texts, finish = await run(engine, "t2", max_tokens=8, temperature=0, logit_bias={done: 100.0}, structured=spec)
+    texts, finish = await run(engine, "t2", max_tokens=8, temperature=0, logit_bias={done: 100.0}, structured=spec,
+                             think=think)
     thought, _, answer = texts[0].partition("done")
     assert not thought.strip() and answer in ("yes", "no") and finish[0] == "stop", texts
     # a prompt that already closed the thinking ("... start done"): constrained from the first token,
     # so the biased "done" is masked out like any other token outside the grammar
     closed = []
     async for ev in engine.generate(EngineRequest("t3", "give me json start done", SamplingParams(
-            max_tokens=8, temperature=0, logit_bias={done: 100.0}, structured=spec))):
+            max_tokens=8, temperature=0, logit_bias={done: 100.0}, structured=spec, think=think))):
         closed.append(ev.text if isinstance(ev, Delta) else "")
     assert "".join(closed) in ("yes", "no"), closed

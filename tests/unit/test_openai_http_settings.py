@@ -99,7 +99,7 @@ def test_an_upstream_answer_without_thinking_is_content_when_the_constraint_foll
     def chunk(content=None, reasoning=None, finish=None):
         return NS(delta=NS(content=content, reasoning=reasoning), finish_reason=finish)
 
-    gated = SamplingParams(structured=StructuredOutput(choice=["a"], think=["<think>", "</think>"]))
+    gated = SamplingParams(structured=StructuredOutput(choice=["a"]), think=["<think>", "</think>"])
     t = ThinkText.of(gated)
     assert t.text(0, chunk('{"a"')) + t.text(0, chunk("}", finish="stop")) == '<think></think>{"a"}'
     t = ThinkText.of(gated)

@@ -68,8 +68,8 @@ async def test_the_engine_streams_schema_valid_json():
         texts, _ = await collect(engine, "d", max_tokens=20, n=4, structured=StructuredOutput(choice=["x", "yz"]))
         assert set(texts.values()) <= {"x", "yz"}
         # a thinking model's constraint after its thinking: the sim's thinking is empty, then the text
-        think = StructuredOutput(choice=["x", "yz"], think=["<think>", "</think>"])
-        texts, _ = await collect(engine, "t", max_tokens=20, n=2, structured=think)
+        texts, _ = await collect(engine, "t", max_tokens=20, n=2, structured=StructuredOutput(choice=["x", "yz"]),
+                                 think=["<think>", "</think>"])
         assert {t.removeprefix("<think></think>") for t in texts.values()} <= {"x", "yz"}
         assert all(t.startswith("<think></think>") for t in texts.values())
         with pytest.raises(EngineError) as err:

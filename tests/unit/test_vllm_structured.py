@@ -53,12 +53,28 @@ async def test_a_thinking_models_constraint_needs_vllms_reasoning_parser(build):
     engine arg `polyserve up --reasoning-parser` adds) vLLM constrains after the thinking and the text
     is vLLM's; without it vLLM constrains from the first token, so each choice's text starts with an
     empty `<think></think>` and the gateway reads the constrained text as the content."""
-    spec = StructuredOutput(choice=["yes", "no"], think=["<think>", "</think>"])
+    spec, think = StructuredOutput(choice=["yes", "no"]), ["<think>", "</think>"]
     engine, fake = await build("v1")
-    plain = await collect(engine, "bare", max_tokens=4, n=2, structured=spec)
+    plain = await collect(engine, "bare", max_tokens=4, n=2, structured=spec, think=think)
     assert all(plain.text[i].startswith("<think></think>") for i in (0, 1)), plain.text
     assert fake.engine.calls[-1]["params"].structured_outputs.choice == ["yes", "no"]
     engine, fake = await build("v1", vllm_engine_args={"reasoning_parser": "qwen3"})
     assert fake.engine.engine_args.reasoning_parser == "qwen3"
-    parsed = await collect(engine, "parsed", max_tokens=4, structured=spec)
+    parsed = await collect(engine, "parsed", max_tokens=4, structured=spec, think=think)
     assert not parsed.text[0].startswith("<think>"), parsed.text
+
+
+async def test_a_thinking_budget_reaches_vllm_only_where_its_reasoning_config_enforces_it(build):  # noqa: F811
+    """CONTRACT: SamplingParams(thinking_token_budget=...) (vLLM 0.33), enforced by vLLM only with the
+    engine's `reasoning_config`; without one the worker refuses the field rather than ignore it."""
+    think = ["<think>", "</think>"]
+    engine, fake = await build("v1")
+    with pytest.raises(EngineError) as err:
+        await collect(engine, "nb", max_tokens=4, think=think, thinking_budget=8)
+    assert err.value.status == 400 and "reasoning_config" in str(err.value)
+    config = {"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}
+    engine, fake = await build("v1", vllm_engine_args={"reasoning_config": config})
+    await collect(engine, "b", max_tokens=4, think=think, thinking_budget=8)
+    assert fake.engine.calls[-1]["params"].thinking_token_budget == 8
+    await collect(engine, "free", max_tokens=4)
+    assert fake.engine.calls[-1]["params"].thinking_token_budget is None

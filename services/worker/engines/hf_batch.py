@@ -59,7 +59,7 @@ import torch.nn.functional as F
 
 from polyserve.proto import SamplingParams, TokenLogprob
 from polyserve.worker.engine import Delta
-from polyserve.worker.engines import hf_grammar, hf_logprobs
+from polyserve.worker.engines import hf_grammar, hf_logprobs, hf_think
 from polyserve.worker.engines.hf_sampling import Shaper, sample
 from polyserve.worker.engines.hf_slots import AdapterSlots
 from polyserve.worker.engines.hf_text import IncrementalDetokenizer, StopMatcher
@@ -80,9 +80,11 @@ class Row:
         self.eos_ids = eos_ids | set(params.stop_token_ids) if params.stop_token_ids else eos_ids  # end the row
         self.max_positions = max_positions
         self.guide = guide  # structured outputs: the grammar's mask and text (hf_grammar)
-        # a thinking model: no mask until its thinking ends (hf_grammar.ThinkGate), the guide held here
-        think = params.structured.think if guide is not None and params.structured is not None else None
-        self.gate = hf_grammar.ThinkGate(think, tokenizer, prompt_ids) if think else None
+        # a thinking model (hf_think): no mask until its thinking ends, the guide held here; a thinking budget
+        self.gate = hf_think.ThinkGate(params.think, tokenizer, prompt_ids) if guide is not None and params.think \
+            else None
+        self.budget = hf_think.ThinkBudget(params.think, params.thinking_budget, tokenizer, prompt_ids) \
+            if params.think and params.thinking_budget is not None else None
         self._held_guide = None
         if self.gate is not None and not self.gate.ended:
             self.guide, self._held_guide = None, guide
@@ -122,6 +124,8 @@ class Row:
         if self.guide is not None:
             self.guide.consume(token)
         piece = self.detok.add(token)
+        if self.budget is not None:
+            self.budget.accept(token, piece)
         if self._held_guide is not None and self.gate.feed(piece):  # thought: the grammar from the next token
             piece += self.detok.flush()
             self.guide = self.detok = self._held_guide

@@ -169,29 +169,6 @@ class Guide:
         return self._utf8.decode(b"", final=True)
 
 
-class ThinkGate:
-    """A thinking model's constraint starts after its thinking (proto StructuredOutput.think, vLLM's
-    `reasoning_ended`): `feed` the row's text until it has written `close`; the guide takes over from
-    the next token. A prompt whose last few tokens already close the thinking (Qwen3's
-    `enable_thinking: false` ends the prompt with `<think></think>`) is constrained from the first
-    token. Only the prompt's tail is read: an earlier turn's `</think>` must not count."""
-
-    PROMPT_TAIL = 8  # tokens: the generation prompt's own tags are its last few
-
-    def __init__(self, think: Sequence[str], tokenizer, prompt_ids: Sequence[int]):
-        self.open_tag, self.close = think
-        tail = tokenizer.decode(list(prompt_ids[-self.PROMPT_TAIL:]), skip_special_tokens=False) if prompt_ids else ""
-        self.ended = tail.rfind(self.close) > tail.rfind(self.open_tag)
-        self._text = ""
-
-    def feed(self, piece: str) -> bool:
-        """Whether the thinking has ended, with `piece` (the row's next text) written."""
-        if not self.ended:
-            self._text = (self._text + piece)[-(len(self.close) + len(piece)):]
-            self.ended = self.close in self._text
-        return self.ended
-
-
 def mask_rows(logits: torch.Tensor, rows: Sequence) -> None:
     """-inf outside each constrained row's allowed set, in place (rows without a guide untouched)."""
     for i, row in enumerate(rows):

@@ -73,6 +73,15 @@ class Shaper:
 
 
 def sample(logits: torch.Tensor, rows: Sequence, suppress: torch.Tensor | None) -> list[int]:
+    """Next token per row (`_choose`); a row over its thinking budget gets its forced token (hf_think)."""
+    out = _choose(logits, rows, suppress)
+    for i, row in enumerate(rows):
+        if row.budget is not None and row.budget.forced:
+            out[i] = row.budget.forced[0]
+    return out
+
+
+def _choose(logits: torch.Tensor, rows: Sequence, suppress: torch.Tensor | None) -> list[int]:
     """Next token per row: greedy (temperature 0) or temperature/top-k/top-p with the row's generator."""
     logits = logits.float()
     for i, row in enumerate(rows):

@@ -97,7 +97,7 @@ class ThinkText:
 
     @classmethod
     def of(cls, params: Any) -> "ThinkText":
-        return cls(gated="".join(params.structured.think) if params.structured else "")
+        return cls(gated="".join(params.think) if params.structured else "")
 
     def text(self, index: int, choice: Any) -> str:
         text = getattr(choice, "text", None)

@@ -311,7 +311,7 @@ class SimEngine(Engine):
                 try:
                     script = sim_json.pieces(sim_json.text(p.structured, rng))
                     # a thinking model constrained after its thinking: the sim's thinking is empty
-                    script = ["".join(p.structured.think)] + script if p.structured.think else script
+                    script = ["".join(p.think)] + script if p.think else script
                 except (sim_json.UnsupportedSchema, ValueError) as exc:
                     raise EngineError(f"structured output: {exc}", 400) from exc
                 natural = len(script)

@@ -84,7 +84,8 @@ SURFACE_USED = {
         "vllm.sampling_params.SamplingParams": [
             "n", "temperature", "top_p", "top_k", "seed", "stop", "max_tokens", "min_tokens", "output_kind",
             "structured_outputs", "logprobs", "prompt_logprobs", "frequency_penalty", "presence_penalty",
-            "repetition_penalty", "min_p", "logit_bias", "stop_token_ids", "include_stop_str_in_output"],
+            "repetition_penalty", "min_p", "logit_bias", "stop_token_ids", "include_stop_str_in_output",
+            "thinking_token_budget"],
         "vllm.sampling_params.StructuredOutputsParams": ["json", "regex", "choice", "grammar", "json_object"],
         "vllm.lora.request.LoRARequest": ["lora_name", "lora_int_id", "lora_path"],
         "vllm.inputs.llm.TokensPrompt": ["prompt_token_ids"],
@@ -202,6 +203,8 @@ def sampling_params(api: VllmApi, p: ProtoSamplingParams) -> Any:
         kw["stop_token_ids"] = list(p.stop_token_ids)
     if p.include_stop:
         kw["include_stop_str_in_output"] = True
+    if p.thinking_budget is not None:  # vLLM forces the end of thinking itself (its engine's reasoning_config)
+        kw["thinking_token_budget"] = p.thinking_budget
     try:
         if p.structured is not None:
             kw["structured_outputs"] = structured_outputs(api, p.structured)

@@ -243,7 +243,11 @@ class VllmEngine(Engine):
             raise EngineOverloaded(f"waiting queue full ({self.max_waiting} requests); retry later")
         sampling = vllm_api.sampling_params(self.api, p)
         act = _Req(req, ids, sampling, self._loras.get(req.adapter) if req.adapter else None)
-        if p.structured is not None and p.structured.think and not self.engine_args.get("reasoning_parser"):
+        if p.thinking_budget is not None and not self.engine_args.get("reasoning_config"):
+            raise EngineError("thinking_token_budget needs vLLM's reasoning_config on this worker (vllm_engine_args "
+                              '{"reasoning_config": {"reasoning_start_str": "<think>", "reasoning_end_str": '
+                              '"</think>"}}); it is not set, so vLLM would not enforce the budget', 400)
+        if p.structured is not None and p.think and not self.engine_args.get("reasoning_parser"):
             # vLLM constrains from the first token without its own reasoning parser: the answer has
             # no thinking, said as an empty one so the gateway reads it as the content (reasoning.py)
             act.no_think = set(range(p.n))
@@ -282,7 +286,7 @@ class VllmEngine(Engine):
         """A choice's Delta, with its tokens' logprobs (params.logprobs) and, on its first, the prompt's."""
         if i in act.no_think:
             act.no_think.discard(i)
-            text = "".join(act.req.params.structured.think) + text
+            text = "".join(act.req.params.think) + text
         p, delta = act.req.params, Delta(index=i, text=text, tokens=count, finish_reason=reason)
         if p.logprobs is not None and count:
             delta.logprobs = vllm_api.token_logprobs(raw_lps, new_ids, p.logprobs, self._token_text) or None
