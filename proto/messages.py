@@ -118,14 +118,14 @@ class SamplingParams(Msg, kw_only=True):
     seed: int | None = None
     stop: list[str] = []
     n: int = 1
-    # log-probabilities (OpenAI `logprobs`/`top_logprobs`, vLLM semantics: the raw model
-    # distribution, before temperature/top-k/top-p): None = none; k = each generated token's
-    # logprob and its k most likely alternatives (k = 0: the token's own logprob only)
+    # logprobs of the raw model distribution (vLLM's): None = none; k = each generated token's logprob
+    # and its k most likely alternatives (k = 0: the token's own logprob only)
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token (completions `echo`)
     structured: StructuredOutput | None = None  # constrain the output (JSON schema, regex, choice, grammar)
     # vLLM's meanings (hf_sampling.py writes them out): penalties, logit_bias before temperature, min_p
-    # after; stop_token_ids end as EOS; truncate_prompt_tokens: 0 never, k the last k, -1 max_input_len
+    # after; stop_token_ids end as EOS; truncate_prompt_tokens: 0 never, k the last k, -1 max_input_len;
+    # allowed_token_ids: only these are sampled; bad_words: never these words (vLLM's token sequences)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -134,6 +134,8 @@ class SamplingParams(Msg, kw_only=True):
     stop_token_ids: list[int] = []
     include_stop: bool = False
     truncate_prompt_tokens: int = 0
+    allowed_token_ids: list[int] = []
+    bad_words: list[str] = []
     # [open, close] of a thinking model (a reasoning_parser deployment): `structured` applies after
     # `close` (vLLM's reasoning_ended); past thinking_budget thinking tokens `close` is forced
     think: list[str] = []
@@ -153,16 +155,13 @@ class GenerateRequest(Msg, kw_only=True):
     predicted_tokens: int = 0
     length_class: int = -1
     adapter_path: str = ""  # where the worker loads `adapter` from if it has not yet (lazy load)
-    # Flow control (slow readers): at most `window` chunks beyond the last one acknowledged with a
-    # `Credit` are in flight; 0 = no window (the worker sends as fast as the engine makes them).
-    window: int = 0
+    window: int = 0  # flow control: at most this many chunks beyond the last `Credit`; 0 = no window
     resume: "Resume | None" = None  # request migration: continue a stream another worker started
     # False: the client gets one body at the end, so the worker may merge a choice's chunks
     # (WorkerSettings.merge_ms); True (and from an older gateway): a chunk per engine delta.
     stream: bool = True
-    # True: this gateway takes a choice's last delta (text, tokens, logprobs, its finish reason)
-    # on the done chunk, so a non-streamed single-choice request needs one chunk fewer (issue 15;
-    # worker/merge.py). False (and from an older gateway): the done chunk carries no text.
+    # True: this gateway takes a choice's last delta (text, tokens, logprobs, finish reason) on the
+    # done chunk (one chunk fewer; worker/merge.py). False (an older gateway): the done chunk has no text.
     last_on_done: bool = False
     # The tenant of the API key that sent it ("" without keys): `ssjf_refine` keeps its length
     # tables per client too (a client's requests look alike: docs/experiments/sjf.md).

@@ -94,6 +94,9 @@ PEN_UPSTREAM = (HONOURED, "passed upstream (frequency/presence penalty and logit
                 "`transformers serve` maps frequency_penalty to its repetition penalty, ignores presence_penalty "
                 "and refuses repetition_penalty / min_p (its 422 is passed on)")
 
+UPSTREAM_VLLM = (HONOURED, "passed upstream as vLLM's extra field, where a vLLM server applies it (another "
+                 "server's 422 is passed on)")
+
 
 def PEN(why: str, example: Any) -> Rule:
     """A penalty, bias or min-p field: applied to the logits by hf (hf_sampling.sample) and vllm
@@ -159,8 +162,12 @@ SAMPLING: dict[str, Rule] = {
                                 **{"openai-http": (HONOURED, "passed upstream as vLLM's extra field (a server "
                                                             "without it answers 422, passed on)")}),
     "truncation_side": R("prompts are cut on the left only (truncate_prompt_tokens)", (None, "left"), "right"),
-    "allowed_token_ids": R("no token restrictions", (None,), [1, 2]),
-    "bad_words": R("no token restrictions", (None, []), ["bad"]),
+    "allowed_token_ids": Rule(HONOURED, "vLLM's: only these token ids are sampled (not empty; an id beyond the "
+                              "model's vocabulary is a 400); greedy decoding too", example=[1, 2],
+                              engines={"sim": SIM_IGNORES, "openai-http": UPSTREAM_VLLM}),
+    "bad_words": Rule(HONOURED, "vLLM's: up to 128 words never generated: each word's tokens, with and without a "
+                      "leading space, are kept from completing (its last token is barred after the others)",
+                      example=["bad"], noop=(None, []), engines={"sim": SIM_IGNORES, "openai-http": UPSTREAM_VLLM}),
     "prompt_logprobs": R("vLLM's own prompt-logprobs field is not served; use `echo` with `logprobs` "
                          "(completions)", (None,), 1),
     "logprob_token_ids": R(LATER, (None,), [1]),

@@ -141,7 +141,8 @@ def sampling_params(body: CompletionBody | ChatBody, *, default_max_tokens: int,
                           min_p=body.min_p or 0.0, logit_bias=logit_bias(body.logit_bias),
                           stop_token_ids=stop_token_ids(body.stop_token_ids),
                           include_stop=bool(body.include_stop_str_in_output),
-                          truncate_prompt_tokens=body.truncate_prompt_tokens or 0)
+                          truncate_prompt_tokens=body.truncate_prompt_tokens or 0,
+                          allowed_token_ids=allowed_token_ids(body.allowed_token_ids), bad_words=bad_words(body.bad_words))
 
 
 TEMPLATE_KWARGS_MAX_BYTES = 8192
@@ -161,6 +162,22 @@ def template_kwargs(value: dict[str, Any] | None) -> dict[str, Any]:
         raise InvalidRequest(f"chat_template_kwargs is over {TEMPLATE_KWARGS_MAX_BYTES} bytes of JSON",
                              "chat_template_kwargs")
     return dict(value)
+
+
+def allowed_token_ids(value: list[int] | None) -> list[int]:
+    """vLLM's `allowed_token_ids`: only these are sampled; not empty, ids >= 0 (beyond the vocabulary:
+    the engine's 400)."""
+    if value is not None and (not value or min(value) < 0):
+        raise InvalidRequest("allowed_token_ids takes a non-empty list of token ids (>= 0)", "allowed_token_ids")
+    return sorted(set(value or ()))
+
+
+def bad_words(value: list[str] | None) -> list[str]:
+    """vLLM's `bad_words`: words never generated (each as its token sequences, with and without a
+    leading space: the engine); none may be empty or blank."""
+    if any(not w.strip() or len(w) > 200 for w in value or ()):
+        raise InvalidRequest("bad_words takes non-blank words of at most 200 characters", "bad_words")
+    return list(value or ())
 
 
 def stop_token_ids(value: list[int] | None) -> list[int]:

@@ -26,6 +26,9 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False  # ignored: usage comes once, in the final chunk
 
 
+BAD_WORDS_MAX = 128  # words in `bad_words` (vLLM sets no limit; each costs a check per token)
+
+
 class _Sampling(BaseModel):
     """Fields polyserve honours; every other field stays in `model_extra` and compat.py
     (the table in compat_table.py) refuses it, lets it pass or logs it."""
@@ -52,6 +55,8 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = Field(None, max_length=64)  # vLLM's; ids checked by the engine
     include_stop_str_in_output: bool | None = False
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: keep the last k (-1: the worker's limit)
+    allowed_token_ids: list[int] | None = Field(None, max_length=1 << 18)  # vLLM's; policy.allowed_token_ids
+    bad_words: list[str] | None = Field(None, max_length=BAD_WORDS_MAX)  # vLLM's; policy.bad_words
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool | None = False
     priority: int = 0

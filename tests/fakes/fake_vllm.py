@@ -134,7 +134,8 @@ class SamplingParams:
                  prompt_logprobs: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  repetition_penalty: float = 1.0, min_p: float = 0.0, logit_bias: dict[int, float] | None = None,
                  stop_token_ids: list[int] | None = None, include_stop_str_in_output: bool = False,
-                 thinking_token_budget: int | None = None, **other: Any):
+                 thinking_token_budget: int | None = None, allowed_token_ids: list[int] | None = None,
+                 bad_words: list[str] | None = None, **other: Any):
         unknown = set(other) - {"ignore_eos", "skip_special_tokens"}
         if unknown:
             raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
@@ -157,6 +158,11 @@ class SamplingParams:
         self.repetition_penalty, self.min_p, self.logit_bias = repetition_penalty, min_p, logit_bias
         self.stop_token_ids, self.include_stop_str_in_output = stop_token_ids, include_stop_str_in_output
         self.thinking_token_budget = thinking_token_budget
+        if allowed_token_ids is not None and not allowed_token_ids:  # vLLM's _validate_allowed_token_ids
+            raise ValueError("allowed_token_ids is not None and empty!")
+        if any(not w for w in bad_words or ()):
+            raise ValueError(f"bad_words cannot contain an empty string. Got bad_words={bad_words}")
+        self.allowed_token_ids, self.bad_words = allowed_token_ids, bad_words
         if max_tokens is not None and max_tokens < 1:
             raise VLLMValidationError(f"max_tokens must be at least 1, got {max_tokens}.")
         if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):

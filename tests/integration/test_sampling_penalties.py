@@ -95,3 +95,31 @@ async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(plane):
             await p.client.completions.create(model=MODEL, prompt="a b c", max_tokens=2, echo=True, logprobs=0,
                                               extra_body={"truncate_prompt_tokens": 2})
         assert "truncate_prompt_tokens" in str(err.value)
+
+
+async def test_allowed_token_ids_and_bad_words(plane):
+    """vLLM's allowed_token_ids (only those are sampled) and bad_words (never generated), on chat
+    and completions; an empty list, a negative id, one beyond the vocabulary (the worker's) or a
+    blank word is a 400 naming the field."""
+    from polyserve.worker.engines.hf_model import fallback_tokenizer
+    tok = fallback_tokenizer()
+    allowed = tok.convert_tokens_to_ids(["paris", "rome"])
+    async with plane(worker_kw=HF) as p:
+        out = await p.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=4,
+                                                extra_body={"allowed_token_ids": allowed})
+        assert set(tok(out.choices[0].text, add_special_tokens=False).input_ids) <= set(allowed), out.choices[0].text
+        plain = await _tokens(p)
+        first = tok.convert_ids_to_tokens(plain[0])
+        barred = await _tokens(p, extra_body={"bad_words": [first]})
+        assert plain[0] not in barred and barred != plain
+        chat = await p.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
+                                                      max_tokens=6, temperature=0,
+                                                      extra_body={"allowed_token_ids": allowed})
+        assert set(chat.choices[0].message.content.split()) <= {"paris", "rome"}
+        for body, said in (({"allowed_token_ids": []}, "allowed_token_ids"),
+                           ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+                           ({"allowed_token_ids": [10 ** 7]}, "vocabulary"),  # the worker's 400
+                           ({"bad_words": [" "]}, "bad_words")):
+            with pytest.raises(openai.BadRequestError) as err:
+                await p.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body=body)
+            assert said in str(err.value), (body, err.value)

@@ -81,6 +81,26 @@ def test_min_p_keeps_only_tokens_near_the_top_probability():
     assert 32 in wider
 
 
+def test_allowed_token_ids_and_bad_words_follow_vllms_rules():
+    """allowed_token_ids: nothing else is sampled; bad_words (hf_sampling.bad_word_ids, vLLM's token
+    sequences): a one-token word never, a longer one's last token only after its other tokens."""
+    logits = torch.zeros(1, V)
+    logits[0, 30] = 5.0
+    allowed = {sample(logits.clone(), [_row(temperature=1.0, seed=s, allowed_token_ids=[40, 41])], None)[0]
+               for s in range(40)}
+    assert allowed == {40, 41}
+    hello, long = TOK.encode("hello", add_special_tokens=False), TOK.encode("unbelievably", add_special_tokens=False)
+    assert len(hello) == 1 and len(long) == 5
+    logits[0, hello[0]] = 9.0
+    assert sample(logits.clone(), [_row(temperature=0, bad_words=["hello"])], None) == [30]
+    logits[0, long[-1]] = 8.0  # the long word's last token: barred only right after its first four
+    row = _row(temperature=0, bad_words=["unbelievably", "hello"])
+    assert sample(logits.clone(), [row], None) == [long[-1]]
+    for t in long[:-1]:
+        row.accept(t)
+    assert sample(logits.clone(), [row], None) == [30]
+
+
 async def test_a_logit_bias_id_beyond_the_vocabulary_is_a_400_before_any_token():
     import types
 
@@ -94,6 +114,10 @@ async def test_a_logit_bias_id_beyond_the_vocabulary_is_a_400_before_any_token()
             async for _ in eng.generate(req):
                 pass
         assert err.value.status == 400 and "vocabulary" in str(err.value)
+        with pytest.raises(EngineError) as err:
+            async for _ in eng.generate(EngineRequest("b2", "hello", SamplingParams(allowed_token_ids=[10 ** 7]))):
+                pass
+        assert err.value.status == 400 and "allowed_token_ids" in str(err.value)
         texts = []
         for k, params in enumerate([SamplingParams(max_tokens=8, temperature=0),
                                     SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.0,

@@ -231,7 +231,8 @@ class HfEngine(Refine, Engine):
             raise EngineOverloaded(f"waiting queue full ({self.max_waiting} requests); retry later")
         if p.structured is not None:
             self._grammars.check(p.structured)  # a bad schema or grammar is a 400 before any token
-        for field, named in (("logit_bias", p.logit_bias), ("stop_token_ids", p.stop_token_ids)):
+        for field, named in (("logit_bias", p.logit_bias), ("stop_token_ids", p.stop_token_ids),
+                             ("allowed_token_ids", p.allowed_token_ids)):
             if named and max(named) >= self._vocab:
                 raise EngineError(f"{field} names token id {max(named)}; this model's vocabulary has "
                                   f"{self._vocab} tokens (ids 0 to {self._vocab - 1})", 400)

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from polyserve.proto import SamplingParams, TokenLogprob
 from polyserve.worker.engine import Delta
 from polyserve.worker.engines import hf_grammar, hf_logprobs, hf_think
-from polyserve.worker.engines.hf_sampling import Shaper, sample
+from polyserve.worker.engines.hf_sampling import Restrict, Shaper, sample
 from polyserve.worker.engines.hf_slots import AdapterSlots
 from polyserve.worker.engines.hf_text import IncrementalDetokenizer, StopMatcher
 
@@ -105,6 +105,7 @@ class Row:
         self.prompt_logprobs: list[TokenLogprob] | None = None  # sent with the first delta
         # Penalties and logit_bias, applied by `sample` (hf_sampling.Shaper); None: the request has none.
         self.shaper = Shaper(params, prompt_ids) if Shaper.wanted(params) else None
+        self.restrict = Restrict(params, tokenizer) if Restrict.wanted(params) else None
 
     @property
     def gone(self) -> bool:

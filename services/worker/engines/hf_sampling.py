@@ -72,6 +72,46 @@ class Shaper:
                 logits.sub_(p.presence_penalty * (self._counts > 0).to(logits.dtype))
 
 
+def bad_word_ids(words: Sequence[str], tokenizer) -> list[list[int]]:
+    """vLLM's token sequences of `bad_words` (SamplingParams.update_from_tokenizer): each word as it
+    encodes, and with a leading space where that is another word token of the same length."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not plain:
+            continue
+        out.append(plain)
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out
+
+
+class Restrict:
+    """One row's allowed_token_ids and bad_words (vLLM's rules): outside the allowed set, and the
+    last token of a bad word whose other tokens the row has just written, are -inf."""
+
+    def __init__(self, params: SamplingParams, tokenizer):
+        self.allowed = list(params.allowed_token_ids)
+        self.bad = bad_word_ids(params.bad_words, tokenizer)
+        self._barred: torch.Tensor | None = None  # True outside the allowed set, at the logits' width
+
+    @staticmethod
+    def wanted(params: SamplingParams) -> bool:
+        return bool(params.allowed_token_ids or params.bad_words)
+
+    def apply(self, logits: torch.Tensor, out_ids: list[int]) -> None:
+        if self.allowed:
+            if self._barred is None:
+                self._barred = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+                self._barred[[t for t in self.allowed if t < logits.shape[-1]]] = False
+            logits.masked_fill_(self._barred, float("-inf"))
+        for ids in self.bad:
+            prefix = len(ids) - 1
+            if prefix <= len(out_ids) and (prefix == 0 or out_ids[-prefix:] == ids[:-1]) and ids[-1] < logits.shape[-1]:
+                logits[ids[-1]] = float("-inf")
+
+
 def sample(logits: torch.Tensor, rows: Sequence, suppress: torch.Tensor | None) -> list[int]:
     """Next token per row (`_choose`); a row over its thinking budget gets its forced token (hf_think)."""
     out = _choose(logits, rows, suppress)
@@ -87,6 +127,8 @@ def _choose(logits: torch.Tensor, rows: Sequence, suppress: torch.Tensor | None)
     for i, row in enumerate(rows):
         if row.shaper is not None:  # logit_bias and penalties, before any mask: a bias cannot lift a masked token
             row.shaper.apply(logits[i])
+        if row.restrict is not None:  # allowed_token_ids, bad_words
+            row.restrict.apply(logits[i], row.out_ids)
     if suppress is not None:
         logits[:, suppress] = float("-inf")
     if any(r.guide is not None for r in rows):

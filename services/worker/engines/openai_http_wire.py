@@ -75,6 +75,10 @@ def vllm_fields(p: SamplingParams) -> dict[str, Any]:
         out["include_stop_str_in_output"] = True
     if p.truncate_prompt_tokens:
         out["truncate_prompt_tokens"] = p.truncate_prompt_tokens
+    if p.allowed_token_ids:
+        out["allowed_token_ids"] = list(p.allowed_token_ids)
+    if p.bad_words:
+        out["bad_words"] = list(p.bad_words)
     if p.thinking_budget is not None:  # the upstream's reasoning config enforces it (vLLM's)
         out["thinking_token_budget"] = p.thinking_budget
     return out
