@@ -136,6 +136,7 @@ class SamplingParams(Msg, kw_only=True):
     truncate_prompt_tokens: int = 0
     allowed_token_ids: list[int] = []
     bad_words: list[str] = []
+    skip_special_tokens: bool = True  # False: special tokens stay in the text (vLLM's)
     # [open, close] of a thinking model (a reasoning_parser deployment): `structured` applies after
     # `close` (vLLM's reasoning_ended); past thinking_budget thinking tokens `close` is forced
     think: list[str] = []

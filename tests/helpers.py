@@ -137,3 +137,25 @@ class LoopbackHTTP:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(5)
+
+
+def checkpoint_with_tokens(out, tokens: list[str], special: bool = False, chat_template: str | None = None):
+    """The small random Llama saved at `out` with `tokens` added to its vocabulary (its embeddings
+    resized), as a real model's `<think>` or `<|python_tag|>` are single tokens; `special`: added as
+    special tokens (dropped from text unless skip_special_tokens is off). Returns the directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from polyserve.worker.engines.hf_model import save_random_checkpoint
+    out = save_random_checkpoint(out, seed=0)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    if special:
+        tok.add_special_tokens({"additional_special_tokens": tokens})
+    else:
+        tok.add_tokens(tokens)
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    model.resize_token_embeddings(len(tok))
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return out

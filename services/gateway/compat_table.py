@@ -154,7 +154,11 @@ SAMPLING: dict[str, Rule] = {
     "include_stop_str_in_output": H("the stop string that ended the text is kept at its end", True,
                                     **{"openai-http": (HONOURED, "passed upstream as vLLM's extra field (a server "
                                                                  "without it answers 422, passed on)")}),
-    "skip_special_tokens": R("special tokens are always skipped in the text", (None, True), False),
+    "skip_special_tokens": Rule(HONOURED, "vLLM's: false keeps the model's special tokens in the text (with tools "
+                                "listed and `auto`, chat keeps them anyway, so calls marked by a special token, "
+                                "Llama 3.1's `<|python_tag|>` or Mistral's `[TOOL_CALLS]`, are found)", example=False,
+                                noop=(None, True), engines={"sim": (IGNORED, "the sim's text has no special tokens"),
+                                                            "openai-http": UPSTREAM_VLLM}),
     "spaces_between_special_tokens": R("special tokens are always skipped", (None, True), False),
     "truncate_prompt_tokens": H("k: the prompt's last k tokens are kept (its left side cut, as vLLM cuts for "
                                 "generation); -1: its last max_input_len tokens (the worker's limit); without it "

@@ -75,6 +75,7 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
     batch_id = "cmpl-" + uuid.uuid4().hex[:24] if len(prompts) > 1 else ""  # one prompt: the run's own id
     thinking = adm.deployment.reasoning_parser if chat else ""  # (reasoning.py) split off, a constraint after it
     params = reasoning.gate(params, thinking, body.thinking_token_budget if chat else None)
+    params = tools.keep_markers(params, tl, engine)
     runs = [RequestRun(gs=gs, deployment=adm.deployment, prompt=p, params=params, stream=bool(body.stream),
                        adapter=adm.adapter, priority=body.priority, chat=turns, chat_end=chat_end,
                        tools=tl.definitions() if tl is not None else None, template_kwargs=template_kwargs,

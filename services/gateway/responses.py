@@ -334,7 +334,7 @@ async def create(body: ResponsesBody, request: Request, gs: Gateway) -> Response
         raise policy.InvalidRequest(f"'{adm.deployment.id}' is an embedding model (engine {engine}); it serves "
                                     "/v1/embeddings, not responses", "model")
     headers = compat.ignored_header(compat.check("responses", body, engine))
-    params = reasoning.gate(params, adm.deployment.reasoning_parser)  # a constraint after the thinking
+    params = tools.keep_markers(reasoning.gate(params, adm.deployment.reasoning_parser), tl, engine)
     turn = Turn(body=body, model=adm.deployment.id, conversation=conversation + new, params=params, tl=tl,
                 thinking=adm.deployment.reasoning_parser)
     if turn.thinking and params.logprobs is not None:

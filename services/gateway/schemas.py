@@ -57,6 +57,7 @@ class _Sampling(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: keep the last k (-1: the worker's limit)
     allowed_token_ids: list[int] | None = Field(None, max_length=1 << 18)  # vLLM's; policy.allowed_token_ids
     bad_words: list[str] | None = Field(None, max_length=BAD_WORDS_MAX)  # vLLM's; policy.bad_words
+    skip_special_tokens: bool | None = True  # vLLM's: False keeps special tokens in the text
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool | None = False
     priority: int = 0

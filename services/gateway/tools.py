@@ -39,7 +39,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from polyserve.proto import ChatTurn, StructuredOutput
+import msgspec
+
+from polyserve.proto import ChatTurn, SamplingParams, StructuredOutput
 
 from .policy import InvalidRequest, message_text
 
@@ -377,6 +379,16 @@ def render_message(choice: dict[str, Any], tools: Tools) -> None:
         message["content"] = found[0] or None
         message["tool_calls"] = [_call(*call) for call in found[1]]
         choice["finish_reason"] = "tool_calls"
+
+
+def keep_markers(params: SamplingParams, tl: Tools | None, engine: str) -> SamplingParams:
+    """`params` with special tokens kept in the text where the gateway reads free-text calls (tools
+    listed, `auto`) from an hf or vllm worker: calls marked by a special token (Llama 3.1's
+    `<|python_tag|>`, Mistral's `[TOOL_CALLS]`) must reach `split_calls`, as vLLM's tool parsers turn
+    skip_special_tokens off the same way. An openai-http upstream parses its calls itself."""
+    if tl is None or not tl.listed or tl.forced or engine not in ("hf", "vllm"):
+        return params
+    return msgspec.structs.replace(params, skip_special_tokens=False)
 
 
 class ToolStream:

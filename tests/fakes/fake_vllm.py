@@ -139,6 +139,7 @@ class SamplingParams:
         unknown = set(other) - {"ignore_eos", "skip_special_tokens"}
         if unknown:
             raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
+        self.skip_special_tokens = other.get("skip_special_tokens", True)
         if n < 1:
             raise VLLMValidationError(f"n must be at least 1, got {n}.", parameter="n", value=n)
         if temperature < 0:

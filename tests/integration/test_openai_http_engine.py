@@ -206,12 +206,12 @@ async def test_sampling_parameters_reach_the_upstream(upstream):
         body, extra = eng.request_body(EngineRequest("y", PROMPT, SamplingParams(
             frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=1.1, min_p=0.05, logit_bias={9: -100.0},
             stop_token_ids=[2], include_stop=True, truncate_prompt_tokens=64, think=["<think>", "</think>"],
-            thinking_budget=32, allowed_token_ids=[5, 9], bad_words=["no"])))
+            thinking_budget=32, allowed_token_ids=[5, 9], bad_words=["no"], skip_special_tokens=False)))
         assert (body["frequency_penalty"], body["presence_penalty"], body["logit_bias"]) == (0.5, 0.25, {"9": -100.0})
         assert extra == {"repetition_penalty": 1.1, "min_p": 0.05, "stop_token_ids": [2],
                          "include_stop_str_in_output": True, "truncate_prompt_tokens": 64,
                          "thinking_token_budget": 32, "allowed_token_ids": [5, 9],
-                         "bad_words": ["no"]}  # vLLM's, as extra body
+                         "bad_words": ["no"], "skip_special_tokens": False}  # vLLM's, as extra body
         penalised = "".join(d.text for d in (await _collect(eng, EngineRequest("p5", PROMPT, SamplingParams(
             max_tokens=6, temperature=0.0, frequency_penalty=0.5))))[0])
         assert penalised  # transformers serve takes frequency_penalty (as its repetition penalty)

@@ -20,6 +20,7 @@ pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
 from polyserve.proto import Deployment  # noqa: E402
+from tests.helpers import checkpoint_with_tokens  # noqa: E402
 from tests.integration.test_structured_outputs import MESSAGES, SCHEMA, WEATHER  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.torch]
@@ -32,18 +33,10 @@ RF = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from polyserve.worker.engines.hf_model import save_random_checkpoint
-    out = save_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "thinker", seed=0)
-    tok = AutoTokenizer.from_pretrained(str(out))
-    tok.add_tokens(["<think>", "</think>"])
-    tok.chat_template = TEMPLATE
-    model = AutoModelForCausalLM.from_pretrained(str(out))
-    model.resize_token_embeddings(len(tok))
-    model.save_pretrained(str(out))
-    tok.save_pretrained(str(out))
-    return out, tok.convert_tokens_to_ids("</think>")
+    from transformers import AutoTokenizer
+    out = checkpoint_with_tokens(tmp_path_factory.mktemp("ckpt") / "thinker", ["<think>", "</think>"],
+                                 chat_template=TEMPLATE)
+    return out, AutoTokenizer.from_pretrained(str(out)).convert_tokens_to_ids("</think>")
 
 
 async def _plane(plane, state, checkpoint, parser: str):

@@ -529,3 +529,14 @@ async def test_a_paused_request_cancelled_frees_its_kv_and_is_not_withdrawn(fres
         assert astuple(eng.load()) == (0, 0, 0) and not eng._batch.rows
     finally:
         await eng.stop()
+
+
+def test_special_tokens_stay_in_the_text_when_asked():
+    """skip_special_tokens (vLLM's): the default drops them from the text, False keeps them."""
+    from polyserve.worker.engines.hf_model import fallback_tokenizer
+    from polyserve.worker.engines.hf_text import IncrementalDetokenizer
+    tok = fallback_tokenizer()
+    ids = tok.encode("hello", add_special_tokens=False) + [tok.sep_token_id] + tok.encode("world", add_special_tokens=False)
+    for skip, want in ((True, "hello world"), (False, "hello [SEP] world")):
+        d = IncrementalDetokenizer(tok, [], skip_special_tokens=skip)
+        assert "".join(d.add(t) for t in ids) + d.flush() == want

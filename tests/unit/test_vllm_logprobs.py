@@ -119,13 +119,13 @@ async def test_penalties_bias_and_min_p_reach_sampling_params_only_when_asked(bu
     engine, fake = await build("v1")
     await collect(engine, "pen", max_tokens=2, frequency_penalty=0.5, presence_penalty=-0.5,
                   repetition_penalty=1.2, min_p=0.1, logit_bias={7: -100.0}, stop_token_ids=[3], include_stop=True,
-                  allowed_token_ids=[4, 5], bad_words=["no"])
+                  allowed_token_ids=[4, 5], bad_words=["no"], skip_special_tokens=False)
     await collect(engine, "off", max_tokens=2)
     pen, off = (c["params"] for c in fake.engine.calls)
     names = ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "logit_bias", "stop_token_ids",
-             "include_stop_str_in_output", "allowed_token_ids", "bad_words")
-    assert [getattr(pen, n) for n in names] == [0.5, -0.5, 1.2, 0.1, {7: -100.0}, [3], True, [4, 5], ["no"]]
-    assert [getattr(off, n) for n in names] == [0.0, 0.0, 1.0, 0.0, None, None, False, None, None]  # vLLM's defaults
+             "include_stop_str_in_output", "allowed_token_ids", "bad_words", "skip_special_tokens")
+    assert [getattr(pen, n) for n in names] == [0.5, -0.5, 1.2, 0.1, {7: -100.0}, [3], True, [4, 5], ["no"], False]
+    assert [getattr(off, n) for n in names] == [0.0, 0.0, 1.0, 0.0, None, None, False, None, None, True]  # defaults
     with pytest.raises(EngineError) as err:
         await collect(engine, "bad", max_tokens=2, repetition_penalty=-1.0)
     assert err.value.status == 400 and "repetition_penalty" in str(err.value)

@@ -88,7 +88,8 @@ class Row:
         self._held_guide = None
         if self.gate is not None and not self.gate.ended:
             self.guide, self._held_guide = None, guide
-        self.detok = self.guide if self.guide is not None else IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.detok = self.guide if self.guide is not None else \
+            IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
         self.stop = StopMatcher(params.stop, include=params.include_stop)
         self.generator: torch.Generator | None = None
         if params.temperature > 0:

@@ -21,14 +21,15 @@ class IncrementalDetokenizer:
     UTF-8 sequence (U+FFFD). Cost per token is O(window), not O(output).
     """
 
-    def __init__(self, tokenizer, prompt_ids: Sequence[int] = ()):
+    def __init__(self, tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
         self._tok = tokenizer
+        self._skip = skip_special_tokens
         self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix = 0
         self._read = len(self._ids)
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
 
     def add(self, token_id: int) -> str:
         """Append one token and return the new text it completes ('' while incomplete)."""

@@ -75,6 +75,8 @@ def vllm_fields(p: SamplingParams) -> dict[str, Any]:
         out["include_stop_str_in_output"] = True
     if p.truncate_prompt_tokens:
         out["truncate_prompt_tokens"] = p.truncate_prompt_tokens
+    if not p.skip_special_tokens:
+        out["skip_special_tokens"] = False
     if p.allowed_token_ids:
         out["allowed_token_ids"] = list(p.allowed_token_ids)
     if p.bad_words:

@@ -85,7 +85,7 @@ SURFACE_USED = {
             "n", "temperature", "top_p", "top_k", "seed", "stop", "max_tokens", "min_tokens", "output_kind",
             "structured_outputs", "logprobs", "prompt_logprobs", "frequency_penalty", "presence_penalty",
             "repetition_penalty", "min_p", "logit_bias", "stop_token_ids", "include_stop_str_in_output",
-            "thinking_token_budget", "allowed_token_ids", "bad_words"],
+            "thinking_token_budget", "allowed_token_ids", "bad_words", "skip_special_tokens"],
         "vllm.sampling_params.StructuredOutputsParams": ["json", "regex", "choice", "grammar", "json_object"],
         "vllm.lora.request.LoRARequest": ["lora_name", "lora_int_id", "lora_path"],
         "vllm.inputs.llm.TokensPrompt": ["prompt_token_ids"],
@@ -203,6 +203,8 @@ def sampling_params(api: VllmApi, p: ProtoSamplingParams) -> Any:
         kw["stop_token_ids"] = list(p.stop_token_ids)
     if p.include_stop:
         kw["include_stop_str_in_output"] = True
+    if not p.skip_special_tokens:
+        kw["skip_special_tokens"] = False
     if p.allowed_token_ids:
         kw["allowed_token_ids"] = list(p.allowed_token_ids)
     if p.bad_words:  # vLLM tokenizes them itself (SamplingParams.update_from_tokenizer)
