@@ -256,7 +256,10 @@ CHAT: dict[str, Rule] = {
     "functions": R("OpenAI's deprecated functions API: send `tools`", (None, []), [{"name": "f", "parameters": {}}]),
     "function_call": R("OpenAI's deprecated functions API: send `tool_choice`", (None, "none", "auto"),
                        {"name": "f"}),
-    "reasoning_effort": R("no reasoning control", (None,), "low"),
+    "reasoning_effort": H("vLLM's: none, minimal, low, medium, high, xhigh or max, passed to the model's chat "
+                          "template as `reasoning_effort`, with `enable_thinking` false for none and true otherwise "
+                          "unless chat_template_kwargs sets it (a template that reads neither is unchanged)", "low",
+                          sim=(IGNORED, "the sim runs the transcript: no chat template")),
     "include_reasoning": H("a deployment with a `reasoning_parser` (qwen3, deepseek_r1: vLLM's) returns a thinking "
                            "model's reasoning as the message's `reasoning` (streamed: `delta.reasoning`), apart from "
                            "its `content`; false leaves it out; without a parser the model's text is all content",
@@ -401,7 +404,9 @@ RESPONSES: dict[str, Rule] = {
     "max_tool_calls": R("counts calls to built-in tools, which polyserve has none of", (None,), 1),
     "text": H("`format`: `text`, `json_object` or `json_schema` (its `schema`): the output always matches it, as "
               "chat's response_format; `verbosity` is refused", {"format": {"type": "json_object"}}),
-    "reasoning": R("no reasoning control", (None, {}), {"effort": "low"}),
+    "reasoning": H("`effort` as chat's `reasoning_effort` (vLLM's: to the chat template); `summary` and other keys "
+                   "are refused (no reasoning summaries)", {"effort": "low"},
+                   sim=(IGNORED, "the sim runs the transcript: no chat template")),
     "include": H("`message.output_text.logprobs`: each output token's logprob (and `top_logprobs` "
                  "alternatives) in the output_text part and the delta events, as chat's logprobs; other values "
                  "(reasoning, tool results, ...) are refused", ["message.output_text.logprobs"]),

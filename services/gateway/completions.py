@@ -43,7 +43,7 @@ async def chat(body: ChatBody, request: Request, gs: Gateway) -> Response:
     tl = tools.parse_tools(body)
     calls = any((m.model_extra or {}).get("tool_calls") for m in body.messages)
     end = policy.chat_end(body)
-    extra = policy.template_kwargs(body.chat_template_kwargs)
+    extra = policy.template_kwargs(body.chat_template_kwargs, body.reasoning_effort)
     if tl.listed or calls:  # the transcript carries the tool definitions and calls, for a worker
         text = tools.render_chat(body.messages, tl, end)  # whose chat template does not take them itself
         return await serve(gs, request, body, [text], chat=True, tl=tl, turns=tools.chat_turns(body.messages),

@@ -149,10 +149,12 @@ def sampling_params(body: CompletionBody | ChatBody, *, default_max_tokens: int,
 TEMPLATE_KWARGS_MAX_BYTES = 8192
 
 
-def template_kwargs(value: dict[str, Any] | None) -> dict[str, Any]:
+def template_kwargs(value: dict[str, Any] | None, effort: str | None = None) -> dict[str, Any]:
     """vLLM's `chat_template_kwargs`: extra variables for the model's chat template (e.g.
     `enable_thinking`); 400 naming the field for one of apply_chat_template's own keywords or
-    more than TEMPLATE_KWARGS_MAX_BYTES of JSON."""
+    more than TEMPLATE_KWARGS_MAX_BYTES of JSON. `effort` (`reasoning_effort`) goes to the template
+    as vLLM passes it: `reasoning_effort` (over the kwargs' own), and `enable_thinking` (false for
+    "none") unless the kwargs set it."""
     from polyserve.core.chat_template import RESERVED_KWARGS
     value = value or {}
     taken = sorted(set(value) & RESERVED_KWARGS)
@@ -162,7 +164,9 @@ def template_kwargs(value: dict[str, Any] | None) -> dict[str, Any]:
     if len(json.dumps(value)) > TEMPLATE_KWARGS_MAX_BYTES:
         raise InvalidRequest(f"chat_template_kwargs is over {TEMPLATE_KWARGS_MAX_BYTES} bytes of JSON",
                              "chat_template_kwargs")
-    return dict(value)
+    if effort is None:
+        return dict(value)
+    return {"enable_thinking": effort != "none", **value, "reasoning_effort": effort}
 
 
 def allowed_token_ids(value: list[int] | None) -> list[int]:

@@ -43,11 +43,19 @@ from .context import Gateway, GatewayState
 from .errors import GatewayError
 from .handlers import RequestRun
 from .keys import ADMIN
-from .schemas import ChatMessage
+from .schemas import ChatMessage, ReasoningEffort
 
 logger = logging.getLogger(__name__)
 ROLES = ("user", "system", "developer", "assistant")
 InvalidInput = policy.InvalidRequest  # a 400 naming the field (OpenAI error body)
+
+
+class Reasoning(BaseModel):
+    """The Responses API's `reasoning`: its effort goes to the chat template (vLLM's); no summaries."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    effort: ReasoningEffort | None = None
 
 
 class ResponsesBody(BaseModel):
@@ -73,6 +81,7 @@ class ResponsesBody(BaseModel):
     metadata: dict[str, str] | None = None
     priority: int = 0
     user: str | None = None
+    reasoning: Reasoning | None = None
 
 
 def add_response_routes(app: FastAPI) -> None:
@@ -277,7 +286,8 @@ class Turn:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": self.model,
             "output": output or [],
-            "previous_response_id": b.previous_response_id, "reasoning": None,
+            "previous_response_id": b.previous_response_id,
+            "reasoning": {"effort": b.reasoning.effort, "summary": None} if b.reasoning else None,
             "store": self.store, "temperature": self.params.temperature, **rtools.echo(b, self.tl),
             "top_p": self.params.top_p, "truncation": "disabled",
             "usage": None if usage is None else {
@@ -346,7 +356,8 @@ async def create(body: ResponsesBody, request: Request, gs: Gateway) -> Response
                            f"{gs.settings.max_prompt_chars}", "input")
     run = RequestRun(gs=gs, deployment=adm.deployment, prompt=prompt, params=params, stream=bool(body.stream),
                      adapter=adm.adapter, priority=body.priority, request_id=turn.rid, chat=turn.turns(),
-                     tools=tl.definitions())
+                     tools=tl.definitions(), template_kwargs=policy.template_kwargs(
+                         None, body.reasoning.effort if body.reasoning else None))
     span = adm.begin("gateway response", request.headers)
     span.set_attribute("polyserve.request_id", turn.rid)
     handed_off = False

@@ -26,6 +26,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False  # ignored: usage comes once, in the final chunk
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # vLLM 0.33's values
 BAD_WORDS_MAX = 128  # words in `bad_words` (vLLM sets no limit; each costs a check per token)
 
 
@@ -98,6 +99,7 @@ class ChatBody(_Sampling):
     include_reasoning: bool | None = True  # vLLM's: False leaves a thinking model's reasoning out
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more chat-template variables (policy.template_kwargs)
     thinking_token_budget: int | None = Field(None, ge=0)  # vLLM's: at most this many thinking tokens (reasoning.py)
+    reasoning_effort: ReasoningEffort | None = None  # to the chat template, as vLLM (policy.template_kwargs)
 
     @field_validator("messages", mode="before")
     @classmethod
