@@ -62,3 +62,14 @@ async def test_a_constraint_follows_the_forced_close(engine):  # noqa: F811
     got = await pieces(engine, "sc", "tell me start", max_tokens=12, seed=3, thinking_budget=2,
                        structured=StructuredOutput(choice=["yes", "no"]))
     assert got[2] == "done" and "".join(got[3:]) in ("yes", "no"), got
+
+
+async def test_a_closing_tag_of_several_tokens_is_forced_whole_and_once(engine):  # noqa: F811
+    out = []
+    # WordPiece decodes "</think>"'s four tokens as "< / think >": the tag is never found in the text
+    params = SamplingParams(think=["start", "</think>"], thinking_budget=2, max_tokens=12, min_tokens=12, seed=6)
+    async for ev in engine.generate(EngineRequest("two", "tell me start", params)):
+        if isinstance(ev, Delta) and ev.tokens:
+            out.append(ev.text.strip())
+    close = ["<", "/", "think", ">"]
+    assert out[2:6] == close and out[6:10] != close, out  # forced whole, then not again

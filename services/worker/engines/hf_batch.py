@@ -128,7 +128,8 @@ class Row:
         piece = self.detok.add(token)
         if self.budget is not None:
             self.budget.accept(token, piece)
-        if self._held_guide is not None and self.gate.feed(piece):  # thought: the grammar from the next token
+        if self._held_guide is not None and (self.gate.feed(piece) or (self.budget is not None and self.budget.done)):
+            # the thinking is over (written, or forced by the budget): the grammar from the next token
             piece += self.detok.flush()
             self.guide = self.detok = self._held_guide
             self._held_guide = None

@@ -79,8 +79,10 @@ class ThinkBudget:
     def accept(self, token: int, piece: str) -> None:
         if self.done:
             return
-        if self.forced and token == self.forced[0]:
-            self.forced.pop(0)
+        if self.forced:  # `sample` chose it: once the whole tag is written the thinking is over, however
+            self.forced.pop(0)  # the tokenizer spaces its pieces when it decodes them
+            self.done = not self.forced
+            return
         text = self._tail.add(piece)
         if not self.inside:
             at = text.rfind(self.open_tag)
@@ -89,8 +91,7 @@ class ThinkBudget:
                 self._over()
             return
         if self.close in text:
-            self.done, self.forced = True, []
+            self.done = True
             return
-        if not self.forced:
-            self.count += 1
-            self._over()
+        self.count += 1
+        self._over()
