@@ -142,7 +142,8 @@ def sampling_params(body: CompletionBody | ChatBody, *, default_max_tokens: int,
                           stop_token_ids=stop_token_ids(body.stop_token_ids),
                           include_stop=bool(body.include_stop_str_in_output),
                           truncate_prompt_tokens=body.truncate_prompt_tokens or 0,
-                          allowed_token_ids=allowed_token_ids(body.allowed_token_ids), bad_words=bad_words(body.bad_words),
+                          allowed_token_ids=allowed_token_ids(body.allowed_token_ids),
+                          bad_words=bad_words(body.bad_words),
                           skip_special_tokens=body.skip_special_tokens is not False)
 
 

@@ -26,7 +26,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False  # ignored: usage comes once, in the final chunk
 
 
-ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # vLLM 0.33's values
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # vLLM's values
 BAD_WORDS_MAX = 128  # words in `bad_words` (vLLM sets no limit; each costs a check per token)
 
 

@@ -536,7 +536,8 @@ def test_special_tokens_stay_in_the_text_when_asked():
     from polyserve.worker.engines.hf_model import fallback_tokenizer
     from polyserve.worker.engines.hf_text import IncrementalDetokenizer
     tok = fallback_tokenizer()
-    ids = tok.encode("hello", add_special_tokens=False) + [tok.sep_token_id] + tok.encode("world", add_special_tokens=False)
+    words = [tok.encode(w, add_special_tokens=False) for w in ("hello", "world")]
+    ids = words[0] + [tok.sep_token_id] + words[1]
     for skip, want in ((True, "hello world"), (False, "hello [SEP] world")):
         d = IncrementalDetokenizer(tok, [], skip_special_tokens=skip)
         assert "".join(d.add(t) for t in ids) + d.flush() == want
