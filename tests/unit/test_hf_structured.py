@@ -87,7 +87,7 @@ async def test_an_invalid_constraint_is_a_400(engine):
 
 
 async def test_a_thinking_models_constraint_starts_after_its_thinking(engine):
-    """StructuredOutput.think (a reasoning_parser deployment, vLLM's reasoning_ended): no mask while
+    """SamplingParams.think (a reasoning_parser deployment, vLLM's reasoning_ended): no mask while
     the model thinks; from the token after the closing tag the grammar holds. Tags here are single
     words of the random model's WordPiece vocabulary ("start" ... "done"), `logit_bias` the lever."""
     spec = StructuredOutput(choice=["yes", "no"])

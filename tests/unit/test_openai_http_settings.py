@@ -89,7 +89,7 @@ def test_vllm_engine_args_is_a_worker_setting_read_as_json():
 
 def test_an_upstream_answer_without_thinking_is_content_when_the_constraint_follows_the_thinking():
     """openai_http_chat.ThinkText: the upstream's `reasoning` goes back between the tags; a request
-    constrained after its thinking (StructuredOutput.think) whose answer has none gets an empty
+    constrained after its thinking (SamplingParams.think) whose answer has none gets an empty
     thinking first, so the gateway's parser reads the constrained text as the content."""
     from types import SimpleNamespace as NS
 

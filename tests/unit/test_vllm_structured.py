@@ -49,7 +49,7 @@ async def test_a_vllm_without_structured_outputs_is_a_400(build, monkeypatch):  
 
 
 async def test_a_thinking_models_constraint_needs_vllms_reasoning_parser(build):  # noqa: F811
-    """StructuredOutput.think (gateway/reasoning.py `gate`): with vLLM's own `reasoning_parser` (the
+    """SamplingParams.think (gateway/reasoning.py `gate`): with vLLM's own `reasoning_parser` (the
     engine arg `polyserve up --reasoning-parser` adds) vLLM constrains after the thinking and the text
     is vLLM's; without it vLLM constrains from the first token, so each choice's text starts with an
     empty `<think></think>` and the gateway reads the constrained text as the content."""

@@ -86,7 +86,7 @@ class ThinkText:
     upstream's `reasoning` (vLLM with a reasoning parser splits it off) goes back between `<think>`
     and `</think>`, ahead of the content, as the model wrote it: a deployment with a
     `reasoning_parser` splits it off again at the gateway (gateway/reasoning.py), one without one
-    shows the model's raw text. `gated` (a constraint after the thinking: proto StructuredOutput.think):
+    shows the model's raw text. `gated` (a constraint after the thinking: proto SamplingParams.think):
     an answer with no reasoning gets an empty `<think></think>` ahead of its content, so the gateway
     reads the constrained content as content (the upstream's parser took the thinking, or there was none)."""
 
