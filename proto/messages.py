@@ -137,6 +137,7 @@ class SamplingParams(Msg, kw_only=True):
     allowed_token_ids: list[int] = []
     bad_words: list[str] = []
     skip_special_tokens: bool = True  # False: special tokens stay in the text (vLLM's)
+    return_token_ids: bool = False  # vLLM's: the chunks carry the prompt's and the output's token ids
     # [open, close] of a thinking model (a reasoning_parser deployment): `structured` applies after
     # `close` (vLLM's reasoning_ended); past thinking_budget thinking tokens `close` is forced
     think: list[str] = []
@@ -167,16 +168,12 @@ class GenerateRequest(Msg, kw_only=True):
     # The tenant of the API key that sent it ("" without keys): `ssjf_refine` keeps its length
     # tables per client too (a client's requests look alike: docs/experiments/sjf.md).
     tenant: str = ""
-    # A chat request's messages (role, text): a worker whose model has a chat template of its own
-    # (hf, vllm, openai-http with a checkpoint) formats them with it (Engine.chat_prompt), any other
-    # runs their role-prefixed transcript (`chat_transcript`), which `prompt` carries too unless it
-    # is longer than INLINE_TRANSCRIPT_CHARS (then "": the messages alone, so a long chat is not on
-    # the wire twice). None: a completion, or a chat with tools (`prompt` is its transcript, with
-    # the tool definitions and calls).
+    # A chat's messages: a worker with a chat template formats them with it (Engine.chat_prompt), any
+    # other runs their transcript (`chat_transcript`), also in `prompt` unless longer than
+    # INLINE_TRANSCRIPT_CHARS (then ""). None: a completion, or a chat with tools (`prompt` holds them).
     chat: "list[ChatTurn] | None" = None
-    # How the chat's prompt ends (vLLM's add_generation_prompt / continue_final_message): "open"
-    # = with the assistant's opening (the default), "closed" = after the last message, "continue"
-    # = inside the last message, the assistant's, which the output continues.
+    # How the chat's prompt ends (vLLM's add_generation_prompt / continue_final_message): "open" (the
+    # assistant's opening), "closed" (after the last message), "continue" (inside the assistant's last).
     chat_end: str = "open"
     # The chat's tools (OpenAI's [{type: "function", function: {name, description, parameters}}]),
     # for a chat template that lists them itself; `prompt` is then always the transcript with them.
@@ -288,6 +285,8 @@ class TokenChunk(Msg, kw_only=True):
     redirect: Placement | None = None  # the request was withdrawn before it started: send it there
     logprobs: list[TokenLogprob] | None = None  # the tokens this chunk adds (params.logprobs set)
     prompt_logprobs: list[TokenLogprob] | None = None  # on a choice's first chunk (params.prompt_logprobs)
+    token_ids: list[int] | None = None  # the tokens this chunk adds (params.return_token_ids)
+    prompt_token_ids: list[int] | None = None  # on a choice's first chunk (params.return_token_ids)
 
 
 class ReplayRequest(Msg, kw_only=True):

@@ -176,7 +176,12 @@ SAMPLING: dict[str, Rule] = {
                          "(completions)", (None,), 1),
     "logprob_token_ids": R(LATER, (None,), [1]),
     "return_tokens_as_token_ids": R(LATER, (None, False), True),
-    "return_token_ids": R("responses carry text only", (None, False), True),
+    "return_token_ids": Rule(HONOURED, "vLLM's: each choice's `token_ids` (every token generated, EOS and stop "
+                             "tokens too; streamed: those of each chunk) and the prompt's `prompt_token_ids` (after "
+                             "any truncation; completions: on each choice, chat: on the response; streamed: on the "
+                             "first chunk)", example=True, noop=(None, False),
+                             engines={"sim": (REFUSED, "the sim draws pseudo-words: it has no token ids"),
+                                      "openai-http": (REFUSED, "an upstream's token ids are not read")}),
     "return_token_offsets": R("responses carry text only", (None, False), True),
     "return_weight_versions": R("no weight versions", (None, False), True),
     "routed_experts_prompt_start": R("no expert routing data", (None, 0), 1),

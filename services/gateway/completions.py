@@ -106,6 +106,8 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
         if render.active:
             for i, choice in enumerate(answer["choices"]):
                 render.choice(choice, i, out.prompts[i], out.logprobs[i], out.prompt_logprobs[i])
+        if params.return_token_ids:
+            policy.whole_token_ids(answer, chat, out.token_ids, out.prompt_token_ids)
         for choice in answer["choices"] if thinking else ():  # the thinking apart, before tools read the content
             reasoning.render_message(choice, thinking, include=body.include_reasoning is not False)
         if tl is not None and tl.listed:
@@ -172,7 +174,8 @@ def _merge(outs: list[Outcome]) -> Outcome:
                    completion_tokens=sum(o.completion_tokens for o in outs),
                    simulated=any(o.simulated for o in outs), logprobs=[x for o in outs for x in o.logprobs],
                    prompt_logprobs=[x for o in outs for x in o.prompt_logprobs],
-                   prompts=[x for o in outs for x in o.prompts])
+                   prompts=[x for o in outs for x in o.prompts], token_ids=[x for o in outs for x in o.token_ids],
+                   prompt_token_ids=[x for o in outs for x in o.prompt_token_ids])
 
 
 async def _chunks(runs: list[RequestRun]) -> AsyncIterator[tuple[int, TokenChunk]]:
@@ -234,7 +237,7 @@ async def _stream(adm: Admission, runs: list[RequestRun], rid: str, chat: bool, 
                         usage[0] += chunk.stats.input_tokens
                         usage[1] += chunk.stats.output_tokens
                     continue  # chunks() ends after the done chunk
-                if chunk.text or chunk.finish_reason or chunk.logprobs:
+                if chunk.text or chunk.finish_reason or chunk.logprobs or chunk.token_ids:
                     index = i * n + chunk.index
                     body = policy.stream_chunk(chat=chat, request_id=rid, model=model, index=index,
                                                text=chunk.text, finish_reason=chunk.finish_reason,
@@ -242,6 +245,8 @@ async def _stream(adm: Admission, runs: list[RequestRun], rid: str, chat: bool, 
                     if render.active:
                         render.choice(body["choices"][0], index, runs[i].prompt, chunk.logprobs,
                                       chunk.prompt_logprobs)
+                    if chunk.token_ids is not None:
+                        policy.chunk_token_ids(body, chat, chunk.token_ids, chunk.prompt_token_ids)
                     bodies = [body]
                     for shaper in shapers or ():  # the reasoning apart, then tool calls (`feed` of each)
                         bodies = [b for x in bodies for b in shaper.feed(x)]

@@ -272,8 +272,8 @@ class Delivery:
         """Why a started stream cannot continue elsewhere ('' when it can)."""
         if self._caps is None or not self._caps.resumable:
             return "its engine cannot continue a started stream elsewhere"
-        if self.params.n != 1 or self.params.structured is not None:
-            return "a started stream with n > 1 or a structured output cannot be continued elsewhere"
+        if self.params.n != 1 or self.params.structured is not None or self.params.return_token_ids:
+            return "a started stream with n > 1, a structured output or token ids cannot be continued elsewhere"
         return ""
 
     async def _migrate(self, reason: str) -> TokenChunk | None:

@@ -57,6 +57,8 @@ class Outcome:
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # per choice (params.logprobs set)
     prompt_logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)  # per choice
     prompts: list[str] = field(default_factory=list)  # per choice: the prompt it answers (echo)
+    token_ids: list[list[int]] = field(default_factory=list)  # per choice (params.return_token_ids)
+    prompt_token_ids: list[list[int] | None] = field(default_factory=list)  # per choice
 
 
 @dataclass
@@ -470,13 +472,17 @@ class RequestRun(Delivery):
         """Run to the end and gather the n choices (non-streamed responses)."""
         n = self.params.n
         out = Outcome(texts=[""] * n, finish=[None] * n, logprobs=[[] for _ in range(n)],
-                      prompt_logprobs=[None] * n, prompts=[self.prompt] * n)
+                      prompt_logprobs=[None] * n, prompts=[self.prompt] * n, token_ids=[[] for _ in range(n)],
+                      prompt_token_ids=[None] * n)
         async for chunk in self.chunks():
             if 0 <= chunk.index < n:
                 out.texts[chunk.index] += chunk.text
                 out.logprobs[chunk.index] += chunk.logprobs or []
                 if chunk.prompt_logprobs is not None:
                     out.prompt_logprobs[chunk.index] = chunk.prompt_logprobs
+                out.token_ids[chunk.index] += chunk.token_ids or []
+                if chunk.prompt_token_ids is not None:
+                    out.prompt_token_ids[chunk.index] = chunk.prompt_token_ids
                 # a done chunk's finish reason is the request's; with one choice it may also
                 # end that choice (its last delta on the done chunk: `last_on_done`)
                 if chunk.finish_reason and (not chunk.done or (n == 1 and out.finish[0] is None)):

@@ -144,7 +144,8 @@ def sampling_params(body: CompletionBody | ChatBody, *, default_max_tokens: int,
                           truncate_prompt_tokens=body.truncate_prompt_tokens or 0,
                           allowed_token_ids=allowed_token_ids(body.allowed_token_ids),
                           bad_words=bad_words(body.bad_words),
-                          skip_special_tokens=body.skip_special_tokens is not False)
+                          skip_special_tokens=body.skip_special_tokens is not False,
+                          return_token_ids=bool(body.return_token_ids))
 
 
 TEMPLATE_KWARGS_MAX_BYTES = 8192
@@ -238,6 +239,25 @@ def full_response(*, chat: bool, request_id: str, model: str, texts: list[str], 
     if simulated:
         body["simulated"] = True
     return body
+
+
+def whole_token_ids(answer: dict[str, Any], chat: bool, token_ids: list[list[int]],
+                    prompt_token_ids: list[list[int] | None]) -> None:
+    """vLLM's `return_token_ids` on a whole answer: each choice's `token_ids`; the prompt's ids on
+    each choice (completions: one prompt each) or once on the response (chat: one prompt)."""
+    for choice, ids, prompt in zip(answer["choices"], token_ids, prompt_token_ids):
+        choice["token_ids"] = ids
+        if not chat:
+            choice["prompt_token_ids"] = prompt
+    if chat:
+        answer["prompt_token_ids"] = prompt_token_ids[0] if prompt_token_ids else None
+
+
+def chunk_token_ids(body: dict[str, Any], chat: bool, token_ids: list[int], prompt: list[int] | None) -> None:
+    """The same on a streamed chunk: the tokens it adds, the prompt's ids on a choice's first chunk."""
+    body["choices"][0]["token_ids"] = token_ids
+    if prompt is not None:
+        (body if chat else body["choices"][0])["prompt_token_ids"] = prompt
 
 
 def stream_chunk(*, chat: bool, request_id: str, model: str, index: int, text: str,

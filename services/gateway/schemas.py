@@ -59,6 +59,7 @@ class _Sampling(BaseModel):
     allowed_token_ids: list[int] | None = Field(None, max_length=1 << 18)  # vLLM's; policy.allowed_token_ids
     bad_words: list[str] | None = Field(None, max_length=BAD_WORDS_MAX)  # vLLM's; policy.bad_words
     skip_special_tokens: bool | None = True  # vLLM's: False keeps special tokens in the text
+    return_token_ids: bool | None = False  # vLLM's: the prompt's and the output's token ids (policy.whole_token_ids)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool | None = False
     priority: int = 0

@@ -71,6 +71,8 @@ class Delta:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token this delta adds (params.logprobs set)
     prompt_logprobs: list[TokenLogprob] | None = None  # on a choice's first delta (params.prompt_logprobs)
+    token_ids: list[int] | None = None  # the tokens this delta adds (params.return_token_ids)
+    prompt_token_ids: list[int] | None = None  # on a choice's first delta (params.return_token_ids)
 
 
 @dataclass

@@ -103,7 +103,7 @@ async def _next(stream: AsyncIterator):
 def _chunk(req: GenerateRequest, seq: int, d: Delta, simulated: bool) -> TokenChunk:
     return TokenChunk(request_id=req.request_id, seq=seq, index=d.index, text=d.text, tokens=d.tokens,
                       finish_reason=d.finish_reason, simulated=simulated, logprobs=d.logprobs,
-                      prompt_logprobs=d.prompt_logprobs)
+                      prompt_logprobs=d.prompt_logprobs, token_ids=d.token_ids, prompt_token_ids=d.prompt_token_ids)
 
 
 class SlowReader(EngineError):
@@ -122,8 +122,9 @@ def check_resume(req: GenerateRequest, engine: Engine) -> None:
     r, p = req.resume, req.params
     if not engine.resumable:
         raise BusError(501, f"the {engine.name} engine cannot continue a started stream (request migration)")
-    if p.n != 1 or p.structured is not None:
-        raise BusError(400, "only a stream with n = 1 and no structured output can be continued elsewhere")
+    if p.n != 1 or p.structured is not None or p.return_token_ids:
+        raise BusError(400, "only a stream with n = 1, no structured output and no token ids can be continued "
+                            "elsewhere")
     if r.tokens < 0 or r.tokens >= p.max_tokens:
         raise BusError(400, f"resume.tokens must be between 0 and max_tokens - 1 (got {r.tokens})")
 

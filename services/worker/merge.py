@@ -34,8 +34,9 @@ def merged(parts: list[Delta]) -> Delta:
     if any(d.logprobs is not None for d in parts):
         logprobs = [lp for d in parts for lp in d.logprobs or ()]
     prompt = next((d.prompt_logprobs for d in parts if d.prompt_logprobs is not None), None)
+    ids = [t for d in parts for t in d.token_ids or ()] if a.token_ids is not None else None
     return replace(a, text="".join(d.text for d in parts), tokens=sum(d.tokens for d in parts),
-                   finish_reason=b.finish_reason, logprobs=logprobs, prompt_logprobs=prompt)
+                   finish_reason=b.finish_reason, logprobs=logprobs, prompt_logprobs=prompt, token_ids=ids)
 
 
 class Merger:

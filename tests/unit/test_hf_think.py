@@ -73,3 +73,4 @@ async def test_a_closing_tag_of_several_tokens_is_forced_whole_and_once(engine):
             out.append(ev.text.strip())
     close = ["<", "/", "think", ">"]
     assert out[2:6] == close and out[6:10] != close, out  # forced whole, then not again
+

@@ -139,3 +139,19 @@ async def test_truncate_prompt_tokens_cuts_the_ids_vllm_gets(build):  # noqa: F8
     await collect(engine, "cut", "abcdefgh", max_tokens=2, truncate_prompt_tokens=3)
     whole, cut = (c["prompt"]["prompt_token_ids"] for c in fake.engine.calls)
     assert cut == whole[-3:] and len(whole) > 3
+
+
+async def test_return_token_ids_come_from_vllms_outputs(build):  # noqa: F811
+    """CONTRACT: each delta's token_ids are vLLM's CompletionOutput.token_ids (delta mode) and the
+    first delta of each choice carries the prompt ids the engine handed vLLM."""
+    from polyserve.worker.engine import Delta
+    engine, fake = await build("v1")
+    res = await collect(engine, "ids", max_tokens=4, n=2, return_token_ids=True)
+    for i in (0, 1):
+        deltas = [e for e in res.events if isinstance(e, Delta) and e.index == i]
+        ids = [t for d in deltas for t in d.token_ids or ()]
+        assert len(ids) == res.tokens[i] and engine._tokenizer.decode(ids) == res.text[i]
+        assert deltas[0].prompt_token_ids == list(engine._tokenizer.encode("hello"))
+        assert all(d.prompt_token_ids is None for d in deltas[1:])
+    plain = await collect(engine, "plain", max_tokens=2)
+    assert all(e.token_ids is None for e in plain.events if isinstance(e, Delta))

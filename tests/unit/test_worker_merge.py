@@ -70,3 +70,13 @@ def test_hold_last_keeps_the_finishing_delta_for_the_done_chunk():
     one = Merger(60.0, hold_last=True)
     assert one.add(Delta(0, "x", 1, finish_reason="stop")) == []  # a one-token answer: all on the done chunk
     assert Merger(0.0, hold_last=True).add(ds[-1]) == [ds[-1]]  # no merging: nothing held
+
+
+def test_merged_deltas_keep_every_token_id_in_order():
+    ds = deltas(6)
+    for i, d in enumerate(ds):
+        d.token_ids = [100 + i]
+    ds[0].prompt_token_ids = [1, 2, 3]
+    sent = run(Merger(60.0), ds)
+    assert [t for d in sent for t in d.token_ids] == list(range(100, 106))
+    assert sent[0].prompt_token_ids == [1, 2, 3]

@@ -107,6 +107,7 @@ class Row:
         # Penalties and logit_bias, applied by `sample` (hf_sampling.Shaper); None: the request has none.
         self.shaper = Shaper(params, prompt_ids) if Shaper.wanted(params) else None
         self.restrict = Restrict(params, tokenizer) if Restrict.wanted(params) else None
+        self._prompt_ids = list(prompt_ids) if params.return_token_ids else None  # sent with the first delta
 
     @property
     def gone(self) -> bool:
@@ -153,6 +154,8 @@ class Row:
                       logprobs=[self.logprob] if self.logprob is not None else None,
                       prompt_logprobs=self.prompt_logprobs)
         self.prompt_logprobs = None
+        if self.params.return_token_ids:  # every accepted token, EOS and stop tokens too (as vLLM's)
+            delta.token_ids, delta.prompt_token_ids, self._prompt_ids = [self.last_token], self._prompt_ids, None
         return delta
 
 

@@ -244,8 +244,9 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
             raise EngineError("the openai-http engine is not running", 503)
         check_request(req, max_batch=self.max_batch, adapters=self.adapters, known=self._flights,
                       unit="sequences")
-        if not req.prompt:
-            raise EngineError("the prompt is empty", 400)
+        if not req.prompt or req.params.return_token_ids:
+            raise EngineError("the prompt is empty" if not req.prompt else "return_token_ids is not served by the "
+                              "openai-http engine (its upstream's token ids are not read)", 400)
         waiting = sum(1 for f in self._flights.values() if f.first is None)
         if len(self._flights) >= self.max_batch + self.max_waiting or waiting >= self.max_waiting:
             raise EngineOverloaded(f"{len(self._flights)} requests in flight to the upstream ({waiting} without "

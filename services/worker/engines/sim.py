@@ -271,6 +271,8 @@ class SimEngine(Engine):
             raise EngineError("need max_tokens >= 1, n >= 1 and 0 <= min_tokens <= max_tokens", 400)
         if p.n > self.max_batch:
             raise EngineError(f"n={p.n} exceeds this worker's batch size {self.max_batch}", 400)
+        if p.return_token_ids:
+            raise EngineError("return_token_ids: the sim draws pseudo-words, it has no token ids", 400)
         if req.adapter and req.adapter not in self._adapters:
             raise EngineError(self._adapters.unknown_message(req.adapter), 404)
         l_in = kept_tokens(self.count_tokens(req.prompt), p.truncate_prompt_tokens, self.max_input_len)

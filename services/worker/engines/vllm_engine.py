@@ -119,6 +119,7 @@ class _Req:
         self.done = False
         self.prompt_raw: list | None = None  # vLLM's prompt logprobs (params.prompt_logprobs set)
         self.no_think: set[int] = set()  # choices still owed an empty "<think></think>" (_admit)
+        self.ids_sent: set[int] = set()  # choices whose first delta carried the prompt's token ids
         self.prompt_sent: set[int] = set()  # choices whose first delta carried them
 
 
@@ -288,6 +289,10 @@ class VllmEngine(Engine):
             act.no_think.discard(i)
             text = "".join(act.req.params.think) + text
         p, delta = act.req.params, Delta(index=i, text=text, tokens=count, finish_reason=reason)
+        if p.return_token_ids:  # vLLM's CompletionOutput.token_ids; the prompt's on the choice's first delta
+            delta.token_ids = list(new_ids)
+            delta.prompt_token_ids = list(act.ids) if i not in act.ids_sent else None
+            act.ids_sent.add(i)
         if p.logprobs is not None and count:
             delta.logprobs = vllm_api.token_logprobs(raw_lps, new_ids, p.logprobs, self._token_text) or None
         if p.prompt_logprobs is not None and i not in act.prompt_sent:

@@ -1,0 +1,60 @@
+"""vLLM's `return_token_ids` end to end with the official `openai` client on an hf worker (the
+small random Llama): each choice's `token_ids` (streamed: those of each chunk) and the prompt's
+`prompt_token_ids` (completions: per choice; chat: on the response, streamed on the first chunk)
+are the ids the worker ran (the prompt as its engine encoded it; the output decodes to the
+text); a sim deployment refuses the field with a 400 that names it."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.integration.conftest import MODEL
+
+pytest.importorskip("torch")
+pytestmark = [pytest.mark.integration, pytest.mark.torch]
+HFDEP = "tiny-hf"  # a deployment of the hf engine (the plane's own is the sim's, which refuses the field)
+HF = {"engine": "hf", "model": "tiny-llama-random", "deployment": HFDEP}
+IDS = {"return_token_ids": True}
+
+
+async def test_token_ids_whole_and_streamed(plane, state):
+    from polyserve.proto import Deployment
+    from polyserve.worker.engines.hf_model import fallback_tokenizer
+    tok = fallback_tokenizer()
+    await state.put_deployment(Deployment(id=HFDEP, model="tiny-llama-random", engine="hf"))
+    async with plane(worker_kw=HF) as p:
+        whole = await p.client.completions.create(model=HFDEP, prompt="the quick brown fox", max_tokens=8, n=2,
+                                                  temperature=1.0, seed=3, extra_body=IDS)
+        for c in whole.choices:
+            extra = c.model_extra
+            assert len(extra["token_ids"]) == 8
+            assert extra["prompt_token_ids"] == p.worker.engine._bundle.encode("the quick brown fox")  # what it ran
+            assert tok.decode(extra["token_ids"], skip_special_tokens=True).split() == c.text.split()
+        assert whole.usage.completion_tokens == 16
+        streamed = await p.client.completions.create(model=HFDEP, prompt="the quick brown fox", max_tokens=8,
+                                                      temperature=0, stream=True, extra_body=IDS)
+        chunks = [ch for c in [c async for c in streamed] for ch in c.choices]
+        ids = [t for ch in chunks for t in (ch.model_extra.get("token_ids") or [])]
+        prompts = [ch.model_extra["prompt_token_ids"] for ch in chunks if ch.model_extra.get("prompt_token_ids")]
+        greedy = await p.client.completions.create(model=HFDEP, prompt="the quick brown fox", max_tokens=8,
+                                                   temperature=0, extra_body=IDS)
+        assert ids == greedy.choices[0].model_extra["token_ids"] and len(prompts) == 1
+        chat = await p.client.chat.completions.create(model=HFDEP, messages=[{"role": "user", "content": "hi"}],
+                                                      max_tokens=5, temperature=0, extra_body=IDS)
+        assert len(chat.choices[0].model_extra["token_ids"]) == chat.usage.completion_tokens
+        assert len(chat.model_extra["prompt_token_ids"]) == chat.usage.prompt_tokens
+        events = [c async for c in await p.client.chat.completions.create(
+            model=HFDEP, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0, stream=True,
+            extra_body=IDS)]
+        assert events[0].model_extra["prompt_token_ids"] == chat.model_extra["prompt_token_ids"]
+        assert [t for e in events for ch in e.choices for t in ch.model_extra.get("token_ids") or []] == \
+            chat.choices[0].model_extra["token_ids"]
+        plain = await p.client.completions.create(model=HFDEP, prompt="hi", max_tokens=2)
+        assert "token_ids" not in plain.choices[0].model_extra
+
+
+async def test_the_sim_refuses_return_token_ids(plane):
+    async with plane() as p:
+        with pytest.raises(openai.BadRequestError) as err:
+            await p.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body=IDS)
+    assert err.value.body["param"] == "return_token_ids", err.value.body
