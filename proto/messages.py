@@ -264,6 +264,7 @@ class TokenLogprob(Msg, kw_only=True):
     logprob: float | None = None  # None: the first prompt token (nothing predicts it)
     token_id: int = -1
     top: list[TopLogprob] = []
+    rank: int = 0  # the token's rank in its distribution (1 = the most likely); 0 = not known
 
 
 WORKER_SHUTDOWN = "worker shutting down"

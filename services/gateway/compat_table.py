@@ -172,8 +172,12 @@ SAMPLING: dict[str, Rule] = {
     "bad_words": Rule(HONOURED, "vLLM's: up to 128 words never generated: each word's tokens, with and without a "
                       "leading space, are kept from completing (its last token is barred after the others)",
                       example=["bad"], noop=(None, []), engines={"sim": SIM_IGNORES, "openai-http": UPSTREAM_VLLM}),
-    "prompt_logprobs": R("vLLM's own prompt-logprobs field is not served; use `echo` with `logprobs` "
-                         "(completions)", (None,), 1),
+    "prompt_logprobs": Rule(HONOURED, "vLLM's: 0-20; each prompt token's logprob and rank with its k best "
+                            "alternatives, as vLLM's dicts keyed by token id (the first token: null); completions: "
+                            "on each choice, chat: on the response; not with stream (400); with `echo` its "
+                            "k wins", example=1, engines={
+                                "sim": (REFUSED, "the sim draws pseudo-words: it has no token ids"),
+                                "openai-http": (REFUSED, "an upstream's prompt logprobs carry no token ids")}),
     "logprob_token_ids": R(LATER, (None,), [1]),
     "return_tokens_as_token_ids": R(LATER, (None, False), True),
     "return_token_ids": Rule(HONOURED, "vLLM's: each choice's `token_ids` (every token generated, EOS and stop "

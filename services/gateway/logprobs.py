@@ -36,6 +36,7 @@ def _bounded(value: int, name: str) -> int:
 
 def apply(params: SamplingParams, body: Any, chat: bool) -> SamplingParams:
     """`params` with the logprobs the body asks for (400 for out-of-range values)."""
+    params = _prompt(params, body)
     if chat:
         top = getattr(body, "top_logprobs", None)
         if top is not None:
@@ -49,7 +50,37 @@ def apply(params: SamplingParams, body: Any, chat: bool) -> SamplingParams:
     if k is None:
         return params
     k = _bounded(k, "logprobs")
-    return msgspec.structs.replace(params, logprobs=k, prompt_logprobs=k if getattr(body, "echo", False) else None)
+    echo = k if getattr(body, "echo", False) else None
+    return msgspec.structs.replace(params, logprobs=k, prompt_logprobs=echo if params.prompt_logprobs is None
+                                   else params.prompt_logprobs)
+
+
+def _prompt(params: SamplingParams, body: Any) -> SamplingParams:
+    """vLLM's `prompt_logprobs: k` (a whole answer only; with `echo` its k wins, as vLLM's does)."""
+    k = getattr(body, "prompt_logprobs", None)
+    if k is None:
+        return params
+    _bounded(k, "prompt_logprobs")
+    if getattr(body, "stream", False):  # vLLM's streamed chunks have no place for them either
+        raise InvalidRequest("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+    return msgspec.structs.replace(params, prompt_logprobs=k)
+
+
+def prompt_field(entries: list[TokenLogprob] | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token a dict token id -> {logprob, rank, decoded_token}
+    holding the token itself and its top alternatives (ranks 1..k); the first token's is null."""
+    if entries is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for e in entries:
+        if e.logprob is None:
+            out.append(None)
+            continue
+        pos = {str(t.token_id): {"logprob": t.logprob, "rank": r, "decoded_token": t.token}
+               for r, t in enumerate(e.top, start=1)}
+        pos.setdefault(str(e.token_id), {"logprob": e.logprob, "rank": e.rank or None, "decoded_token": e.token})
+        out.append(pos)
+    return out
 
 
 def _bytes(token: str) -> list[int]:

@@ -61,6 +61,8 @@ async def test_logprobs_are_the_raw_models_log_softmax(layout):
             for j, e in enumerate(entries):
                 row = ref[len(ids) - 1 + j]
                 assert e.logprob == pytest.approx(row[e.token_id].item(), abs=1e-4)
+                # vLLM's rank: 1 + the tokens more likely (batched float sums may move a near tie by one)
+                assert abs(e.rank - (int((row > row[e.token_id]).sum()) + 1)) <= 1
                 assert len(e.top) == 4
                 assert [t.logprob for t in e.top] == sorted((t.logprob for t in e.top), reverse=True)
                 best = torch.topk(row, 4)
@@ -74,6 +76,7 @@ async def test_logprobs_are_the_raw_models_log_softmax(layout):
             assert plp[0].logprob is None and plp[0].top == []
             for i, e in enumerate(plp[1:], start=1):
                 assert e.logprob == pytest.approx(ref[i - 1][ids[i]].item(), abs=1e-4)
+                assert abs(e.rank - (int((ref[i - 1] > ref[i - 1][ids[i]]).sum()) + 1)) <= 1
                 assert len(e.top) == 2
     finally:
         await engine.stop()

@@ -28,7 +28,7 @@ def expected(token_id: int, position: int, k: int) -> TokenLogprob:
     own = 1 + position % 3
     text = fake_vllm.FakeTokenizer().decode([token_id])
     top = [(text, -own / 2, token_id) if r == own else (chr(1000 + r), -r / 2, 1000 + r) for r in range(1, k + 1)]
-    return TokenLogprob(token=text, logprob=-own / 2, token_id=token_id,
+    return TokenLogprob(token=text, logprob=-own / 2, token_id=token_id, rank=own,
                         top=[vllm_api.TopLogprob(token=t, logprob=v, token_id=i) for t, v, i in top])
 
 
@@ -104,7 +104,7 @@ def test_position_mapping_details():
     # the chosen token (rank 9) below the top 2; a missing decoded_token falls back to decode()
     pos = {6: Lp(-0.1, 1, None), 7: Lp(-0.2, 2, "SEVEN"), 5: Lp(-3.0, 9, "FIVE")}
     e = vllm_api.token_logprob(pos, 5, 2, decode)
-    assert (e.token, e.logprob, e.token_id) == ("FIVE", -3.0, 5)
+    assert (e.token, e.logprob, e.token_id, e.rank) == ("FIVE", -3.0, 5, 9)  # vLLM's rank kept
     assert [(t.token, t.logprob, t.token_id) for t in e.top] == [("six", -0.1, 6), ("SEVEN", -0.2, 7)]
     assert vllm_api.token_logprob(pos, 5, 0, decode).top == []
     assert vllm_api.token_logprob(None, 6, 2, decode) == TokenLogprob(token="six", logprob=None, token_id=6)

@@ -39,12 +39,14 @@ def _entries(lp: torch.Tensor, chosen: Sequence[int], ks: Sequence[int], texts: 
         top = torch.topk(lp, min(k_max, lp.shape[-1]), dim=-1)
         top_v, top_i = top.values.tolist(), top.indices.tolist()
     idx = torch.tensor(list(chosen), device=lp.device).unsqueeze(-1)
-    own = lp.gather(-1, idx).squeeze(-1).tolist()
+    own_t = lp.gather(-1, idx)
+    own = own_t.squeeze(-1).tolist()
+    ranks = ((lp > own_t).sum(-1) + 1).tolist()  # vLLM's rank: 1 + the tokens more likely than it
     out = []
     for i, (tok, k) in enumerate(zip(chosen, ks)):
         alts = [TopLogprob(token=texts(t), logprob=v, token_id=t) for t, v in zip(top_i[i][:k], top_v[i][:k])] \
             if k > 0 else []
-        out.append(TokenLogprob(token=texts(tok), logprob=own[i], token_id=tok, top=alts))
+        out.append(TokenLogprob(token=texts(tok), logprob=own[i], token_id=tok, top=alts, rank=ranks[i]))
     return out
 
 

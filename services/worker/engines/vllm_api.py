@@ -246,8 +246,10 @@ def token_logprob(position: Any, token_id: int, k: int, decode: Callable[[int], 
     top = [TopLogprob(token=text(int(tid), lp), logprob=float(lp.logprob), token_id=int(tid))
            for tid, lp in ranked[:k]] if k > 0 else []
     own = position.get(token_id)
+    rank = getattr(own, "rank", None) if own is not None else None
     return TokenLogprob(token=text(token_id, own) if own is not None else decode(token_id),
-                        logprob=float(own.logprob) if own is not None else None, token_id=token_id, top=top)
+                        logprob=float(own.logprob) if own is not None else None, token_id=token_id, top=top,
+                        rank=int(rank) if rank is not None else 0)
 
 
 def token_logprobs(positions: Any, token_ids: list[int], k: int, decode: Callable[[int], str]) -> list[TokenLogprob]:

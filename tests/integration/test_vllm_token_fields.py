@@ -1,8 +1,9 @@
-"""vLLM's `return_token_ids` end to end with the official `openai` client on an hf worker (the
-small random Llama): each choice's `token_ids` (streamed: those of each chunk) and the prompt's
-`prompt_token_ids` (completions: per choice; chat: on the response, streamed on the first chunk)
-are the ids the worker ran (the prompt as its engine encoded it; the output decodes to the
-text); a sim deployment refuses the field with a 400 that names it."""
+"""vLLM's token-level fields end to end with the official `openai` client on an hf worker (the
+small random Llama). `return_token_ids`: each choice's `token_ids` (streamed: those of each chunk)
+and the prompt's `prompt_token_ids` (completions: per choice; chat: on the response, streamed on
+the first chunk) are the ids the worker ran (the prompt as its engine encoded it; the output
+decodes to the text). `prompt_logprobs`: vLLM's per-token dicts. A sim deployment refuses them
+with a 400 that names the field."""
 from __future__ import annotations
 
 import openai
@@ -58,3 +59,34 @@ async def test_the_sim_refuses_return_token_ids(plane):
         with pytest.raises(openai.BadRequestError) as err:
             await p.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body=IDS)
     assert err.value.body["param"] == "return_token_ids", err.value.body
+
+
+async def test_vllms_prompt_logprobs_field(plane, state):
+    """vLLM's `prompt_logprobs: k`: per prompt token a dict keyed by token id holding the token (its
+    logprob and rank) and its k best alternatives (ranks 1..k), the first token null; the same
+    values as `echo` with `logprobs` gives; completions per choice, chat on the response; a 400
+    with stream."""
+    from polyserve.proto import Deployment
+    await state.put_deployment(Deployment(id=HFDEP, model="tiny-llama-random", engine="hf"))
+    async with plane(worker_kw=HF) as p:
+        prompt = "the quick brown fox"
+        out = await p.client.completions.create(model=HFDEP, prompt=prompt, max_tokens=2, temperature=0,
+                                                extra_body={"prompt_logprobs": 2})
+        plp = out.choices[0].model_extra["prompt_logprobs"]
+        ids = p.worker.engine._bundle.encode(prompt)
+        assert len(plp) == len(ids) == out.usage.prompt_tokens and plp[0] is None
+        echo = await p.client.completions.create(model=HFDEP, prompt=prompt, max_tokens=1, temperature=0,
+                                                 echo=True, logprobs=2)
+        echoed = echo.choices[0].logprobs.token_logprobs[:len(ids)]
+        for tid, pos, lp in zip(ids[1:], plp[1:], echoed[1:]):
+            own = pos[str(tid)]
+            assert own["logprob"] == pytest.approx(lp, abs=1e-4) and own["rank"] >= 1
+            top = sorted((v for k, v in pos.items() if v["rank"] <= 2), key=lambda v: v["rank"])
+            assert [v["rank"] for v in top][:2] == [1, 2] and len(pos) <= 3
+        chat = await p.client.chat.completions.create(model=HFDEP, messages=[{"role": "user", "content": "hi"}],
+                                                      max_tokens=2, extra_body={"prompt_logprobs": 0})
+        assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+        with pytest.raises(openai.BadRequestError) as err:
+            await p.client.completions.create(model=HFDEP, prompt=prompt, max_tokens=2, stream=True,
+                                              extra_body={"prompt_logprobs": 1})
+        assert err.value.body["param"] == "prompt_logprobs"
