@@ -135,11 +135,11 @@ class SamplingParams:
                  repetition_penalty: float = 1.0, min_p: float = 0.0, logit_bias: dict[int, float] | None = None,
                  stop_token_ids: list[int] | None = None, include_stop_str_in_output: bool = False,
                  thinking_token_budget: int | None = None, allowed_token_ids: list[int] | None = None,
-                 bad_words: list[str] | None = None, **other: Any):
-        unknown = set(other) - {"ignore_eos", "skip_special_tokens"}
+                 bad_words: list[str] | None = None, skip_special_tokens: bool = True, **other: Any):
+        unknown = set(other) - {"ignore_eos"}
         if unknown:
             raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
-        self.skip_special_tokens = other.get("skip_special_tokens", True)
+        self.skip_special_tokens = skip_special_tokens
         if n < 1:
             raise VLLMValidationError(f"n must be at least 1, got {n}.", parameter="n", value=n)
         if temperature < 0:
