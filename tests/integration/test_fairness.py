@@ -52,7 +52,11 @@ async def test_a_light_tenant_is_not_starved_by_a_flood(plane):
     vtc = await run(plane, fair=True, light_concurrency=1, stream=True)
     assert vtc["light"]["requests"] >= 2 and vtc["heavy"]["requests"] >= 4, vtc
     assert vtc["light"]["ttft_p50_ms"] < 0.5 * fcfs["light"]["ttft_p50_ms"], (fcfs["light"], vtc["light"])
-    assert vtc["light"]["ttft_p99_ms"] < fcfs["light"]["ttft_p99_ms"], (fcfs["light"], vtc["light"])
+    # The tail after the light tenant's first request: that one arrives when the flood holds every
+    # batch slot, which no queue order can change (on a loaded CI machine it alone waited 0.9 s, and
+    # with 12 requests it was the p99: CI at 7b92952). Quiet EPYC runs: VTC 22-24 ms, FCFS 680-810 ms.
+    assert vtc["light"]["ttft_p99_after_first_ms"] < fcfs["light"]["ttft_p99_after_first_ms"], \
+        (fcfs["light"], vtc["light"])
     assert vtc["light"]["requests"] > fcfs["light"]["requests"], (fcfs["light"], vtc["light"])
 
 
