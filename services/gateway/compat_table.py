@@ -185,7 +185,9 @@ SAMPLING: dict[str, Rule] = {
                              "any truncation; completions: on each choice, chat: on the response; streamed: on the "
                              "first chunk)", example=True, noop=(None, False),
                              engines={"sim": (REFUSED, "the sim draws pseudo-words: it has no token ids"),
-                                      "openai-http": (REFUSED, "an upstream's token ids are not read")}),
+                                      "openai-http": (HONOURED, "passed upstream as vLLM's field and its "
+                                                      "`token_ids` / `prompt_token_ids` read back; a server that "
+                                                      "leaves them out (e.g. `transformers serve`) is a 502 saying so")}),
     "return_token_offsets": R("responses carry text only", (None, False), True),
     "return_weight_versions": R("no weight versions", (None, False), True),
     "routed_experts_prompt_start": R("no expert routing data", (None, 0), 1),

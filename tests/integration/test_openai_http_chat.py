@@ -124,10 +124,15 @@ class StandIn(LoopbackHTTP):
         out, last = self.completion_out, len(self.completion_out) - 1
         usage = {"prompt_tokens": 9, "completion_tokens": len(out), "total_tokens": 9 + len(out)}
         base = {"id": "cmpl-1", "created": 0, "model": "m", "object": "text_completion"}
+        ids = body.get("return_token_ids")  # vLLM's: one id per piece here (100, 101, ...), the prompt's 1..9
         if not body.get("stream"):
             choice = {"index": 0, "text": "".join(out), "finish_reason": self.finish}
+            if ids:
+                choice.update(token_ids=list(range(100, 100 + len(out))), prompt_token_ids=list(range(1, 10)))
             return json.dumps({**base, "choices": [choice], "usage": usage}).encode(), "application/json"
-        events = [{**base, "choices": [{"index": 0, "text": t, "finish_reason": self.finish if j == last else None}]}
+        events = [{**base, "choices": [{"index": 0, "text": t, "finish_reason": self.finish if j == last else None,
+                                        **({"token_ids": [100 + j]} if ids else {}),
+                                        **({"prompt_token_ids": list(range(1, 10))} if ids and j == 0 else {})}]}
                   for j, t in enumerate(out)] + [{**base, "choices": [], "usage": usage}]
         return ("".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n").encode(), \
             "text/event-stream"

@@ -206,12 +206,14 @@ async def test_sampling_parameters_reach_the_upstream(upstream):
         body, extra = eng.request_body(EngineRequest("y", PROMPT, SamplingParams(
             frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=1.1, min_p=0.05, logit_bias={9: -100.0},
             stop_token_ids=[2], include_stop=True, truncate_prompt_tokens=64, think=["<think>", "</think>"],
-            thinking_budget=32, allowed_token_ids=[5, 9], bad_words=["no"], skip_special_tokens=False)))
+            thinking_budget=32, allowed_token_ids=[5, 9], bad_words=["no"], skip_special_tokens=False,
+            return_token_ids=True)))
         assert (body["frequency_penalty"], body["presence_penalty"], body["logit_bias"]) == (0.5, 0.25, {"9": -100.0})
         assert extra == {"repetition_penalty": 1.1, "min_p": 0.05, "stop_token_ids": [2],
                          "include_stop_str_in_output": True, "truncate_prompt_tokens": 64,
                          "thinking_token_budget": 32, "allowed_token_ids": [5, 9],
-                         "bad_words": ["no"], "skip_special_tokens": False}  # vLLM's, as extra body
+                         "bad_words": ["no"], "skip_special_tokens": False,
+                         "return_token_ids": True}  # vLLM's, as extra body
         penalised = "".join(d.text for d in (await _collect(eng, EngineRequest("p5", PROMPT, SamplingParams(
             max_tokens=6, temperature=0.0, frequency_penalty=0.5))))[0])
         assert penalised  # transformers serve takes frequency_penalty (as its repetition penalty)
@@ -279,7 +281,8 @@ async def test_upstream_errors_are_engine_errors(upstream):
 
 async def test_logprobs_and_structured_outputs_transformers_serve_lacks_are_explicit_errors(upstream):
     """`transformers serve` ignores `logprobs`/`echo` (a logged warning) and rejects `response_format` /
-    `structured_outputs` on /v1/completions (422): neither is silently dropped."""
+    `structured_outputs` on /v1/completions (422): neither is silently dropped; nor is vLLM's
+    `return_token_ids`."""
     from polyserve.proto import StructuredOutput
 
     async with _engine(upstream) as eng:
@@ -291,6 +294,9 @@ async def test_logprobs_and_structured_outputs_transformers_serve_lacks_are_expl
             with pytest.raises(EngineError) as err:
                 await _collect(eng, _greedy("so", max_tokens=2, structured=spec))
             assert err.value.status == 422 and "Unexpected fields" in str(err.value), err.value
+        with pytest.raises(EngineError) as err:  # vLLM's return_token_ids: refused or left out, never dropped
+            await _collect(eng, _greedy("ids", max_tokens=2, return_token_ids=True))
+        assert err.value.status in (422, 502) and ("token_ids" in str(err.value) or "Unexpected" in str(err.value))
 
 
 async def test_upstream_dying_mid_stream_fails_the_request(upstream, tmp_path):

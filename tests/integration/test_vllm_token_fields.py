@@ -90,3 +90,23 @@ async def test_vllms_prompt_logprobs_field(plane, state):
             await p.client.completions.create(model=HFDEP, prompt=prompt, max_tokens=2, stream=True,
                                               extra_body={"prompt_logprobs": 1})
         assert err.value.body["param"] == "prompt_logprobs"
+
+
+async def test_an_openai_http_upstream_gives_its_own_token_ids(plane, state):
+    """openai-http: `return_token_ids` goes upstream as vLLM's field and its `token_ids` /
+    `prompt_token_ids` come back through the worker (a stand-in speaking vLLM's wire: one id per
+    piece, 100, 101, ...; the prompt's 1..9), whole and streamed; the token count is the upstream's."""
+    from polyserve.proto import Deployment
+    from tests.integration.test_openai_http_chat import StandIn, _worker
+    await state.put_deployment(Deployment(id="up", model="up", engine="openai-http"))
+    with StandIn(completion_out=[" a", " b", " c"], finish="stop") as up:
+        async with plane(worker_kw=_worker(up)) as p:
+            whole = await p.client.completions.create(model="up", prompt="hi", max_tokens=5, extra_body=IDS)
+            events = [c async for c in await p.client.completions.create(model="up", prompt="hi", max_tokens=5,
+                                                                        stream=True, extra_body=IDS)]
+    x = whole.choices[0].model_extra
+    assert x["token_ids"] == [100, 101, 102] and x["prompt_token_ids"] == list(range(1, 10))
+    assert [t for e in events for ch in e.choices for t in ch.model_extra.get("token_ids") or []] == [100, 101, 102]
+    assert [ch.model_extra["prompt_token_ids"] for e in events for ch in e.choices
+            if ch.model_extra.get("prompt_token_ids")] == [list(range(1, 10))]
+    assert all(body.get("return_token_ids") is True for _, body in up.posts)

@@ -244,9 +244,8 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
             raise EngineError("the openai-http engine is not running", 503)
         check_request(req, max_batch=self.max_batch, adapters=self.adapters, known=self._flights,
                       unit="sequences")
-        if not req.prompt or req.params.return_token_ids:
-            raise EngineError("the prompt is empty" if not req.prompt else "return_token_ids is not served by the "
-                              "openai-http engine (its upstream's token ids are not read)", 400)
+        if not req.prompt:
+            raise EngineError("the prompt is empty", 400)
         waiting = sum(1 for f in self._flights.values() if f.first is None)
         if len(self._flights) >= self.max_batch + self.max_waiting or waiting >= self.max_waiting:
             raise EngineOverloaded(f"{len(self._flights)} requests in flight to the upstream ({waiting} without "
@@ -376,10 +375,10 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
             text = fl.think.text(i, choice) + (fl.calls.feed(i, choice) if fl.calls else "")
             reason = getattr(choice, "finish_reason", None)
             reason = FINISH_REASONS.get(reason, reason) if reason else None
-            delta = openai_http_wire.choice_delta(fl.req, choice, text, whole, fl.usage, self.api_url)
+            delta = openai_http_wire.choice_delta(fl.req, choice, text, whole, fl.usage, self.api_url, chunk)
             count = 1 if delta.text else 0
-            if delta.logprobs is not None:
-                count = len(delta.logprobs)
+            if delta.token_ids is not None or delta.logprobs is not None:  # the upstream's own count
+                count = len(delta.token_ids if delta.token_ids is not None else delta.logprobs)
             elif whole:  # one answer for the whole request: its usage counts the tokens when n == 1
                 count = fl.usage[1] if fl.usage and n == 1 else words_estimate(delta.text)
             delta.tokens, delta.finish_reason = count, reason

@@ -81,6 +81,8 @@ def vllm_fields(p: SamplingParams) -> dict[str, Any]:
         out["allowed_token_ids"] = list(p.allowed_token_ids)
     if p.bad_words:
         out["bad_words"] = list(p.bad_words)
+    if p.return_token_ids:  # read back by choice_delta
+        out["return_token_ids"] = True
     if p.thinking_budget is not None:  # the upstream's reasoning config enforces it (vLLM's)
         out["thinking_token_budget"] = p.thinking_budget
     return out
@@ -160,11 +162,20 @@ def split_echo(text: str, lps: list[TokenLogprob] | None, prompt: str, prompt_to
 
 
 def choice_delta(req: EngineRequest, choice: Any, text: str, whole: bool, usage: tuple[int, int] | None,
-                 url: str) -> Delta:
+                 url: str, chunk: Any = None) -> Delta:
     """A choice's Delta (tokens and finish set by the caller) with its logprobs entries, the echoed
-    prompt split off (its entries as prompt_logprobs); 502 when the upstream left asked-for fields out."""
+    prompt split off (its entries as prompt_logprobs), and vLLM's token ids (`return_token_ids`:
+    the choice's `token_ids`, the prompt's on the choice or, for a chat, on `chunk`); 502 when the
+    upstream left asked-for fields out."""
     p, i = req.params, int(getattr(choice, "index", 0) or 0)
     delta = Delta(index=i, text=text, tokens=0)
+    if p.return_token_ids:
+        ids = getattr(choice, "token_ids", None)
+        if ids is None and (text or whole):
+            raise missing(url, "token_ids (vLLM's return_token_ids)")
+        delta.token_ids = list(ids or ())
+        prompt = getattr(choice, "prompt_token_ids", None) or getattr(chunk, "prompt_token_ids", None)
+        delta.prompt_token_ids = list(prompt) if prompt else None
     if p.logprobs is None and p.prompt_logprobs is None:
         return delta
     raw = getattr(choice, "logprobs", None)
