@@ -94,8 +94,8 @@ PEN_UPSTREAM = (HONOURED, "passed upstream (frequency/presence penalty and logit
                 "`transformers serve` maps frequency_penalty to its repetition penalty, ignores presence_penalty "
                 "and refuses repetition_penalty / min_p (its 422 is passed on)")
 
-UPSTREAM_VLLM = (HONOURED, "passed upstream as vLLM's extra field, where a vLLM server applies it (another "
-                 "server's 422 is passed on)")
+UPSTREAM_VLLM = (HONOURED, "passed upstream as vLLM's extra field (a server without it, e.g. `transformers "
+                 "serve`, answers 422, passed on)")
 
 
 def PEN(why: str, example: Any) -> Rule:
@@ -148,12 +148,9 @@ SAMPLING: dict[str, Rule] = {
                            "EOS), its text not included; an id beyond the model's vocabulary is a 400", example=[2],
                            engines={"sim": (IGNORED, "the sim draws pseudo-words, not token ids; `stop` strings "
                                                      "apply"),
-                                    "openai-http": (HONOURED, "passed upstream as vLLM's extra field (a server "
-                                                              "without it, e.g. `transformers serve`, answers 422, "
-                                                              "passed on)")}),
+                                    "openai-http": UPSTREAM_VLLM}),
     "include_stop_str_in_output": H("the stop string that ended the text is kept at its end", True,
-                                    **{"openai-http": (HONOURED, "passed upstream as vLLM's extra field (a server "
-                                                                 "without it answers 422, passed on)")}),
+                                    **{"openai-http": UPSTREAM_VLLM}),
     "skip_special_tokens": Rule(HONOURED, "vLLM's: false keeps the model's special tokens in the text (with tools "
                                 "listed and `auto`, chat keeps them anyway, so calls marked by a special token, "
                                 "Llama 3.1's `<|python_tag|>` or Mistral's `[TOOL_CALLS]`, are found)", example=False,
@@ -163,8 +160,7 @@ SAMPLING: dict[str, Rule] = {
     "truncate_prompt_tokens": H("k: the prompt's last k tokens are kept (its left side cut, as vLLM cuts for "
                                 "generation); -1: its last max_input_len tokens (the worker's limit); without it "
                                 "an over-long prompt is a 400; not with `echo`", 8,
-                                **{"openai-http": (HONOURED, "passed upstream as vLLM's extra field (a server "
-                                                            "without it answers 422, passed on)")}),
+                                **{"openai-http": UPSTREAM_VLLM}),
     "truncation_side": R("prompts are cut on the left only (truncate_prompt_tokens)", (None, "left"), "right"),
     "allowed_token_ids": Rule(HONOURED, "vLLM's: only these token ids are sampled (not empty; an id beyond the "
                               "model's vocabulary is a 400); greedy decoding too", example=[1, 2],

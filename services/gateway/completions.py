@@ -108,12 +108,8 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
                 render.choice(choice, i, out.prompts[i], out.logprobs[i], out.prompt_logprobs[i])
         if params.return_token_ids:
             policy.whole_token_ids(answer, chat, out.token_ids, out.prompt_token_ids)
-        if body.prompt_logprobs is not None:  # vLLM's field: completions per choice, chat on the response
-            fields = [logprobs.prompt_field(x) for x in out.prompt_logprobs]
-            for choice, f in zip(answer["choices"], fields) if not chat else ():
-                choice["prompt_logprobs"] = f
-            if chat:
-                answer["prompt_logprobs"] = fields[0] if fields else None
+        if body.prompt_logprobs is not None:
+            logprobs.whole_prompt_logprobs(answer, chat, out.prompt_logprobs)
         for choice in answer["choices"] if thinking else ():  # the thinking apart, before tools read the content
             reasoning.render_message(choice, thinking, include=body.include_reasoning is not False)
         if tl is not None and tl.listed:

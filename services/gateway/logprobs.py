@@ -66,6 +66,17 @@ def _prompt(params: SamplingParams, body: Any) -> SamplingParams:
     return msgspec.structs.replace(params, prompt_logprobs=k)
 
 
+def whole_prompt_logprobs(answer: dict[str, Any], chat: bool, entries: list[list[TokenLogprob] | None]) -> None:
+    """vLLM's `prompt_logprobs` field on a whole answer: per choice (completions: one prompt each)
+    or once on the response (chat: one prompt)."""
+    fields = [prompt_field(x) for x in entries]
+    if chat:
+        answer["prompt_logprobs"] = fields[0] if fields else None
+        return
+    for choice, f in zip(answer["choices"], fields):
+        choice["prompt_logprobs"] = f
+
+
 def prompt_field(entries: list[TokenLogprob] | None) -> list[dict[str, Any] | None] | None:
     """vLLM's `prompt_logprobs`: per prompt token a dict token id -> {logprob, rank, decoded_token}
     holding the token itself and its top alternatives (ranks 1..k); the first token's is null."""
