@@ -89,6 +89,7 @@ def SO(why: str, example: Any, noop: tuple = (None,), sim: bool = False) -> Rule
 
 
 SIM_IGNORES = (IGNORED, "the sim draws pseudo-words (labelled simulated); only seed and temperature 0 shape them")
+SIM_NO_IDS = (REFUSED, "the sim draws pseudo-words: it has no token ids")
 PEN_UPSTREAM = (HONOURED, "passed upstream (frequency/presence penalty and logit_bias as OpenAI fields, "
                 "repetition_penalty and min_p as vLLM's extra fields), where the server applies it: vLLM does; "
                 "`transformers serve` maps frequency_penalty to its repetition penalty, ignores presence_penalty "
@@ -172,15 +173,21 @@ SAMPLING: dict[str, Rule] = {
                             "alternatives, as vLLM's dicts keyed by token id (the first token: null); completions: "
                             "on each choice, chat: on the response; not with stream (400); with `echo` its "
                             "k wins", example=1, engines={
-                                "sim": (REFUSED, "the sim draws pseudo-words: it has no token ids"),
+                                "sim": SIM_NO_IDS,
                                 "openai-http": (REFUSED, "an upstream's prompt logprobs carry no token ids")}),
     "logprob_token_ids": R(LATER, (None,), [1]),
-    "return_tokens_as_token_ids": R(LATER, (None, False), True),
+    "return_tokens_as_token_ids": Rule(HONOURED, "vLLM's: with `logprobs`, each token and alternative as the "
+                                       "string `token_id:N` (text offsets counted on those strings; chat's "
+                                       "`bytes`: the token's text, an alternative's: the string's, as vLLM's)",
+                                       example=True, noop=(None, False), engines={
+                                           "sim": SIM_NO_IDS,
+                                           "openai-http": (REFUSED, "an upstream's logprobs carry token text, "
+                                                           "no ids")}),
     "return_token_ids": Rule(HONOURED, "vLLM's: each choice's `token_ids` (every token generated, EOS and stop "
                              "tokens too; streamed: those of each chunk) and the prompt's `prompt_token_ids` (after "
                              "any truncation; completions: on each choice, chat: on the response; streamed: on the "
                              "first chunk)", example=True, noop=(None, False),
-                             engines={"sim": (REFUSED, "the sim draws pseudo-words: it has no token ids"),
+                             engines={"sim": SIM_NO_IDS,
                                       "openai-http": (HONOURED, "passed upstream as vLLM's field and its "
                                                       "`token_ids` / `prompt_token_ids` read back; a server that "
                                                       "leaves them out (e.g. `transformers serve`) is a 502 saying so")}),

@@ -98,10 +98,27 @@ def _bytes(token: str) -> list[int]:
     return list(token.encode("utf-8", errors="replace"))
 
 
-def chat_content(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+def chat_content(entries: list[TokenLogprob], as_ids: bool = False) -> list[dict[str, Any]]:
+    """Chat's `logprobs.content`. `as_ids` (vLLM's return_tokens_as_token_ids): each token and
+    alternative as "token_id:N"; the token's `bytes` stay its text's, an alternative's are the
+    string's (as vLLM renders them)."""
+    if as_ids:
+        return [{"token": _id(e.token_id), "logprob": e.logprob, "bytes": _bytes(e.token),
+                 "top_logprobs": [{"token": _id(t.token_id), "logprob": t.logprob, "bytes": _bytes(_id(t.token_id))}
+                                  for t in e.top]} for e in entries]
     return [{"token": e.token, "logprob": e.logprob, "bytes": _bytes(e.token),
              "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": _bytes(t.token)} for t in e.top]}
             for e in entries]
+
+
+def _id(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+def as_token_ids(entries: list[TokenLogprob]) -> list[TokenLogprob]:
+    """`entries` with every token and alternative written as "token_id:N" (completions)."""
+    return [msgspec.structs.replace(e, token=_id(e.token_id), top=[msgspec.structs.replace(t, token=_id(t.token_id))
+                                                                  for t in e.top]) for e in entries]
 
 
 def split_at(entries: list[TokenLogprob], n: int) -> tuple[list[TokenLogprob], list[TokenLogprob]]:
@@ -132,12 +149,14 @@ class Renderer:
     chat: bool
     want: bool  # logprobs asked for
     echo: bool = False  # completions: the prompt leads the text
+    as_ids: bool = False  # vLLM's return_tokens_as_token_ids: tokens as "token_id:N"
     _offsets: dict[int, int] = field(default_factory=dict)
     _echoed: set[int] = field(default_factory=set)
 
     @classmethod
     def of(cls, body: Any, params: SamplingParams, chat: bool) -> "Renderer":
-        return cls(chat=chat, want=params.logprobs is not None, echo=not chat and bool(getattr(body, "echo", False)))
+        return cls(chat=chat, want=params.logprobs is not None, echo=not chat and bool(getattr(body, "echo", False)),
+                   as_ids=bool(getattr(body, "return_tokens_as_token_ids", False)))
 
     @property
     def active(self) -> bool:
@@ -155,10 +174,11 @@ class Renderer:
         if not self.want:
             return
         if self.chat:
-            choice["logprobs"] = {"content": chat_content(entries or []), "refusal": None}
+            choice["logprobs"] = {"content": chat_content(entries or [], self.as_ids), "refusal": None}
             return
         lead = prompt_entries if self.echo and first and prompt_entries else []
-        rendered = completion_logprobs(lead + (entries or []), self._offsets.get(index, 0))
+        both = lead + (entries or [])
+        rendered = completion_logprobs(as_token_ids(both) if self.as_ids else both, self._offsets.get(index, 0))
         if rendered["tokens"]:
             self._offsets[index] = rendered["text_offset"][-1] + len(rendered["tokens"][-1])
         choice["logprobs"] = rendered

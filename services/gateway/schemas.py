@@ -61,6 +61,7 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool | None = True  # vLLM's: False keeps special tokens in the text
     return_token_ids: bool | None = False  # vLLM's: the prompt's and the output's token ids (policy.whole_token_ids)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and k alternatives (logprobs.py)
+    return_tokens_as_token_ids: bool | None = False  # vLLM's: logprob tokens as "token_id:N" (logprobs.py)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool | None = False
     priority: int = 0

@@ -110,3 +110,46 @@ async def test_an_openai_http_upstream_gives_its_own_token_ids(plane, state):
     assert [ch.model_extra["prompt_token_ids"] for e in events for ch in e.choices
             if ch.model_extra.get("prompt_token_ids")] == [list(range(1, 10))]
     assert all(body.get("return_token_ids") is True for _, body in up.posts)
+
+
+async def test_logprob_tokens_as_token_ids(plane, state):
+    """vLLM's `return_tokens_as_token_ids`: with `logprobs`, each token and alternative reads
+    "token_id:N" (the echoed prompt's too; text offsets counted on those strings), the same ids
+    `return_token_ids` gives and the same numbers as the plain request; chat's `bytes` stay the
+    token's text (an alternative's: the string's), as vLLM renders them. The sim refuses it."""
+    import re
+
+    from polyserve.proto import Deployment
+    await state.put_deployment(Deployment(id=HFDEP, model="tiny-llama-random", engine="hf"))
+    as_ids = {"return_tokens_as_token_ids": True, **IDS}
+    form = re.compile(r"token_id:\d+")
+    async with plane(worker_kw=HF) as p:
+        kw = dict(model=HFDEP, prompt="the quick brown fox", max_tokens=5, temperature=0, logprobs=2, echo=True)
+        plain = (await p.client.completions.create(**kw)).choices[0].logprobs
+        whole = (await p.client.completions.create(**kw, extra_body=as_ids)).choices[0]
+        lp, x = whole.logprobs, whole.model_extra
+        assert lp.tokens == [f"token_id:{t}" for t in x["prompt_token_ids"] + x["token_ids"]]
+        assert lp.token_logprobs == plain.token_logprobs and lp.top_logprobs[0] is None
+        assert all(form.fullmatch(k) for top in lp.top_logprobs[1:] for k in top)
+        assert [sorted(t.values()) for t in lp.top_logprobs[1:]] == [sorted(t.values()) for t in plain.top_logprobs[1:]]
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+        streamed = [c async for c in await p.client.completions.create(
+            model=HFDEP, prompt="the quick brown fox", max_tokens=5, temperature=0, logprobs=1, stream=True,
+            extra_body=as_ids)]
+        assert [t for e in streamed for ch in e.choices if ch.logprobs for t in ch.logprobs.tokens] == \
+            [f"token_id:{t}" for t in x["token_ids"]]
+        msgs = [{"role": "user", "content": "hi"}]
+        chat_plain = await p.client.chat.completions.create(model=HFDEP, messages=msgs, max_tokens=4, temperature=0,
+                                                            logprobs=True, top_logprobs=2)
+        chat = await p.client.chat.completions.create(model=HFDEP, messages=msgs, max_tokens=4, temperature=0,
+                                                      logprobs=True, top_logprobs=2, extra_body=as_ids)
+        content, ref = chat.choices[0].logprobs.content, chat_plain.choices[0].logprobs.content
+        assert [c.token for c in content] == [f"token_id:{t}" for t in chat.choices[0].model_extra["token_ids"]]
+        assert [c.bytes for c in content] == [r.bytes for r in ref] and [c.logprob for c in content] == \
+            [r.logprob for r in ref]
+        assert all(form.fullmatch(t.token) and t.bytes == list(t.token.encode()) for c in content for t in c.top_logprobs)
+    async with plane() as p:
+        with pytest.raises(openai.BadRequestError) as err:
+            await p.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=1,
+                                              extra_body={"return_tokens_as_token_ids": True})
+    assert err.value.body["param"] == "return_tokens_as_token_ids", err.value.body
