@@ -143,6 +143,9 @@ class SamplingParams(Msg, kw_only=True):
     # `close` (vLLM's reasoning_ended); past thinking_budget thinking tokens `close` is forced
     think: list[str] = []
     thinking_budget: int | None = None
+    # vLLM's cache_salt as the client sent it ("" = none); a worker salts its engine's prefix cache
+    # with it and the request's tenant (core/cache_salt.py)
+    cache_salt: str = ""
 
 
 class GenerateRequest(Msg, kw_only=True):

@@ -211,7 +211,16 @@ SAMPLING: dict[str, Rule] = {
     "mm_payload": R("no multimodal inputs", (None, "tensors"), "none"),
     "return_mm_kwargs": R("no multimodal inputs", (None, False), True),
     "mm_processor_kwargs": R("no multimodal inputs", (None, {}), {"x": 1}),
-    "cache_salt": R("no per-request prefix-cache isolation", (None,), "salt"),
+    "cache_salt": Rule(HONOURED, "vLLM's (1-256 characters): requests share cached prompt prefixes only with "
+                       "equal salts; the engine's salt is a hash of the API key's tenant and this salt, so no two "
+                       "tenants share and none can pick another's (docs/security.md)", example="salt", engines={
+                           "vllm": (HONOURED, "TokensPrompt.cache_salt; requests with a client key are salted by "
+                                    "tenant even without it (worker setting cache_salt_tenants)"),
+                           "openai-http": (HONOURED, "passed upstream as vLLM's field, hashed with the tenant (a "
+                                           "server without it, e.g. `transformers serve`, answers 422, passed on); "
+                                           "cache_salt_tenants=on salts every keyed request for a vLLM upstream"),
+                           "hf": (HONOURED, "the hf engine shares no KV cache between requests: nothing to salt"),
+                           "sim": (HONOURED, "the sim keeps no KV cache: nothing to salt")}),
     "kv_transfer_params": R("no KV transfer between engines", (None,), {"x": 1}),
     "ec_transfer_params": R("no encoder-cache transfer", (None,), {"x": 1}),
     "vllm_xargs": R("no extra engine arguments per request", (None, {}), {"x": 1}),

@@ -145,7 +145,7 @@ def sampling_params(body: CompletionBody | ChatBody, *, default_max_tokens: int,
                           allowed_token_ids=allowed_token_ids(body.allowed_token_ids),
                           bad_words=bad_words(body.bad_words),
                           skip_special_tokens=body.skip_special_tokens is not False,
-                          return_token_ids=bool(body.return_token_ids))
+                          return_token_ids=bool(body.return_token_ids), cache_salt=body.cache_salt or "")
 
 
 TEMPLATE_KWARGS_MAX_BYTES = 8192

@@ -43,7 +43,7 @@ from .context import Gateway, GatewayState
 from .errors import GatewayError
 from .handlers import RequestRun
 from .keys import ADMIN
-from .schemas import ChatMessage, ReasoningEffort
+from .schemas import MAX_SALT, ChatMessage, ReasoningEffort
 
 logger = logging.getLogger(__name__)
 ROLES = ("user", "system", "developer", "assistant")
@@ -82,6 +82,7 @@ class ResponsesBody(BaseModel):
     priority: int = 0
     user: str | None = None
     reasoning: Reasoning | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT)  # vLLM's (core/cache_salt.py)
 
 
 def add_response_routes(app: FastAPI) -> None:
@@ -147,7 +148,8 @@ def sampling(body: ResponsesBody, gs: GatewayState) -> SamplingParams:
                           top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0),
                           seed=body.seed, stop=stop, n=1, logprobs=logprobs_asked(body),
                           frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
-                          repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty)
+                          repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                          cache_salt=body.cache_salt or "")
 
 
 LOGPROBS = "message.output_text.logprobs"

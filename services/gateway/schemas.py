@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from polyserve.core.bounds import ATGT_SLO_RANGE_MS, THRESHOLD_MS, TTFT_SLO_RANGE_MS, WINDOW_S
+from polyserve.core.cache_salt import MAX_CHARS as MAX_SALT
 from polyserve.core.names import DEFAULT_SCALER, canonical_scaler
 from polyserve.proto import ATGT_SLO_MS, TTFT_SLO_MS
 
@@ -62,6 +63,7 @@ class _Sampling(BaseModel):
     return_token_ids: bool | None = False  # vLLM's: the prompt's and the output's token ids (policy.whole_token_ids)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and k alternatives (logprobs.py)
     return_tokens_as_token_ids: bool | None = False  # vLLM's: logprob tokens as "token_id:N" (logprobs.py)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT)  # vLLM's (core/cache_salt.py)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool | None = False
     priority: int = 0

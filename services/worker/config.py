@@ -57,6 +57,9 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
     # vllm engine: a JSON object of further AsyncEngineArgs fields (e.g. {"reasoning_parser": "qwen3"},
     # which `polyserve up --reasoning-parser` sets); fields this vLLM does not declare are dropped, logged
     vllm_engine_args: str = ""
+    # whether the request's tenant enters the prefix-cache salt (core/cache_salt.py): auto (vllm: yes;
+    # openai-http: only with a client's own cache_salt) | on | off (only a client's own salt)
+    cache_salt_tenants: str = "auto"
     encoder_max_length: int = 0  # encoder engine: the runtime's static input length (0 = the model's)
     encoder_batch: int = 1  # encoder engine: static batch size
     encoder_shape: str = "static"  # encoder engine: "static" runtime or "dynamic" (DT)
@@ -105,6 +108,8 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
             self._validate_upstream()
         if self.vllm_engine_args:
             _check_json_object(self.vllm_engine_args, "vllm_engine_args")
+        if self.cache_salt_tenants not in ("auto", "on", "off"):
+            raise SettingsError(f"cache_salt_tenants {self.cache_salt_tenants!r} is unknown; choose auto, on or off")
         if self.scheduling not in SCHEDULING:
             raise SettingsError(f"scheduling {self.scheduling!r} is unknown; choose one of {', '.join(SCHEDULING)}")
         if self.worker_id and any(c in self.worker_id for c in " .*>:"):

@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import json
 import sys
 import types
 from collections.abc import Callable
@@ -56,6 +57,9 @@ from typing import Any
 VERSION = "0.33.0"
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 EOS_ID = 0
+# TokensPrompt's keys in the 0.33.0 sources (vllm_surface.json, "vllm.inputs.llm.TokensPrompt")
+_SURFACE = Path(__file__).resolve().parents[2] / "services" / "worker" / "engines" / "vllm_surface.json"
+TOKENS_PROMPT_KEYS = frozenset(json.loads(_SURFACE.read_text())["classes"]["vllm.inputs.llm.TokensPrompt"]["attributes"])
 
 
 # --------------------------------------------------------------------- vllm.exceptions
@@ -359,6 +363,12 @@ class FakeAsyncLLM:
     def _validate(self, prompt: Any, params: SamplingParams, lora_request: Any, priority: int) -> list[int]:
         if lora_request is not None and not self.engine_args.enable_lora:
             raise ValueError(f"Got lora_request {lora_request} but LoRA is not enabled!")
+        if isinstance(prompt, dict):  # a TokensPrompt: its keys (vllm_surface.json), a salt non-empty
+            unknown = set(prompt) - TOKENS_PROMPT_KEYS
+            if unknown:
+                raise TypeError(f"TokensPrompt has no keys {sorted(unknown)}")
+            if "cache_salt" in prompt and not (isinstance(prompt["cache_salt"], str) and prompt["cache_salt"]):
+                raise VLLMValidationError("Parameter 'cache_salt' must be a non-empty string if provided.")
         ids = list(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else self.tokenizer.encode(prompt)
         if not ids:
             raise ValueError("The decoder prompt cannot be empty")

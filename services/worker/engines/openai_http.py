@@ -55,7 +55,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from polyserve.core import chat_template
+from polyserve.core import cache_salt, chat_template
 from polyserve.worker.engine import (
     Delta,
     Engine,
@@ -115,12 +115,12 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
 
         url = str(g("upstream_url", "") or "")
         if not url.startswith(("http://", "https://")):
-            raise EngineError("the openai-http engine needs upstream_url, the engine server's address "
-                              "(e.g. http://127.0.0.1:8000 for `vllm serve`; env POLYSERVE_WORKER_UPSTREAM_URL)",
-                              400)
+            raise EngineError("the openai-http engine needs upstream_url, the engine server's address (e.g. "
+                              "http://127.0.0.1:8000 for `vllm serve`; env POLYSERVE_WORKER_UPSTREAM_URL)", 400)
         self.root = server_root(url)
         self.api_url = self.root + "/v1"
         self.upstream_model = str(g("upstream_model", "") or "")
+        self.salt_mode = cache_salt.mode(str(g("cache_salt_tenants", "auto")))  # core/cache_salt.py
         self.model_name = str(g("model", "") or "") or self.upstream_model or "upstream-model"
         self.api_key = str(g("upstream_api_key", "") or "")
         metrics = str(g("upstream_metrics_url", "") or "")
@@ -269,7 +269,7 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
         if p.seed is not None:
             kw["seed"] = p.seed
         kw.update(openai_http_wire.penalty_fields(p))
-        extra = {**self.extra_body, **openai_http_wire.vllm_fields(p)}
+        extra = {**self.extra_body, **openai_http_wire.vllm_fields(p), **cache_salt.upstream(req, self.salt_mode)}
         extra.update(openai_http_wire.request_fields(p, self.structured_style))
         return kw, extra
 

@@ -88,7 +88,7 @@ SURFACE_USED = {
             "thinking_token_budget", "allowed_token_ids", "bad_words", "skip_special_tokens"],
         "vllm.sampling_params.StructuredOutputsParams": ["json", "regex", "choice", "grammar", "json_object"],
         "vllm.lora.request.LoRARequest": ["lora_name", "lora_int_id", "lora_path"],
-        "vllm.inputs.llm.TokensPrompt": ["prompt_token_ids"],
+        "vllm.inputs.llm.TokensPrompt": ["prompt_token_ids", "cache_salt"],
     },
     "members": {"vllm.sampling_params.RequestOutputKind": ["DELTA"]},
     "constants": {

@@ -17,8 +17,8 @@ vLLM API used (as in the 0.33.0 sources; `vllm_api` detects the rest):
   (1, 8, 16, 32, 64, 128, 256, 320, 512): a setting in between is rounded up for vLLM;
 - `AsyncLLM.from_engine_args(args)` (`vllm.v1.engine.async_llm`; `vllm.AsyncLLMEngine` is an alias
   of it; falls back to V0's `vllm.AsyncLLMEngine.from_engine_args` on releases without V1);
-- `engine.generate({"prompt_token_ids": ids}, SamplingParams, request_id, lora_request=..., priority=...)`
-  (a `TokensPrompt`): an async generator of `RequestOutput` (`.outputs[i]` = `CompletionOutput` with
+- `engine.generate({"prompt_token_ids": ids[, "cache_salt": salt]}, SamplingParams, request_id, lora_request=...,
+  priority=...)` (a `TokensPrompt`; the salt: core/cache_salt.py): an async generator of `RequestOutput` (`.outputs[i]` = `CompletionOutput` with
   `.index`, `.text`, `.token_ids`, `.finish_reason` in "stop"/"length"/"abort"/"error"/"repetition";
   `.finished`). With n > 1 an output may carry only some choices, so choices are keyed by `.index`,
   never by position. vLLM makes the request id unique internally (a random suffix) but `abort()`
@@ -72,6 +72,7 @@ from typing import Any
 
 import msgspec
 
+from polyserve.core import cache_salt
 from polyserve.proto import AdapterInfo
 from polyserve.worker.engine import (
     Delta,
@@ -138,6 +139,7 @@ class VllmEngine(Engine):
         self.max_batch = int(getattr(settings, "max_batch", 64))
         self.max_input_len = int(getattr(settings, "max_input_len", 4096))
         self.scheduling = getattr(settings, "scheduling", "fcfs") or "fcfs"
+        self.salt_mode = cache_salt.mode(getattr(settings, "cache_salt_tenants", "auto"))
         if self.scheduling not in ("fcfs", "priority"):
             raise EngineError(f"scheduling {self.scheduling!r} is unknown; vLLM offers fcfs and priority", 400)
         self.enable_lora = bool(getattr(settings, "enable_lora", True))
@@ -261,8 +263,8 @@ class VllmEngine(Engine):
         priority = act.req.priority if self.scheduling == "priority" else 0  # V0 rejects priority under fcfs
         out = None
         try:
-            stream = self._engine.generate({"prompt_token_ids": act.ids}, act.sampling, act.req.request_id,
-                                           lora_request=act.lora, priority=priority)
+            stream = self._engine.generate(cache_salt.tokens_prompt(act.ids, act.req, self.salt_mode), act.sampling,
+                                           act.req.request_id, lora_request=act.lora, priority=priority)
             try:
                 async for out in stream:
                     if act.done:
