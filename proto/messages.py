@@ -79,6 +79,9 @@ class DispatchRequest(Msg, kw_only=True):
     exclude: list[str] = []
     adapter_rank: int = 0  # LoRA rank of `adapter` from the registry (0 = base model or unknown)
     max_tokens: int = 0  # the request's hard cap on output tokens (0 = none known); predicted_tokens <= it
+    # a hash of (tenant, prompt_cache_key), "" = none: the gateway places such requests on the key's
+    # worker unless it is overloaded (gateway/routing.py); the dispatcher's policies do not read it
+    affinity: str = ""
 
 
 class Placement(Msg, kw_only=True):

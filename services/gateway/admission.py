@@ -264,7 +264,10 @@ def place_here(gs: GatewayState, req: DispatchRequest, policy: str) -> tuple[Pla
     fits = candidates(gs.fresh_heartbeats(req.deployment), req.input_tokens, req.exclude)
     if not fits or not gs.fleet_steady(fits[0].ttl_s):
         return None
-    hb = gs.router.choose(policy, req.deployment, fits)
+    if req.affinity:  # prompt_cache_key: the key's worker unless it is overloaded (routing.py)
+        hb, policy = gs.router.affine(req.affinity, fits, gs.settings.affinity_load_factor), policy + "+affinity"
+    else:
+        hb = gs.router.choose(policy, req.deployment, fits)
     free = hb.waiting == 0 and gs.router.load(hb) < max(1, hb.max_batch)
     gs.router.assign(req.request_id, hb.worker_id)
     return _placement(gs, req, hb, policy), free

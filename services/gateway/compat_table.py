@@ -131,7 +131,10 @@ SAMPLING: dict[str, Rule] = {
     "session_id": I("a routing hint; the dispatcher places by load and SLO, not by session", "s1"),
     "stream_interval": I("chunks are relayed as the worker emits them; the text is the same", 2),
     "service_tier": I("polyserve schedules by priority and SLO, not by OpenAI's service tiers", "default"),
-    "prompt_cache_key": I("a cache-routing hint; the dispatcher does not route by cache key", "k"),
+    "prompt_cache_key": H("cache affinity (up to 256 characters): requests with one key (per tenant) go to one "
+                          "worker while its load stays within `affinity_load_factor` (1.25) x the mean plus 4, so its "
+                          "prompt prefix cache serves them (consistent hashing with bounded loads; the gateway places them: "
+                          "load-only policies, no LoRA adapter; the dispatcher's policies do not read it)", "k"),
     "safety_identifier": I("polyserve keeps no per-user accounting", "someone"),
     "store": R("polyserve stores no completions", (None, False), True),
     "frequency_penalty": PEN("-2 to 2: each token's logit minus f x its count in the output so far", 0.5),

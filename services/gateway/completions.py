@@ -79,6 +79,7 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
     runs = [RequestRun(gs=gs, deployment=adm.deployment, prompt=p, params=params, stream=bool(body.stream),
                        adapter=adm.adapter, priority=body.priority, chat=turns, chat_end=chat_end,
                        tools=tl.definitions() if tl is not None else None, template_kwargs=template_kwargs,
+                       cache_key=body.prompt_cache_key or "",
                        **({"request_id": f"{batch_id}-{i}"} if batch_id else {}))
             for i, p in enumerate(prompts)]
     rid = batch_id or runs[0].request_id

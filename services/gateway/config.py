@@ -28,6 +28,9 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     # random; no LoRA adapter) in the gateway, from heartbeats and its own requests in flight,
     # without a dispatcher round trip (routing.py); false = ask the dispatcher for every request.
     local_dispatch: bool = True
+    # requests with one prompt_cache_key (per tenant) go to one worker while its load stays within
+    # this factor of the mean (consistent hashing with bounded loads; routing.py); >= 1
+    affinity_load_factor: float = 1.25
     accept_timeout_s: float = 2.0  # worker must acknowledge a generate request within this
     first_token_timeout_s: float = 60.0
     idle_timeout_s: float = 10.0  # no chunk from the worker for this long once it streams -> explicit error (504)
@@ -85,6 +88,9 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
         super().validate()
         if not 0 <= self.port < 65536:
             raise SettingsError(f"port {self.port} is not a TCP port")
+        if self.affinity_load_factor < 1.0:
+            raise SettingsError(f"affinity_load_factor {self.affinity_load_factor} must be >= 1 (1 = no worker above "
+                                "the mean load)")
         if self.max_inflight < 1 or self.max_tokens_limit < 1:
             raise SettingsError("max_inflight and max_tokens_limit must be >= 1")
         if min(self.predict_timeout_s, self.dispatch_timeout_s, self.idle_timeout_s, self.gap_wait_s) <= 0:

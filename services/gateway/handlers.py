@@ -38,7 +38,7 @@ from polyserve.proto import (
 )
 from polyserve.shared.bus import BusError, decode, error_of
 
-from . import admission, tenancy
+from . import admission, routing, tenancy
 from .context import GatewayState
 from .delivery import Delivery, WorkerDied, next_message
 from .errors import GatewayError, status_of
@@ -103,6 +103,7 @@ class RequestRun(Delivery):
     _fresh: bool = False  # moved to a new worker that has sent nothing yet (its first-token limit)
     _peeked: tuple[Any, TokenChunk] | None = None  # (message, its chunk) decoded by `has_next`
     tenant: str = field(default_factory=tenancy.current_tenant)  # the API key's tenant; "" without keys
+    cache_key: str = ""  # prompt_cache_key: its requests go to one worker (routing.affinity)
     chat: list[ChatTurn] | None = None  # a chat's messages, for a worker whose model has a chat template
     chat_end: str = "open"  # how the chat's prompt ends (GenerateRequest.chat_end; policy.chat_end)
     tools: list[dict] | None = None  # the chat's listed tools, for a worker's chat template (GenerateRequest.tools)
@@ -288,7 +289,8 @@ class RequestRun(Delivery):
             request_id=self.request_id, deployment=self.deployment.id, model=self.deployment.model,
             input_tokens=self.input_tokens, predicted_tokens=p.tokens_estimate if p else 0,
             length_class=p.length_class if p else -1, adapter=a.name if a else None, priority=self.priority,
-            exclude=excluded, adapter_rank=a.rank if a else 0, max_tokens=self.params.max_tokens)
+            exclude=excluded, adapter_rank=a.rank if a else 0, max_tokens=self.params.max_tokens,
+            affinity=routing.affinity(self.tenant, self.cache_key))
 
     def _generate(self, inbox: str, resume: Resume | None = None) -> GenerateRequest:
         p, a = self.prediction, self.adapter

@@ -83,6 +83,7 @@ class ResponsesBody(BaseModel):
     user: str | None = None
     reasoning: Reasoning | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT)  # vLLM's (core/cache_salt.py)
+    prompt_cache_key: str | None = Field(None, max_length=MAX_SALT)  # OpenAI's: routing affinity (routing.py)
 
 
 def add_response_routes(app: FastAPI) -> None:
@@ -358,6 +359,7 @@ async def create(body: ResponsesBody, request: Request, gs: Gateway) -> Response
                            f"{gs.settings.max_prompt_chars}", "input")
     run = RequestRun(gs=gs, deployment=adm.deployment, prompt=prompt, params=params, stream=bool(body.stream),
                      adapter=adm.adapter, priority=body.priority, request_id=turn.rid, chat=turn.turns(),
+                     cache_key=body.prompt_cache_key or "",
                      tools=tl.definitions(), template_kwargs=policy.template_kwargs(
                          None, body.reasoning.effort if body.reasoning else None))
     span = adm.begin("gateway response", request.headers)

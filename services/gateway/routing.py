@@ -13,15 +13,27 @@ job) and everything while the gateway has no fresh heartbeat of the deployment.
 `local_dispatch = false` (setting) sends every request to the dispatcher as before.
 
 The same counts serve the fallback when no dispatcher answers (`admission.local_placement`).
+
+Cache affinity (`prompt_cache_key`): requests that carry the same key (per tenant) go to the same
+worker, so a vLLM worker finds their shared prompt prefix in its cache, unless that worker is
+overloaded: consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam, SODA 2018),
+here by rendezvous hashing (`LocalRouter.affine`).
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 import random
 from collections.abc import Sequence
 
 from polyserve.proto import Heartbeat
 
 LOCAL_POLICIES = frozenset({"round_robin", "least_outstanding", "power_of_two", "random"})
+# Requests a key's worker may hold beyond factor x the mean load: at low load the bound alone
+# (ceil(1.25 x 2 / 3) = 1 with two requests on three workers) would split every key; an absolute
+# margin as SGLang's cache-aware router has (its balance_abs_threshold)
+AFFINITY_SLACK = 4
 
 
 class LocalRouter:
@@ -94,6 +106,27 @@ class LocalRouter:
         if policy == "power_of_two" and len(workers) > 2:
             return min(self._rng.sample(list(workers), 2), key=self._key)
         return min(workers, key=self._key)  # least_outstanding, and power_of_two of <= 2
+
+
+    def affine(self, key: str, workers: Sequence[Heartbeat], factor: float) -> Heartbeat:
+        """The worker for affinity `key` among `workers` (non-empty): the workers ranked by a hash of
+        (key, worker id), the first whose load with this request stays within `factor` x the mean
+        load (rounded up) plus AFFINITY_SLACK. A key keeps its worker while that worker is not
+        overloaded, and moves to the same second choice when it is; a worker that comes or goes
+        moves only the keys that rank it first."""
+        bound = math.ceil(factor * (sum(self.load(hb) for hb in workers) + 1) / len(workers)) + AFFINITY_SLACK
+        ranked = sorted(workers, key=lambda hb: _weight(key, hb.worker_id), reverse=True)
+        return next((hb for hb in ranked if self.load(hb) + 1 <= bound), ranked[0])
+
+
+def affinity(tenant: str, key: str) -> str:
+    """A request's affinity from its `prompt_cache_key` ("" = none): a hash of (tenant, key), so
+    that equal keys of two tenants are unrelated."""
+    return hashlib.blake2b(json.dumps([tenant, key]).encode(), digest_size=8).hexdigest() if key else ""
+
+
+def _weight(key: str, worker_id: str) -> bytes:
+    return hashlib.blake2b(f"{key}\0{worker_id}".encode(), digest_size=8).digest()
 
 
 def candidates(live: Sequence[Heartbeat], input_tokens: int, exclude: Sequence[str]) -> list[Heartbeat]:

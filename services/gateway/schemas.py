@@ -64,6 +64,7 @@ class _Sampling(BaseModel):
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and k alternatives (logprobs.py)
     return_tokens_as_token_ids: bool | None = False  # vLLM's: logprob tokens as "token_id:N" (logprobs.py)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT)  # vLLM's (core/cache_salt.py)
+    prompt_cache_key: str | None = Field(None, max_length=MAX_SALT)  # OpenAI's: routing affinity (routing.py)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool | None = False
     priority: int = 0

@@ -59,3 +59,14 @@ def plane(make_settings, state, span_exporter):
             await client.close()
 
     return start
+
+
+def sim_fleet(make_settings, worker_ids, time_scale: float = 0.2) -> tuple[GatewayService, list]:
+    """A gateway, a predictor, a dispatcher and one sim worker per id (deployment MODEL, fast
+    heartbeats): (gateway, every service, to start with `running`)."""
+    workers = [WorkerService(make_settings(WorkerSettings, "worker", worker_id=wid, deployment=MODEL, model=MODEL,
+                                           engine="sim", time_scale=time_scale, heartbeat_interval_s=0.2,
+                                           heartbeat_ttl_s=1.0)) for wid in worker_ids]
+    gw = GatewayService(make_settings(GatewaySettings, "gateway", port=0))
+    return gw, [PredictorService(make_settings(PredictorSettings, "predictor", proxy_artifact="")),
+                DispatcherService(make_settings(DispatcherSettings, "dispatcher")), *workers, gw]

@@ -7,18 +7,10 @@ import asyncio
 import openai
 import pytest
 
-from polyserve.dispatcher.config import DispatcherSettings
-from polyserve.dispatcher.service import DispatcherService
-from polyserve.gateway.config import GatewaySettings
-from polyserve.gateway.service import GatewayService
-from polyserve.predictor.config import PredictorSettings
-from polyserve.predictor.service import PredictorService
 from polyserve.proto import AnyEvent, Deployment, DispatchRequest, GenerateRequest, PredictBatch
 from polyserve.shared.bus import decode
-from polyserve.worker.config import WorkerSettings
-from polyserve.worker.service import WorkerService
 from tests.helpers import assert_lifecycle, running, wait_for
-from tests.integration.conftest import MODEL
+from tests.integration.conftest import MODEL, sim_fleet
 
 pytestmark = pytest.mark.integration
 
@@ -56,12 +48,7 @@ async def test_least_outstanding_is_placed_in_the_gateway_and_spread(make_settin
     await bus.nc.flush()
 
     await state.put_deployment(Deployment(id=MODEL, model=MODEL, engine="sim", policy="least_outstanding"))
-    workers = [WorkerService(make_settings(WorkerSettings, "worker", worker_id=wid, deployment=MODEL, model=MODEL,
-                                           engine="sim", time_scale=0.2, heartbeat_interval_s=0.2,
-                                           heartbeat_ttl_s=1.0)) for wid in generated]
-    gw = GatewayService(make_settings(GatewaySettings, "gateway", port=0))
-    services = [PredictorService(make_settings(PredictorSettings, "predictor", proxy_artifact="")),
-                DispatcherService(make_settings(DispatcherSettings, "dispatcher")), *workers, gw]
+    gw, services = sim_fleet(make_settings, list(generated))
     async with running(*services):
         await wait_for(lambda: len(gw.gs.fresh_heartbeats(MODEL)) == 2, what="both workers' heartbeats")
         client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=20)

@@ -150,3 +150,43 @@ def test_after_a_fleet_wide_silence_placement_goes_the_dispatcher_path_for_a_ttl
     assert admission.place_here(gs, _req(request_id="r3"), "least_outstanding") is None
     gs._silence_end -= 10.0  # a TTL later
     assert admission.place_here(gs, _req(request_id="r4"), "least_outstanding") is not None
+
+
+def test_affinity_keeps_a_key_on_its_worker_until_it_is_overloaded():
+    """Consistent hashing with bounded loads (routing.LocalRouter.affine): a key's requests stay on
+    one worker; past factor x the mean load they spill to the key's own second choice; keys spread
+    over the workers; a worker that goes away moves only the keys that ranked it first."""
+    from polyserve.gateway.routing import affinity
+
+    r = LocalRouter()
+    ws = [hb(w, max_batch=64) for w in "abcd"]
+    key = affinity("acme", "system-prompt-1")
+    assert key == affinity("acme", "system-prompt-1") != affinity("evil", "system-prompt-1") and affinity("x", "") == ""
+    home = r.affine(key, ws, 1.25)
+    for i in range(7):  # within the bound: always home
+        assert r.affine(key, ws, 1.25) is home
+        r.assign(f"k{i}", home.worker_id)
+    # home now holds 7 of 7 in flight: the bound is ceil(1.25 * 8 / 4) + AFFINITY_SLACK = 7, so the
+    # key spills, and always to the same second choice
+    second = r.affine(key, ws, 1.25)
+    assert second is not home and r.affine(key, ws, 1.25) is second
+    for i in range(7):
+        r.release(f"k{i}")
+    assert r.affine(key, ws, 1.25) is home  # back home once its load falls
+    homes = {i: r.affine(affinity("t", f"key{i}"), ws, 1.25).worker_id for i in range(400)}
+    counts = {w: list(homes.values()).count(w) for w in "abcd"}
+    assert min(counts.values()) > 60, counts  # 400 keys over 4 workers: none left out
+    without_b = {i: r.affine(affinity("t", f"key{i}"), [w for w in ws if w.worker_id != "b"], 1.25).worker_id
+                 for i in range(400)}
+    assert all(without_b[i] == homes[i] for i in range(400) if homes[i] != "b")  # only b's keys moved
+
+
+def test_place_here_uses_a_requests_affinity_for_load_only_policies():
+    gs = _state()
+    for w in "abc":
+        asyncio.run(gs.on_heartbeat(hb(w, max_batch=8)))
+    placed = [admission.place_here(gs, _req(request_id=f"r{i}", affinity="k1"), "round_robin")[0] for i in range(2)]
+    assert placed[0].worker_id == placed[1].worker_id and placed[0].policy == "round_robin+affinity"
+    plain = [admission.place_here(gs, _req(request_id=f"p{i}"), "round_robin")[0].worker_id for i in range(3)]
+    assert sorted(plain) == ["a", "b", "c"]  # without a key: the policy's own order
+    assert admission.place_here(gs, _req(affinity="k1"), "aladdin") is None  # the dispatcher's policies: not here

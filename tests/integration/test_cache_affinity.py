@@ -1,0 +1,52 @@
+"""Cache affinity end to end (gateway/routing.py): three sim workers, the gateway over HTTP and the
+official `openai` client. Requests with one `prompt_cache_key` all reach one worker (whose prefix
+cache would hold their common prompt), on completions, chat and the Responses API alike; requests
+without a key are spread by the deployment's policy; many keys use every worker."""
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import openai
+import pytest
+
+from polyserve.proto import Deployment, GenerateRequest
+from tests.helpers import running, wait_for
+from tests.integration.conftest import MODEL, sim_fleet
+
+pytestmark = pytest.mark.integration
+WORKERS = ("w-a", "w-b", "w-c")
+
+
+async def test_one_key_one_worker_and_no_key_spread(make_settings, state, bus, subjects):
+    where: dict[str, str] = {}  # request id -> the worker it was sent to
+
+    for wid in WORKERS:
+        async def on_generate(req: GenerateRequest, wid=wid):
+            where[req.request_id] = wid
+        await bus.listen(subjects.generate(wid), GenerateRequest, on_generate)
+    await bus.nc.flush()
+    await state.put_deployment(Deployment(id=MODEL, model=MODEL, engine="sim", policy="least_outstanding"))
+    gw, services = sim_fleet(make_settings, WORKERS)
+    async with running(*services):
+        await wait_for(lambda: len(gw.gs.fresh_heartbeats(MODEL)) == 3, what="three workers' heartbeats")
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=20)
+        key = {"prompt_cache_key": "support-bot-v1"}
+        keyed = await asyncio.gather(
+            *(client.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=8, extra_body=key) for i in range(4)),
+            *(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"q{i}"}],
+                                             max_tokens=8, extra_body=key) for i in range(2)))
+        resp = await client.responses.create(model=MODEL, input="r", max_output_tokens=8, extra_body=key)
+        plain = await asyncio.gather(*(client.completions.create(model=MODEL, prompt=f"x{i}", max_tokens=8)
+                                       for i in range(6)))
+        many = await asyncio.gather(*(client.completions.create(model=MODEL, prompt="y", max_tokens=4,
+                                                                extra_body={"prompt_cache_key": f"k{i}"})
+                                      for i in range(24)))
+        await client.close()
+        ids = [c.id for c in keyed + plain + many] + [resp.id]
+        await wait_for(lambda: all(i in where for i in ids), what="every placement")
+    homes = {where[c.id] for c in keyed}
+    assert len(homes) == 1, [where[c.id] for c in keyed]  # one key: one worker
+    assert sorted(Counter(where[c.id] for c in plain).values()) == [2, 2, 2]  # no key: least_outstanding
+    assert set(Counter(where[c.id] for c in many)) == set(WORKERS)  # many keys: every worker
+    assert where[resp.id] in homes  # the Responses API's request went home too
