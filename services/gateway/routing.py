@@ -107,7 +107,6 @@ class LocalRouter:
             return min(self._rng.sample(list(workers), 2), key=self._key)
         return min(workers, key=self._key)  # least_outstanding, and power_of_two of <= 2
 
-
     def affine(self, key: str, workers: Sequence[Heartbeat], factor: float) -> Heartbeat:
         """The worker for affinity `key` among `workers` (non-empty): the workers ranked by a hash of
         (key, worker id), the first whose load with this request stays within `factor` x the mean

@@ -6,6 +6,7 @@ from typing import Any
 
 import msgspec
 
+from polyserve.core import cache_salt
 from polyserve.shared import settings as settings_mod
 from polyserve.shared.settings import CommonSettings, SettingsError
 
@@ -108,8 +109,9 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
             self._validate_upstream()
         if self.vllm_engine_args:
             _check_json_object(self.vllm_engine_args, "vllm_engine_args")
-        if self.cache_salt_tenants not in ("auto", "on", "off"):
-            raise SettingsError(f"cache_salt_tenants {self.cache_salt_tenants!r} is unknown; choose auto, on or off")
+        if self.cache_salt_tenants not in cache_salt.MODES:
+            raise SettingsError(f"cache_salt_tenants {self.cache_salt_tenants!r} is unknown; choose one of "
+                                f"{', '.join(cache_salt.MODES)}")
         if self.scheduling not in SCHEDULING:
             raise SettingsError(f"scheduling {self.scheduling!r} is unknown; choose one of {', '.join(SCHEDULING)}")
         if self.worker_id and any(c in self.worker_id for c in " .*>:"):

@@ -17,11 +17,11 @@ vLLM API used (as in the 0.33.0 sources; `vllm_api` detects the rest):
   (1, 8, 16, 32, 64, 128, 256, 320, 512): a setting in between is rounded up for vLLM;
 - `AsyncLLM.from_engine_args(args)` (`vllm.v1.engine.async_llm`; `vllm.AsyncLLMEngine` is an alias
   of it; falls back to V0's `vllm.AsyncLLMEngine.from_engine_args` on releases without V1);
-- `engine.generate({"prompt_token_ids": ids[, "cache_salt": salt]}, SamplingParams, request_id, lora_request=...,
-  priority=...)` (a `TokensPrompt`; the salt: core/cache_salt.py): an async generator of `RequestOutput` (`.outputs[i]` = `CompletionOutput` with
-  `.index`, `.text`, `.token_ids`, `.finish_reason` in "stop"/"length"/"abort"/"error"/"repetition";
-  `.finished`). With n > 1 an output may carry only some choices, so choices are keyed by `.index`,
-  never by position. vLLM makes the request id unique internally (a random suffix) but `abort()`
+- `engine.generate({"prompt_token_ids": ids[, "cache_salt": salt]}, SamplingParams, request_id,
+  lora_request=..., priority=...)` (a `TokensPrompt`; the salt: core/cache_salt.py): an async generator of
+  `RequestOutput` (`.outputs[i]` = `CompletionOutput` with `.index`, `.text`, `.token_ids`, `.finish_reason`
+  in "stop"/"length"/"abort"/"error"/"repetition"; `.finished`). With n > 1 an output may carry only some
+  choices, so choices are keyed by `.index`, never by position. vLLM makes the request id unique internally (a random suffix) but `abort()`
   takes the id passed to generate();
 - `SamplingParams(n, temperature, top_p, top_k, seed, stop, max_tokens, min_tokens,
   output_kind=RequestOutputKind.DELTA, structured_outputs=StructuredOutputsParams(...), logprobs=k,
