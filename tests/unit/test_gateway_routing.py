@@ -190,3 +190,16 @@ def test_place_here_uses_a_requests_affinity_for_load_only_policies():
     plain = [admission.place_here(gs, _req(request_id=f"p{i}"), "round_robin")[0].worker_id for i in range(3)]
     assert sorted(plain) == ["a", "b", "c"]  # without a key: the policy's own order
     assert admission.place_here(gs, _req(affinity="k1"), "aladdin") is None  # the dispatcher's policies: not here
+
+
+def test_a_keyed_request_moved_off_its_worker_goes_to_the_keys_second_choice():
+    """Migration and re-dispatch exclude the worker a request died on (`DispatchRequest.exclude`):
+    a keyed request then lands on its key's next worker, the same one every time, so the key's
+    other requests that move with it meet again there."""
+    gs = _state()
+    for w in "abcd":
+        asyncio.run(gs.on_heartbeat(hb(w, max_batch=8)))
+    home = admission.place_here(gs, _req(request_id="r0", affinity="k9"), "least_outstanding")[0].worker_id
+    moved = {admission.place_here(gs, _req(request_id=f"m{i}", affinity="k9", exclude=[home]),
+                                  "least_outstanding")[0].worker_id for i in range(3)}
+    assert len(moved) == 1 and home not in moved
