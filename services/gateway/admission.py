@@ -46,7 +46,7 @@ from . import policy, tenancy
 from .context import GatewayState
 from .errors import GatewayError, status_of
 from .policy import InvalidRequest
-from .routing import LOCAL_POLICIES, candidates
+from .routing import LOCAL_POLICIES, candidates, ranked_for
 
 logger = logging.getLogger(__name__)
 
@@ -266,6 +266,8 @@ def place_here(gs: GatewayState, req: DispatchRequest, policy: str) -> tuple[Pla
         return None
     if req.affinity:  # prompt_cache_key: the key's worker unless it is overloaded (routing.py)
         hb, policy = gs.router.affine(req.affinity, fits, gs.settings.affinity_load_factor), policy + "+affinity"
+        home = hb is ranked_for(req.affinity, fits)[0]
+        gs.metrics.affinity.labels(req.deployment, "home" if home else "spilled").inc()
     else:
         hb = gs.router.choose(policy, req.deployment, fits)
     free = hb.waiting == 0 and gs.router.load(hb) < max(1, hb.max_batch)

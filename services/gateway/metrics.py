@@ -32,6 +32,9 @@ class Metrics:
         self.inflight = Gauge("polyserve_inflight_requests", "Requests in flight", registry=self.registry)
         self.rejected = Counter("polyserve_rejected_total", "Requests refused before admission",
                                 ["reason"], registry=self.registry)
+        self.affinity = Counter("polyserve_affinity_placements_total", "Requests with a prompt_cache_key placed by "
+                                "this gateway: on the key's own worker (home) or, that one being overloaded, on the "
+                                "next in the key's order (spilled)", ["deployment", "outcome"], registry=self.registry)
         self.fallbacks = Counter("polyserve_gateway_fallbacks_total", "Predictions (predict) and placements "
                                  "(dispatch) the gateway made itself: the predictor or dispatcher did not answer",
                                  ["kind"], registry=self.registry)

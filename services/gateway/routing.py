@@ -114,8 +114,13 @@ class LocalRouter:
         overloaded, and moves to the same second choice when it is; a worker that comes or goes
         moves only the keys that rank it first."""
         bound = math.ceil(factor * (sum(self.load(hb) for hb in workers) + 1) / len(workers)) + AFFINITY_SLACK
-        ranked = sorted(workers, key=lambda hb: _weight(key, hb.worker_id), reverse=True)
+        ranked = ranked_for(key, workers)
         return next((hb for hb in ranked if self.load(hb) + 1 <= bound), ranked[0])
+
+
+def ranked_for(key: str, workers: Sequence[Heartbeat]) -> list[Heartbeat]:
+    """`workers` in affinity `key`'s order (rendezvous hashing): the first is the key's home."""
+    return sorted(workers, key=lambda hb: _weight(key, hb.worker_id), reverse=True)
 
 
 def affinity(tenant: str, key: str) -> str:

@@ -43,6 +43,8 @@ async def test_one_key_one_worker_and_no_key_spread(make_settings, state, bus, s
                                                                 extra_body={"prompt_cache_key": f"k{i}"})
                                       for i in range(24)))
         await client.close()
+        counted = gw.gs.metrics.render().decode()
+        assert f'polyserve_affinity_placements_total{{deployment="{MODEL}",outcome="home"}} 31.0' in counted
         ids = [c.id for c in keyed + plain + many] + [resp.id]
         await wait_for(lambda: all(i in where for i in ids), what="every placement")
     homes = {where[c.id] for c in keyed}

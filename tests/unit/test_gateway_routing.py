@@ -190,6 +190,13 @@ def test_place_here_uses_a_requests_affinity_for_load_only_policies():
     plain = [admission.place_here(gs, _req(request_id=f"p{i}"), "round_robin")[0].worker_id for i in range(3)]
     assert sorted(plain) == ["a", "b", "c"]  # without a key: the policy's own order
     assert admission.place_here(gs, _req(affinity="k1"), "aladdin") is None  # the dispatcher's policies: not here
+    text = gs.metrics.render().decode()
+    assert 'polyserve_affinity_placements_total{deployment="d",outcome="home"} 2.0' in text
+    for i in range(2, 20):  # keep the key's requests coming: past the bound one spills, and is counted so
+        if admission.place_here(gs, _req(request_id=f"r{i}", affinity="k1"), "round_robin")[0].worker_id != \
+                placed[0].worker_id:
+            break
+    assert i < 19 and 'outcome="spilled"} 1.0' in gs.metrics.render().decode()
 
 
 def test_a_keyed_request_moved_off_its_worker_goes_to_the_keys_second_choice():
