@@ -265,9 +265,9 @@ def place_here(gs: GatewayState, req: DispatchRequest, policy: str) -> tuple[Pla
     if not fits or not gs.fleet_steady(fits[0].ttl_s):
         return None
     if req.affinity:  # prompt_cache_key: the key's worker unless it is overloaded (routing.py)
-        hb, policy = gs.router.affine(req.affinity, fits, gs.settings.affinity_load_factor), policy + "+affinity"
-        home = hb is ranked_for(req.affinity, fits)[0]
-        gs.metrics.affinity.labels(req.deployment, "home" if home else "spilled").inc()
+        ranked = ranked_for(req.affinity, fits)
+        hb, policy = gs.router.first_within(ranked, gs.settings.affinity_load_factor), policy + "+affinity"
+        gs.metrics.affinity.labels(req.deployment, "home" if hb is ranked[0] else "spilled").inc()
     else:
         hb = gs.router.choose(policy, req.deployment, fits)
     free = hb.waiting == 0 and gs.router.load(hb) < max(1, hb.max_batch)

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from polyserve.proto import SamplingParams, TokenLogprob
+from polyserve.proto import SamplingParams, TokenLogprob, TopLogprob
 
 from .policy import InvalidRequest
 
@@ -102,12 +102,11 @@ def chat_content(entries: list[TokenLogprob], as_ids: bool = False) -> list[dict
     """Chat's `logprobs.content`. `as_ids` (vLLM's return_tokens_as_token_ids): each token and
     alternative as "token_id:N"; the token's `bytes` stay its text's, an alternative's are the
     string's (as vLLM renders them)."""
-    if as_ids:
-        return [{"token": _id(e.token_id), "logprob": e.logprob, "bytes": _bytes(e.token),
-                 "top_logprobs": [{"token": _id(t.token_id), "logprob": t.logprob, "bytes": _bytes(_id(t.token_id))}
-                                  for t in e.top]} for e in entries]
-    return [{"token": e.token, "logprob": e.logprob, "bytes": _bytes(e.token),
-             "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": _bytes(t.token)} for t in e.top]}
+    def name(t: TokenLogprob | TopLogprob) -> str:
+        return _id(t.token_id) if as_ids else t.token
+
+    return [{"token": name(e), "logprob": e.logprob, "bytes": _bytes(e.token),
+             "top_logprobs": [{"token": name(t), "logprob": t.logprob, "bytes": _bytes(name(t))} for t in e.top]}
             for e in entries]
 
 

@@ -113,8 +113,12 @@ class LocalRouter:
         load (rounded up) plus AFFINITY_SLACK. A key keeps its worker while that worker is not
         overloaded, and moves to the same second choice when it is; a worker that comes or goes
         moves only the keys that rank it first."""
-        bound = math.ceil(factor * (sum(self.load(hb) for hb in workers) + 1) / len(workers)) + AFFINITY_SLACK
-        ranked = ranked_for(key, workers)
+        return self.first_within(ranked_for(key, workers), factor)
+
+    def first_within(self, ranked: Sequence[Heartbeat], factor: float) -> Heartbeat:
+        """The first of `ranked` (a key's order, `ranked_for`) whose load with one more request stays
+        within the bound of `affine`."""
+        bound = math.ceil(factor * (sum(self.load(hb) for hb in ranked) + 1) / len(ranked)) + AFFINITY_SLACK
         return next((hb for hb in ranked if self.load(hb) + 1 <= bound), ranked[0])
 
 
