@@ -253,12 +253,14 @@ def predict_later(gs: GatewayState, req: PredictRequest, base: dict) -> asyncio.
     return out
 
 
-def place_here(gs: GatewayState, req: DispatchRequest, policy: str) -> tuple[Placement, bool] | None:
+def place_here(gs: GatewayState, req: DispatchRequest, policy: str,
+               prefix: tuple[int, ...] = ()) -> tuple[Placement, bool] | None:
     """The gateway's own placement of `req` (routing.py), and whether the chosen worker has a
     free batch slot (the request starts there at once); None when the dispatcher must decide:
     `local_dispatch` off, a policy that reads more than worker load, a LoRA adapter, no
     fresh heartbeat of a worker that can take the request, or a fleet not heard as usual
-    (`GatewayState.fleet_steady`: during and just after a NATS stall)."""
+    (`GatewayState.fleet_steady`: during and just after a NATS stall). `prefix`: the prompt's
+    block hashes where prefix-aware placement applies (prefixes.py)."""
     if not gs.settings.local_dispatch or policy not in LOCAL_POLICIES or req.adapter:
         return None
     fits = candidates(gs.fresh_heartbeats(req.deployment), req.input_tokens, req.exclude)
@@ -268,6 +270,8 @@ def place_here(gs: GatewayState, req: DispatchRequest, policy: str) -> tuple[Pla
         ranked = ranked_for(req.affinity, fits)
         hb, policy = gs.router.first_within(ranked, gs.settings.affinity_load_factor), policy + "+affinity"
         gs.metrics.affinity.labels(req.deployment, "home" if hb is ranked[0] else "spilled").inc()
+    elif prefix:  # the worker that has the longest start of the prompt, unless it is overloaded
+        hb, policy = _by_prefix(gs, req, policy, fits, prefix)
     else:
         hb = gs.router.choose(policy, req.deployment, fits)
     free = hb.waiting == 0 and gs.router.load(hb) < max(1, hb.max_batch)
@@ -275,8 +279,22 @@ def place_here(gs: GatewayState, req: DispatchRequest, policy: str) -> tuple[Pla
     return _placement(gs, req, hb, policy), free
 
 
+def _by_prefix(gs: GatewayState, req: DispatchRequest, policy: str, fits: list[Heartbeat],
+               prefix: tuple[int, ...]) -> tuple[Heartbeat, str]:
+    holders, _ = gs.prefixes.longest(prefix, {hb.worker_id for hb in fits})
+    if holders:
+        home = gs.router.least([hb for hb in fits if hb.worker_id in holders])
+        ok = gs.router.within(home, fits, gs.settings.affinity_load_factor)
+        gs.metrics.prefix.labels(req.deployment, "hit" if ok else "spilled").inc()
+        if ok:
+            return home, policy + "+prefix"
+    else:
+        gs.metrics.prefix.labels(req.deployment, "miss").inc()
+    return gs.router.choose(policy, req.deployment, fits), policy
+
+
 async def place(gs: GatewayState, req: DispatchRequest, base: dict, after: asyncio.Future | None = None,
-                policy: str = "", here: Placement | None = None) -> Placement:
+                policy: str = "", here: Placement | None = None, prefix: tuple[int, ...] = ()) -> Placement:
     """Where `req` runs: the gateway's own choice for a load-only `policy` (`place_here`), else
     the dispatcher's placement; publishes `dispatched`. A dispatcher that does not
     answer in time is asked once more (the queue group may pick another replica); when none
@@ -287,7 +305,7 @@ async def place(gs: GatewayState, req: DispatchRequest, base: dict, after: async
     gateway's own choice made already (`place_here`; a policy's state moves once per choice)."""
     t = time.monotonic()
     if here is None:
-        mine = place_here(gs, req, policy)
+        mine = place_here(gs, req, policy, prefix)
         here = mine[0] if mine else None
     placement = here if here is not None else await _ask_dispatcher(gs, req)
     latency_ms = (time.monotonic() - t) * 1e3

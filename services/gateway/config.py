@@ -31,6 +31,11 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     # requests with one prompt_cache_key (per tenant) go to one worker while its load stays within
     # this factor of the mean (consistent hashing with bounded loads; routing.py); >= 1
     affinity_load_factor: float = 1.25
+    # Prefix-aware placement (prefixes.py): a request whose prompt starts as one placed before (256+
+    # characters alike, same tenant and cache_salt) goes to that worker, within the same load bound.
+    # auto = for engines that keep a prefix cache (vllm, openai-http); on; off.
+    prefix_affinity: str = "auto"
+    prefix_table_blocks: int = 65536  # prompt blocks (128 characters each) remembered; ~26 MB when full
     accept_timeout_s: float = 2.0  # worker must acknowledge a generate request within this
     first_token_timeout_s: float = 60.0
     idle_timeout_s: float = 10.0  # no chunk from the worker for this long once it streams -> explicit error (504)
@@ -91,6 +96,9 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
         if self.affinity_load_factor < 1.0:
             raise SettingsError(f"affinity_load_factor {self.affinity_load_factor} must be >= 1 (1 = no worker above "
                                 "the mean load)")
+        if self.prefix_affinity not in ("auto", "on", "off") or self.prefix_table_blocks < 0:
+            raise SettingsError(f"prefix_affinity must be auto, on or off (got {self.prefix_affinity!r}) and "
+                                f"prefix_table_blocks >= 0 (got {self.prefix_table_blocks})")
         if self.max_inflight < 1 or self.max_tokens_limit < 1:
             raise SettingsError("max_inflight and max_tokens_limit must be >= 1")
         if min(self.predict_timeout_s, self.dispatch_timeout_s, self.idle_timeout_s, self.gap_wait_s) <= 0:

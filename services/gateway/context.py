@@ -29,6 +29,7 @@ from .fairness import Fairness
 from .keys import KeyStore
 from .metrics import Metrics
 from .predict_batch import PredictBatcher
+from .prefixes import PrefixTable
 from .ratelimit import Limiter
 from .routing import LocalRouter
 
@@ -56,6 +57,7 @@ class GatewayState:
         self._deployments_lock = asyncio.Lock()
         self._heartbeats: dict[str, tuple[float, Heartbeat]] = {}  # worker -> (monotonic seen, last heartbeat)
         self.router = LocalRouter()  # each worker's load as this gateway sees it; load-only policies
+        self.prefixes = PrefixTable(settings.prefix_table_blocks)  # prompt starts placed per worker (prefixes.py)
         self.lengths = LocalLengths()  # output lengths of completed requests: the local prediction
         self._probe: tuple[float, bool] = (0.0, True)  # (monotonic, NATS answered a ping)
         self._probe_lock = asyncio.Lock()
@@ -247,6 +249,7 @@ class GatewayState:
         self._down[ev.worker_id] = (time.monotonic(), ev.reason)
         self._heartbeats.pop(ev.worker_id, None)
         self.router.forget(ev.worker_id)
+        self.prefixes.forget(ev.worker_id)
 
     def worker_gone(self, worker_id: str, since: float) -> str:
         """Why `worker_id` is known dead since `since` (monotonic), or '' if it is not."""

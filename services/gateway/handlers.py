@@ -38,7 +38,7 @@ from polyserve.proto import (
 )
 from polyserve.shared.bus import BusError, decode, error_of
 
-from . import admission, routing, tenancy
+from . import admission, prefixes, routing, tenancy
 from .context import GatewayState
 from .delivery import Delivery, WorkerDied, next_message
 from .errors import GatewayError, status_of
@@ -104,6 +104,7 @@ class RequestRun(Delivery):
     _peeked: tuple[Any, TokenChunk] | None = None  # (message, its chunk) decoded by `has_next`
     tenant: str = field(default_factory=tenancy.current_tenant)  # the API key's tenant; "" without keys
     cache_key: str = ""  # prompt_cache_key: its requests go to one worker (routing.affinity)
+    prefix: tuple[int, ...] = ()  # the prompt's block hashes where prefix-aware placement applies (prefixes.py)
     chat: list[ChatTurn] | None = None  # a chat's messages, for a worker whose model has a chat template
     chat_end: str = "open"  # how the chat's prompt ends (GenerateRequest.chat_end; policy.chat_end)
     tools: list[dict] | None = None  # the chat's listed tools, for a worker's chat template (GenerateRequest.tools)
@@ -166,6 +167,8 @@ class RequestRun(Delivery):
                                                max_tokens=self.params.max_tokens, stream=self.stream,
                                                n=self.params.n))
         admission.check_input(gs, self.deployment, self.input_tokens)
+        if prefixes.applies(s.prefix_affinity, self.deployment.engine):
+            self.prefix = prefixes.blocks(self.tenant, self.params.cache_salt, self.prompt)
         await self._fresh_inbox()
         placement = await self._predict_and_place()
         excluded: list[str] = []
@@ -216,11 +219,10 @@ class RequestRun(Delivery):
         places without the prediction (admission.USES_PREDICTION), both asked at once: one
         round trip less on the critical path, and the worker still gets the hint. When the
         gateway places the request itself on a worker with a free batch slot (routing.py), it
-        does not wait for the prediction at all: the request starts at once, so its place in
-        the worker's queue, the only thing the hint orders, cannot matter. It then carries the
-        gateway's own estimate, and the predictor's answer (asked all the same, in a batch
-        with others: predict_batch.py) is recorded when it comes, before the request's
-        terminal event."""
+        does not wait for the prediction at all: the request starts at once, so its place in the
+        worker's queue, the only thing the hint orders, cannot matter. It then carries the
+        gateway's own estimate, and the predictor's answer (asked all the same, batched:
+        predict_batch.py) is recorded when it comes, before the request's terminal event."""
         # max_tokens is per sequence (each of the n choices stops there); the predictor
         # clamps its estimate to it, so the gateway passes the estimate on as it is.
         ask = PredictRequest(request_id=self.request_id, model=self.deployment.model, prompt=self.prompt,
@@ -228,7 +230,7 @@ class RequestRun(Delivery):
         if self.deployment.policy in admission.USES_PREDICTION:
             self.prediction = await admission.predict(self.gs, ask, self._base())
             return await self._dispatch([])
-        here = admission.place_here(self.gs, self._dispatch_request([]), self.deployment.policy)
+        here = admission.place_here(self.gs, self._dispatch_request([]), self.deployment.policy, self.prefix)
         if here is not None and here[1]:
             self.prediction = admission.local_prediction(self.gs, ask)
             # asked with others in one message (predict_batch.py): nothing waits for it
@@ -274,14 +276,15 @@ class RequestRun(Delivery):
         self.gs.track(pending)  # a draining gateway waits for it
 
     def _place(self, placement: Placement) -> None:
-        """Run on `placement` now: this gateway's count of its requests per worker follows."""
+        """Run on `placement` now: this gateway's requests per worker and prompt starts follow."""
         self.gs.router.assign(self.request_id, placement.worker_id)
+        self.gs.prefixes.record(self.prefix, placement.worker_id)
         self.placement = placement
 
     async def _dispatch(self, excluded: list[str], after: asyncio.Future | None = None,
                         here: Placement | None = None) -> Placement:
         return await admission.place(self.gs, self._dispatch_request(excluded), self._base(), after,
-                                     self.deployment.policy, here)
+                                     self.deployment.policy, here, self.prefix)
 
     def _dispatch_request(self, excluded: list[str]) -> DispatchRequest:
         p, a = self.prediction, self.adapter

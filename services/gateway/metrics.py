@@ -35,6 +35,10 @@ class Metrics:
         self.affinity = Counter("polyserve_affinity_placements_total", "Requests with a prompt_cache_key placed by "
                                 "this gateway: on the key's own worker (home) or, that one being overloaded, on the "
                                 "next in the key's order (spilled)", ["deployment", "outcome"], registry=self.registry)
+        self.prefix = Counter("polyserve_prefix_placements_total", "Requests placed by this gateway with prefix-aware "
+                              "placement: on the worker that had their prompt's longest start (hit), elsewhere as it "
+                              "was overloaded (spilled), or by the policy as no worker had 256+ characters of it (miss)",
+                              ["deployment", "outcome"], registry=self.registry)
         self.fallbacks = Counter("polyserve_gateway_fallbacks_total", "Predictions (predict) and placements "
                                  "(dispatch) the gateway made itself: the predictor or dispatcher did not answer",
                                  ["kind"], registry=self.registry)

@@ -17,7 +17,8 @@ The same counts serve the fallback when no dispatcher answers (`admission.local_
 Cache affinity (`prompt_cache_key`): requests that carry the same key (per tenant) go to the same
 worker, so a vLLM worker finds their shared prompt prefix in its cache, unless that worker is
 overloaded: consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam, SODA 2018),
-here by rendezvous hashing (`LocalRouter.affine`).
+here by rendezvous hashing (`LocalRouter.affine`). Without a key, prompts that start alike meet
+on one worker under the same bound (prefixes.py).
 """
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ class LocalRouter:
             return self._rng.choice(list(workers))
         if policy == "power_of_two" and len(workers) > 2:
             return min(self._rng.sample(list(workers), 2), key=self._key)
-        return min(workers, key=self._key)  # least_outstanding, and power_of_two of <= 2
+        return self.least(workers)  # least_outstanding, and power_of_two of <= 2
 
     def affine(self, key: str, workers: Sequence[Heartbeat], factor: float) -> Heartbeat:
         """The worker for affinity `key` among `workers` (non-empty): the workers ranked by a hash of
@@ -118,8 +119,19 @@ class LocalRouter:
     def first_within(self, ranked: Sequence[Heartbeat], factor: float) -> Heartbeat:
         """The first of `ranked` (a key's order, `ranked_for`) whose load with one more request stays
         within the bound of `affine`."""
-        bound = math.ceil(factor * (sum(self.load(hb) for hb in ranked) + 1) / len(ranked)) + AFFINITY_SLACK
+        bound = self._bound(ranked, factor)
         return next((hb for hb in ranked if self.load(hb) + 1 <= bound), ranked[0])
+
+    def within(self, hb: Heartbeat, workers: Sequence[Heartbeat], factor: float) -> bool:
+        """Whether `hb` (one of `workers`) takes one more request within the bound of `affine`."""
+        return self.load(hb) + 1 <= self._bound(workers, factor)
+
+    def least(self, workers: Sequence[Heartbeat]) -> Heartbeat:
+        """The least loaded of `workers` (non-empty), ties broken as the dispatcher breaks them."""
+        return min(workers, key=self._key)
+
+    def _bound(self, workers: Sequence[Heartbeat], factor: float) -> int:
+        return math.ceil(factor * (sum(self.load(hb) for hb in workers) + 1) / len(workers)) + AFFINITY_SLACK
 
 
 def ranked_for(key: str, workers: Sequence[Heartbeat]) -> list[Heartbeat]:

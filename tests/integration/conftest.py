@@ -13,7 +13,7 @@ from polyserve.gateway.config import GatewaySettings
 from polyserve.gateway.service import GatewayService
 from polyserve.predictor.config import PredictorSettings
 from polyserve.predictor.service import PredictorService
-from polyserve.proto import Deployment, ScalerPolicy
+from polyserve.proto import Deployment, GenerateRequest, ScalerPolicy
 from polyserve.worker.config import WorkerSettings
 from polyserve.worker.service import WorkerService
 from tests.helpers import running
@@ -61,12 +61,23 @@ def plane(make_settings, state, span_exporter):
     return start
 
 
-def sim_fleet(make_settings, worker_ids, time_scale: float = 0.2) -> tuple[GatewayService, list]:
-    """A gateway, a predictor, a dispatcher and one sim worker per id (deployment MODEL, fast
-    heartbeats): (gateway, every service, to start with `running`)."""
+async def placements(bus, subjects, worker_ids) -> dict[str, str]:
+    """request id -> the worker its generate request was sent to, filled as they are sent."""
+    where: dict[str, str] = {}
+    for wid in worker_ids:
+        async def on_generate(req: GenerateRequest, wid=wid):
+            where[req.request_id] = wid
+        await bus.listen(subjects.generate(wid), GenerateRequest, on_generate)
+    await bus.nc.flush()
+    return where
+
+
+def sim_fleet(make_settings, worker_ids, time_scale: float = 0.2, **gateway) -> tuple[GatewayService, list]:
+    """A gateway (`gateway`: its settings), a predictor, a dispatcher and one sim worker per id
+    (deployment MODEL, fast heartbeats): (gateway, every service, to start with `running`)."""
     workers = [WorkerService(make_settings(WorkerSettings, "worker", worker_id=wid, deployment=MODEL, model=MODEL,
                                            engine="sim", time_scale=time_scale, heartbeat_interval_s=0.2,
                                            heartbeat_ttl_s=1.0)) for wid in worker_ids]
-    gw = GatewayService(make_settings(GatewaySettings, "gateway", port=0))
+    gw = GatewayService(make_settings(GatewaySettings, "gateway", port=0, **gateway))
     return gw, [PredictorService(make_settings(PredictorSettings, "predictor", proxy_artifact="")),
                 DispatcherService(make_settings(DispatcherSettings, "dispatcher")), *workers, gw]

@@ -10,22 +10,16 @@ from collections import Counter
 import openai
 import pytest
 
-from polyserve.proto import Deployment, GenerateRequest
+from polyserve.proto import Deployment
 from tests.helpers import running, wait_for
-from tests.integration.conftest import MODEL, sim_fleet
+from tests.integration.conftest import MODEL, placements, sim_fleet
 
 pytestmark = pytest.mark.integration
 WORKERS = ("w-a", "w-b", "w-c")
 
 
 async def test_one_key_one_worker_and_no_key_spread(make_settings, state, bus, subjects):
-    where: dict[str, str] = {}  # request id -> the worker it was sent to
-
-    for wid in WORKERS:
-        async def on_generate(req: GenerateRequest, wid=wid):
-            where[req.request_id] = wid
-        await bus.listen(subjects.generate(wid), GenerateRequest, on_generate)
-    await bus.nc.flush()
+    where = await placements(bus, subjects, WORKERS)  # request id -> the worker it was sent to
     await state.put_deployment(Deployment(id=MODEL, model=MODEL, engine="sim", policy="least_outstanding"))
     gw, services = sim_fleet(make_settings, WORKERS)
     async with running(*services):

@@ -210,3 +210,33 @@ def test_a_keyed_request_moved_off_its_worker_goes_to_the_keys_second_choice():
     moved = {admission.place_here(gs, _req(request_id=f"m{i}", affinity="k9", exclude=[home]),
                                   "least_outstanding")[0].worker_id for i in range(3)}
     assert len(moved) == 1 and home not in moved
+
+
+def test_place_here_follows_a_prompts_start_until_its_worker_is_overloaded():
+    """Prefix-aware placement (prefixes.py): the worker that had the prompt's start takes it while
+    within the load bound; past it the policy places (spilled), and the worker it picks holds the
+    start too, so the next ones go to the least loaded of the two."""
+    from polyserve.gateway import prefixes
+
+    gs = _state()
+    for w in "abc":
+        asyncio.run(gs.on_heartbeat(hb(w, max_batch=8)))
+    start = prefixes.blocks("", "", "A long shared system prompt for the support bot. " * 10)
+    first = admission.place_here(gs, _req(request_id="r0"), "round_robin", start)[0]
+    assert first.policy == "round_robin"  # nothing known yet: a miss, the policy's choice
+    gs.prefixes.record(start, first.worker_id)  # (the request handler records every placement)
+    homes = []
+    for i in range(1, 20):
+        p = admission.place_here(gs, _req(request_id=f"r{i}"), "round_robin", start)[0]
+        gs.prefixes.record(start, p.worker_id)
+        homes.append((p.worker_id, p.policy))
+        if p.worker_id != first.worker_id:
+            break
+    # with loads (k, 0, 0) the bound ceil(1.25 (k + 1) / 3) + 4 >= k + 1 holds up to k = 7
+    assert homes[:7] == [(first.worker_id, "round_robin+prefix")] * 7 and homes[7][1] == "round_robin", homes
+    spilled_to = homes[7][0]
+    nxt = admission.place_here(gs, _req(request_id="n"), "round_robin", start)[0]
+    assert (nxt.worker_id, nxt.policy) == (spilled_to, "round_robin+prefix")  # the least loaded holder
+    text = gs.metrics.render().decode()
+    assert 'polyserve_prefix_placements_total{deployment="d",outcome="hit"} 8.0' in text
+    assert 'outcome="spilled"} 1.0' in text and 'outcome="miss"} 1.0' in text

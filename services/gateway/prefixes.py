@@ -1,0 +1,104 @@
+"""Prefix-aware placement: requests whose prompts start alike go to the worker that served that
+start before, so an engine with a prefix cache (vLLM's automatic prefix caching, SGLang's radix
+cache, TGI's prefix cache) computes the shared part once. What SGLang's cache-aware router and
+llm-d's prefix-cache scorer do; polyserve does it without any client hint (`prompt_cache_key` is
+the explicit form: routing.py).
+
+The gateway keeps an approximate picture of each worker's cache: the chained hashes of the
+prompts it placed, cut into blocks of BLOCK_CHARS characters (the gateway does not tokenize; 128
+characters are ~32 tokens, two of vLLM's 16-token blocks). Block i's hash covers the prompt's first
+(i+1)·BLOCK_CHARS characters and the request's tenant and `cache_salt`, as the engines' caches are
+salted per (tenant, salt) (core/cache_salt.py): a prefix of another tenant never attracts a request.
+The table holds at most `capacity` block hashes (least recently placed first out), so it forgets
+what a worker's cache has most likely evicted too; a worker that goes down is forgotten at once.
+Each gateway process learns from its own placements (with several gateways each has its own
+picture, as each SGLang router has).
+
+Why by hand: no library keeps this (SGLang's router is Rust inside its own server; vLLM's block
+hashes are its engine's, over token ids the gateway does not have). Python's `hash` of (previous
+hash, block) is the chain: fast (SipHash in C) and per-process randomised, which is all a table
+that never leaves the process needs.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+BLOCK_CHARS = 128
+MAX_BLOCKS = 256  # the first 32k characters are compared; beyond them two prompts count as alike
+MIN_BLOCKS = 2  # a shared start shorter than this (256 characters) does not move a request
+# engines whose workers keep a prefix cache across requests (hf and sim keep none)
+CACHING_ENGINES = frozenset({"vllm", "openai-http"})
+MODES = ("auto", "on", "off")
+
+
+def applies(mode: str, engine: str) -> bool:
+    """Whether prefix-aware placement runs for a deployment of `engine` (setting `prefix_affinity`:
+    auto = for the engines that keep a prefix cache)."""
+    return mode == "on" or (mode == "auto" and engine in CACHING_ENGINES)
+
+
+def blocks(tenant: str, salt: str, text: str) -> tuple[int, ...]:
+    """The chained hashes of `text`'s whole blocks (at most MAX_BLOCKS); () when it has fewer than
+    MIN_BLOCKS, so a short prompt costs nothing."""
+    n = min(len(text) // BLOCK_CHARS, MAX_BLOCKS)
+    if n < MIN_BLOCKS:
+        return ()
+    h = hash((tenant, salt))
+    out = []
+    for i in range(0, n * BLOCK_CHARS, BLOCK_CHARS):
+        h = hash((h, text[i:i + BLOCK_CHARS]))
+        out.append(h)
+    return tuple(out)
+
+
+class PrefixTable:
+    """Block hash -> the workers this gateway placed a prompt with that start on, least recently
+    placed first."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._held: OrderedDict[int, set[str]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def longest(self, hashes: tuple[int, ...], among: Iterable[str]) -> tuple[set[str], int]:
+        """(the workers of `among` that hold the longest start of `hashes`, its length in blocks);
+        (set(), 0) when none holds MIN_BLOCKS of it."""
+        ids = among if isinstance(among, (set, frozenset)) else set(among)
+        best: set[str] = set()
+        n = 0
+        held = self._held
+        for i, h in enumerate(hashes):  # block i+1 is held only by workers that held block i
+            holders = held.get(h)
+            live = holders & ids if holders else None
+            if not live:
+                break
+            best, n = live, i + 1
+        return (best, n) if n >= MIN_BLOCKS else (set(), 0)
+
+    def record(self, hashes: tuple[int, ...], worker_id: str) -> None:
+        """`worker_id` got a prompt with these blocks. The last block is touched first, so that a
+        prompt's first blocks (shared by the most requests) are the last to be forgotten: the
+        chain `longest` walks breaks at its first forgotten block."""
+        if not hashes or self.capacity <= 0:
+            return
+        held = self._held
+        for h in reversed(hashes):
+            holders = held.get(h)
+            if holders is None:
+                held[h] = {worker_id}
+            else:
+                holders.add(worker_id)
+                held.move_to_end(h)
+        while len(held) > self.capacity:
+            held.popitem(last=False)
+
+    def forget(self, worker_id: str) -> None:
+        """The worker is gone (its cache with it): no block names it any more."""
+        for h in [h for h, holders in self._held.items() if worker_id in holders]:
+            holders = self._held[h]
+            holders.discard(worker_id)
+            if not holders:
+                del self._held[h]

@@ -1,0 +1,74 @@
+"""Prefix-aware placement end to end (gateway/prefixes.py): three sim workers behind a gateway
+with `prefix_affinity` on, the official `openai` client over HTTP. A multi-turn chat (each turn's
+prompt starts with the one before) stays on one worker while the policy, round robin, spreads
+unrelated prompts; a second conversation gets its own worker; a short prompt is never moved; with
+the default (`auto`) a sim deployment, whose workers keep no prefix cache, is not affected."""
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import openai
+import pytest
+
+from polyserve.proto import Deployment
+from tests.helpers import running, wait_for
+from tests.integration.conftest import MODEL, placements, sim_fleet
+
+pytestmark = pytest.mark.integration
+WORKERS = ("w-a", "w-b", "w-c")
+
+
+def _system(topic: str) -> str:
+    return f"You are the {topic} assistant of a mid-sized company. Answer briefly and cite the policy. " * 6
+
+
+async def _conversation(client: openai.AsyncOpenAI, topic: str, turns: int) -> list[str]:
+    """`turns` chat requests, each the whole conversation so far plus one question: their ids."""
+    messages = [{"role": "system", "content": _system(topic)}]
+    ids = []
+    for i in range(turns):
+        messages.append({"role": "user", "content": f"question {i} about {topic}?"})
+        r = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
+        ids.append(r.id)
+        messages.append({"role": "assistant", "content": r.choices[0].message.content or ""})
+    return ids
+
+
+async def _run(make_settings, state, bus, subjects, **gateway) -> tuple[dict[str, list[str]], str]:
+    """Two conversations, six unrelated long prompts at once and three short ones: (the workers
+    each group's requests were sent to, the gateway's metrics)."""
+    where = await placements(bus, subjects, WORKERS)  # request id -> the worker it was sent to
+    await state.put_deployment(Deployment(id=MODEL, model=MODEL, engine="sim", policy="round_robin"))
+    gw, services = sim_fleet(make_settings, WORKERS, **gateway)
+    async with running(*services):
+        await wait_for(lambda: len(gw.gs.fresh_heartbeats(MODEL)) == 3, what="three workers' heartbeats")
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=20)
+        billing = await _conversation(client, "billing", 5)
+        travel = await _conversation(client, "travel", 3)
+        plain = await asyncio.gather(*(client.completions.create(
+            model=MODEL, prompt=f"{i}: an unrelated prompt, long enough to be hashed. " * 8, max_tokens=4)
+            for i in range(6)))
+        short = [await client.completions.create(model=MODEL, prompt="hi", max_tokens=4) for _ in range(3)]
+        await client.close()
+        counted = gw.gs.metrics.render().decode()
+        ids = billing + travel + [c.id for c in plain + short]
+        await wait_for(lambda: all(i in where for i in ids), what="every placement")
+    groups = {"billing": billing, "travel": travel, "plain": [c.id for c in plain], "short": [c.id for c in short]}
+    return {name: [where[i] for i in ids] for name, ids in groups.items()}, counted
+
+
+async def test_a_conversation_stays_on_one_worker(make_settings, state, bus, subjects):
+    on, counted = await _run(make_settings, state, bus, subjects, prefix_affinity="on")
+    assert len(set(on["billing"])) == 1 and len(set(on["travel"])) == 1, on
+    assert sorted(Counter(on["plain"]).values()) == [2, 2, 2]  # unrelated: round robin
+    assert len(set(on["short"])) == 3  # a short prompt is the policy's: round robin
+    # every turn after a conversation's first found its start (4 + 2); firsts and plain ones missed
+    assert f'polyserve_prefix_placements_total{{deployment="{MODEL}",outcome="hit"}} 6.0' in counted
+    assert f'polyserve_prefix_placements_total{{deployment="{MODEL}",outcome="miss"}} 8.0' in counted
+
+
+async def test_auto_leaves_a_deployment_without_prefix_cache_alone(make_settings, state, bus, subjects):
+    auto, counted = await _run(make_settings, state, bus, subjects)
+    assert len(set(auto["billing"])) == 3  # round robin over the five turns
+    assert "polyserve_prefix_placements_total{" not in counted
