@@ -21,6 +21,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "arlo": ("polyserve.bench.arlo", "solve time of Arlo's runtime allocation MILP (synthetic instances)"),
     "fairness": ("polyserve.bench.fairness", "per-tenant throughput and latency with and without VTC fair sharing"),
     "chaos": ("polyserve.bench.chaos", "faults by signal under streaming load: lost, short, hung, recovery time"),
+    "prefix": ("polyserve.bench.prefix", "prefix-aware placement vs load-only rules on a prefix-hashed trace (SIMULATED workers)"),
     "sjf-live": ("polyserve.bench.sjf_live", "worker queue orders (fcfs, ssjf, ssjf_refine, oracle) on a live hf engine"),
 }
 """name -> (module, one-line help)."""

@@ -42,7 +42,7 @@ from polyserve.proto import (
 )
 from polyserve.shared.bus import BusError
 
-from . import policy, tenancy
+from . import policy, prefixes, tenancy
 from .context import GatewayState
 from .errors import GatewayError, status_of
 from .policy import InvalidRequest
@@ -281,16 +281,10 @@ def place_here(gs: GatewayState, req: DispatchRequest, policy: str,
 
 def _by_prefix(gs: GatewayState, req: DispatchRequest, policy: str, fits: list[Heartbeat],
                prefix: tuple[int, ...]) -> tuple[Heartbeat, str]:
-    holders, _ = gs.prefixes.longest(prefix, {hb.worker_id for hb in fits})
-    if holders:
-        home = gs.router.least([hb for hb in fits if hb.worker_id in holders])
-        ok = gs.router.within(home, fits, gs.settings.affinity_load_factor)
-        gs.metrics.prefix.labels(req.deployment, "hit" if ok else "spilled").inc()
-        if ok:
-            return home, policy + "+prefix"
-    else:
-        gs.metrics.prefix.labels(req.deployment, "miss").inc()
-    return gs.router.choose(policy, req.deployment, fits), policy
+    hb, outcome = prefixes.choose(gs.router, gs.prefixes, prefix, policy, req.deployment, fits,
+                                  gs.settings.affinity_load_factor)
+    gs.metrics.prefix.labels(req.deployment, outcome).inc()
+    return hb, policy + "+prefix" if outcome == "hit" else policy
 
 
 async def place(gs: GatewayState, req: DispatchRequest, base: dict, after: asyncio.Future | None = None,

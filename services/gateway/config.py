@@ -35,7 +35,7 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     # characters alike, same tenant and cache_salt) goes to that worker, within the same load bound.
     # auto = for engines that keep a prefix cache (vllm, openai-http); on; off.
     prefix_affinity: str = "auto"
-    prefix_table_blocks: int = 65536  # prompt blocks (128 characters each) remembered; ~26 MB when full
+    prefix_table_blocks: int = 65536  # prompt starts remembered (15 per long prompt, prefixes.py); ~23 MB when full
     accept_timeout_s: float = 2.0  # worker must acknowledge a generate request within this
     first_token_timeout_s: float = 60.0
     idle_timeout_s: float = 10.0  # no chunk from the worker for this long once it streams -> explicit error (504)

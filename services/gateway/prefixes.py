@@ -4,15 +4,16 @@ cache, TGI's prefix cache) computes the shared part once. What SGLang's cache-aw
 llm-d's prefix-cache scorer do; polyserve does it without any client hint (`prompt_cache_key` is
 the explicit form: routing.py).
 
-The gateway keeps an approximate picture of each worker's cache: the chained hashes of the
-prompts it placed, cut into blocks of BLOCK_CHARS characters (the gateway does not tokenize; 128
-characters are ~32 tokens, two of vLLM's 16-token blocks). Block i's hash covers the prompt's first
-(i+1)·BLOCK_CHARS characters and the request's tenant and `cache_salt`, as the engines' caches are
-salted per (tenant, salt) (core/cache_salt.py): a prefix of another tenant never attracts a request.
-The table holds at most `capacity` block hashes (least recently placed first out), so it forgets
-what a worker's cache has most likely evicted too; a worker that goes down is forgotten at once.
-Each gateway process learns from its own placements (with several gateways each has its own
-picture, as each SGLang router has).
+The gateway keeps an approximate picture of each worker's cache: chained hashes of the starts of
+the prompts it placed. A prompt is cut into blocks of BLOCK_CHARS characters (the gateway does not
+tokenize; 128 characters are ~32 tokens, two of vLLM's 16-token blocks), and its starts of 2, 3,
+4, 6, ... 256 blocks (CHECKPOINTS) are hashed, each hash covering the whole start and the request's
+tenant and `cache_salt`, as the engines' caches are salted per (tenant, salt)
+(core/cache_salt.py): a prefix of another tenant never attracts a request. The table holds at most
+`capacity` such hashes (least recently placed first out), so it forgets what a worker's cache has
+most likely evicted too; a worker that goes down is forgotten at once. Each gateway process learns
+from its own placements (with several gateways each has its own picture, as each SGLang router
+has).
 
 Why by hand: no library keeps this (SGLang's router is Rust inside its own server; vLLM's block
 hashes are its engine's, over token ids the gateway does not have). Python's `hash` of (previous
@@ -22,11 +23,21 @@ that never leaves the process needs.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from polyserve.gateway.routing import LocalRouter
+    from polyserve.proto import Heartbeat
 
 BLOCK_CHARS = 128
 MAX_BLOCKS = 256  # the first 32k characters are compared; beyond them two prompts count as alike
 MIN_BLOCKS = 2  # a shared start shorter than this (256 characters) does not move a request
+# The starts (in blocks) the table keeps a hash of: each about 1.4x the one before, so a long prompt
+# takes 15 entries, not 256, and the table remembers 17x more prompts (on Mooncake's trace 65,536
+# entries of every block held too few prompts: `polyserve bench prefix`, docs/scheduling.md); the
+# longest shared start is then known to within 1.5x, enough to tell which worker has the most of it.
+CHECKPOINTS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # engines whose workers keep a prefix cache across requests (hf and sim keep none)
 CACHING_ENGINES = frozenset({"vllm", "openai-http"})
 MODES = ("auto", "on", "off")
@@ -39,15 +50,19 @@ def applies(mode: str, engine: str) -> bool:
 
 
 def blocks(tenant: str, salt: str, text: str) -> tuple[int, ...]:
-    """The chained hashes of `text`'s whole blocks (at most MAX_BLOCKS); () when it has fewer than
-    MIN_BLOCKS, so a short prompt costs nothing."""
+    """The chained hashes of `text`'s starts of CHECKPOINTS[i] whole blocks (the i-th names the
+    first CHECKPOINTS[i] blocks); () when it has fewer than MIN_BLOCKS, so a short prompt costs
+    nothing."""
     n = min(len(text) // BLOCK_CHARS, MAX_BLOCKS)
     if n < MIN_BLOCKS:
         return ()
     h = hash((tenant, salt))
     out = []
-    for i in range(0, n * BLOCK_CHARS, BLOCK_CHARS):
-        h = hash((h, text[i:i + BLOCK_CHARS]))
+    for k in CHECKPOINTS:
+        if k > n:
+            break
+        # the chain runs over every block; a checkpoint's hash covers all of its start
+        h = hash((h, text[(len(out) and CHECKPOINTS[len(out) - 1]) * BLOCK_CHARS:k * BLOCK_CHARS]))
         out.append(h)
     return tuple(out)
 
@@ -64,19 +79,19 @@ class PrefixTable:
         return len(self._held)
 
     def longest(self, hashes: tuple[int, ...], among: Iterable[str]) -> tuple[set[str], int]:
-        """(the workers of `among` that hold the longest start of `hashes`, its length in blocks);
-        (set(), 0) when none holds MIN_BLOCKS of it."""
+        """(the workers of `among` that hold the longest start of `hashes` (`blocks`), its length in
+        blocks, a checkpoint); (set(), 0) when none holds MIN_BLOCKS of it."""
         ids = among if isinstance(among, (set, frozenset)) else set(among)
         best: set[str] = set()
         n = 0
         held = self._held
-        for i, h in enumerate(hashes):  # block i+1 is held only by workers that held block i
+        for i, h in enumerate(hashes):  # a longer start is held only by workers that held the shorter
             holders = held.get(h)
             live = holders & ids if holders else None
             if not live:
                 break
-            best, n = live, i + 1
-        return (best, n) if n >= MIN_BLOCKS else (set(), 0)
+            best, n = live, CHECKPOINTS[i]
+        return best, n
 
     def record(self, hashes: tuple[int, ...], worker_id: str) -> None:
         """`worker_id` got a prompt with these blocks. The last block is touched first, so that a
@@ -102,3 +117,17 @@ class PrefixTable:
             holders.discard(worker_id)
             if not holders:
                 del self._held[h]
+
+
+def choose(router: LocalRouter, table: PrefixTable, hashes: tuple[int, ...], policy: str, deployment: str,
+           fits: Sequence[Heartbeat], factor: float) -> tuple[Heartbeat, str]:
+    """(the worker for a prompt of block hashes `hashes` among `fits`, the outcome): the least loaded
+    of the workers holding its longest start when it takes one more request within the bound of
+    `LocalRouter.affine` ("hit"); else `policy`'s choice ("spilled": they were overloaded; "miss":
+    none holds MIN_BLOCKS of it). The caller records the placement (`PrefixTable.record`)."""
+    holders, _ = table.longest(hashes, {hb.worker_id for hb in fits})
+    if holders:
+        home = router.least([hb for hb in fits if hb.worker_id in holders])
+        if router.within(home, fits, factor):
+            return home, "hit"
+    return router.choose(policy, deployment, fits), "spilled" if holders else "miss"

@@ -1,0 +1,242 @@
+"""`polyserve bench prefix`: what prefix-aware placement (gateway/prefixes.py) earns, SIMULATED.
+
+A trace whose requests name their prompt's 512-token blocks by hash (Mooncake's FAST'25 trace:
+`hash_ids`, equal ids = a reusable prefix) is replayed over N simulated workers, once per placement
+rule. The placement is the gateway's own code (`routing.LocalRouter`, `prefixes.PrefixTable` and
+`prefixes.choose`, on a prompt text built from the block ids: 2,048 characters per block); the
+workers are a model, not an engine:
+
+* each keeps a prefix cache of whole blocks, least recently used out, as large as the profile's KV
+  capacity (vLLM's automatic prefix caching keeps freed blocks for reuse; the blocks that running
+  requests pin are not subtracted);
+* prefills run one at a time per worker, first come first served; a prefill computes the prompt's
+  tokens past its longest cached start (at least one), in the profile's prefill time (Aladdin's
+  k1·tokens + c1), and its blocks join the cache when it ends;
+* decoding runs beside the prefills (as with chunked prefill; the interference is not modelled)
+  for output × the profile's decode step at the worker's batch; a request counts as load on its
+  worker (`LocalRouter`) from placement to its last token.
+
+Printed per rule: the share of prompt tokens served from a cache, the prefill tokens computed,
+time to first token (queue + prefill) and how evenly requests spread. Every figure is simulated.
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from polyserve.core.perf import load_perf
+from polyserve.core.profiles import profile_path
+from polyserve.gateway import prefixes
+from polyserve.gateway.config import GatewaySettings
+from polyserve.gateway.routing import AFFINITY_SLACK, LocalRouter
+from polyserve.proto import Heartbeat
+from polyserve.shared import machine
+from polyserve.shared.paths import datasets_dir
+
+TRACE = datasets_dir() / "traces" / "mooncake_fast25_synthetic_trace.jsonl"
+PROFILE = "sim-llama2-70b-h100-tp4"
+BLOCK_TOKENS = 512  # Mooncake's hash_ids name 512-token blocks
+BLOCK_TEXT = 4 * BLOCK_TOKENS  # characters a block stands for in the prompt text the gateway hashes
+RULES = ("round_robin", "least_outstanding", "prefix:round_robin", "prefix:least_outstanding")
+DEPLOYMENT = "bench"
+
+
+@dataclass
+class Req:
+    rid: str
+    arrival: float
+    input_len: int
+    output_len: int
+    blocks: list[int]
+
+
+@dataclass
+class _Worker:
+    hb: Heartbeat
+    capacity: int  # blocks its prefix cache holds
+    cache: OrderedDict = field(default_factory=OrderedDict)  # block id -> None, least recently used first
+    queue: deque = field(default_factory=deque)  # requests waiting for their prefill
+    busy: bool = False
+    decoding: int = 0
+    placed: int = 0
+
+    def cached_start(self, blocks: list[int]) -> int:
+        """Blocks of `blocks`' longest start in the cache (touched: they are used now)."""
+        n = 0
+        for b in blocks:
+            if b not in self.cache:
+                break
+            self.cache.move_to_end(b)
+            n += 1
+        return n
+
+    def keep(self, blocks: list[int]) -> None:
+        for b in reversed(blocks):  # the start last: the most recently used, the last to go
+            self.cache[b] = None
+            self.cache.move_to_end(b)
+        while len(self.cache) > self.capacity:
+            self.cache.popitem(last=False)
+
+
+def load_trace(path: Path, limit: int, rate_scale: float) -> list[Req]:
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                out.append(Req(f"r{n}", float(row["timestamp"]) / 1000.0 / rate_scale, int(row["input_length"]),
+                               max(1, int(row["output_length"])), [int(h) for h in row["hash_ids"]]))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise SystemExit(f"{path}, line {n}: need a JSON object with timestamp (ms), input_length, "
+                                 f"output_length and hash_ids (a Mooncake trace line): {type(exc).__name__}: {exc}")
+            if limit and len(out) >= limit:
+                break
+    if not out:
+        raise SystemExit(f"{path}: no requests")
+    out.sort(key=lambda r: r.arrival)
+    t0 = out[0].arrival
+    for r in out:
+        r.arrival -= t0
+    return out
+
+
+def prompt_text(blocks: list[int]) -> str:
+    """A prompt made of the blocks: each block id stands for BLOCK_TEXT characters of its own, so
+    two prompts share a start exactly as far as their block ids do (only the first
+    MAX_BLOCKS × BLOCK_CHARS characters are ever hashed: built that far)."""
+    upto = -(-prefixes.MAX_BLOCKS * prefixes.BLOCK_CHARS // BLOCK_TEXT)
+    return "".join((f"<{b}>" * BLOCK_TEXT)[:BLOCK_TEXT] for b in blocks[:upto])
+
+
+def run(rule: str, reqs: list[Req], n_workers: int, profile: str, factor: float, table_blocks: int = 65536) -> dict:
+    """One replay of `reqs` placed by `rule` (one of RULES): its figures."""
+    perf, raw = load_perf(profile_path(profile))
+    capacity = int(raw.get("kv_capacity_tokens", 500_000)) // BLOCK_TOKENS  # blocks per worker
+    workers = {f"w{i}": _Worker(Heartbeat(worker_id=f"w{i}", deployment=DEPLOYMENT, model="m", engine="vllm"),
+                                capacity) for i in range(n_workers)}
+    fits = [w.hb for w in workers.values()]
+    router, table = LocalRouter(seed=0), prefixes.PrefixTable(table_blocks)
+    by_prefix, policy = rule.startswith("prefix:"), rule.split(":")[-1]
+    outcomes: dict[str, int] = {}
+    events: list[tuple[float, int, str, str, Req]] = []  # (time, seq, kind, worker, request)
+    seq = 0
+    ttft, computed, cached_tokens, total_tokens = [], 0, 0, 0
+
+    def push(t: float, kind: str, wid: str, r: Req) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(events, (t, seq, kind, wid, r))
+
+    def start_prefill(now: float, w: _Worker) -> None:
+        nonlocal computed, cached_tokens
+        r = w.queue.popleft()
+        hit = min(r.input_len - 1, w.cached_start(r.blocks) * BLOCK_TOKENS)
+        computed += r.input_len - hit
+        cached_tokens += hit
+        w.busy = True
+        push(now + perf.prefill_ms(r.input_len - hit) / 1e3, "prefilled", w.hb.worker_id, r)
+
+    for r in reqs:
+        push(r.arrival, "arrive", "", r)
+    while events:
+        now, _, kind, wid, r = heapq.heappop(events)
+        if kind == "arrive":
+            if by_prefix:
+                hashes = prefixes.blocks("", "", prompt_text(r.blocks))
+                hb, outcome = prefixes.choose(router, table, hashes, policy, DEPLOYMENT, fits, factor) if hashes \
+                    else (router.choose(policy, DEPLOYMENT, fits), "short")
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+                table.record(hashes, hb.worker_id)
+            else:
+                hb = router.choose(policy, DEPLOYMENT, fits)
+            router.assign(r.rid, hb.worker_id)
+            w = workers[hb.worker_id]
+            w.placed += 1
+            total_tokens += r.input_len
+            w.queue.append(r)
+            if not w.busy:
+                start_prefill(now, w)
+        elif kind == "prefilled":
+            w = workers[wid]
+            w.keep(r.blocks)
+            ttft.append(now - r.arrival)
+            w.decoding += 1
+            step = perf.decode_ms(r.input_len + r.output_len / 2, w.decoding)
+            push(now + r.output_len * step / 1e3, "done", wid, r)
+            w.busy = False
+            if w.queue:
+                start_prefill(now, w)
+        else:  # done
+            workers[wid].decoding -= 1
+            router.release(r.rid)
+    arr = np.asarray(ttft)
+    placed = [w.placed for w in workers.values()]
+    return {"rule": rule, "requests": len(reqs), "cache_hit": cached_tokens / max(1, total_tokens),
+            "prefill_mtok": computed / 1e6, "ttft_mean_s": float(arr.mean()), "ttft_p50_s": float(np.percentile(arr, 50)),
+            "ttft_p99_s": float(np.percentile(arr, 99)), "spread": max(placed) / (sum(placed) / len(placed)),
+            "outcomes": outcomes}
+
+
+def pooled_hit(reqs: list[Req], capacity: int) -> float:
+    """Prompt tokens served from cache if every request saw one cache of `capacity` blocks (0 = no
+    limit), least recently used out: what no placement over separate caches can beat by much."""
+    pool = _Worker(Heartbeat(worker_id="pool", deployment=DEPLOYMENT, model="m", engine="vllm"),
+                   capacity or 1 << 62)
+    hit = total = 0
+    for r in reqs:
+        hit += min(r.input_len - 1, pool.cached_start(r.blocks) * BLOCK_TOKENS)
+        total += r.input_len
+        pool.keep(r.blocks)
+    return hit / max(1, total)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", type=Path, default=TRACE, help="JSONL with timestamp (ms), input_length, "
+                   "output_length, hash_ids (default: Mooncake's FAST'25 synthetic trace)")
+    p.add_argument("--profile", default=PROFILE, help="engine profile (name or path): prefill/decode times, KV capacity")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--rate-scale", type=float, default=1.0, help="arrivals this many times faster")
+    p.add_argument("--limit", type=int, default=0, help="first N requests only (0 = all)")
+    p.add_argument("--rules", nargs="+", default=list(RULES), choices=RULES)
+    p.add_argument("--table-blocks", type=int, default=GatewaySettings().prefix_table_blocks,
+                   help="the gateway's prefix_table_blocks")
+    p.add_argument("--load-factor", type=float, default=1.25, help="the gateway's affinity_load_factor")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.workers < 1 or args.rate_scale <= 0 or args.load_factor < 1:
+        raise SystemExit("need --workers >= 1, --rate-scale > 0 and --load-factor >= 1")
+    if not args.trace.exists():
+        raise SystemExit(f"trace not found: {args.trace} (set --trace or POLYSERVE_DATASETS)")
+    reqs = load_trace(args.trace, args.limit, args.rate_scale)
+    print(machine.line(), flush=True)
+    print(f"bench prefix (SIMULATED workers, the gateway's real placement code): {len(reqs)} requests of "
+          f"{args.trace.name} over {reqs[-1].arrival:.0f} s, {args.workers} workers, profile {args.profile}; "
+          f"load bound {args.load_factor} x mean + {AFFINITY_SLACK}", flush=True)
+    rows = []
+    for rule in args.rules:
+        rows.append(run(rule, reqs, args.workers, args.profile, args.load_factor, args.table_blocks))
+        print(f"  {rule}: done", flush=True)
+    print(f"\n{'rule (SIMULATED)':<26}{'cache hit':>10}{'prefill Mtok':>13}{'TTFT mean s':>12}{'p50 s':>8}"
+          f"{'p99 s':>9}{'max/mean placed':>16}  prefix outcomes")
+    for r in rows:
+        print(f"{r['rule']:<26}{r['cache_hit']:>10.1%}{r['prefill_mtok']:>13.1f}{r['ttft_mean_s']:>12.2f}"
+              f"{r['ttft_p50_s']:>8.2f}{r['ttft_p99_s']:>9.2f}{r['spread']:>16.2f}  {r['outcomes'] or ''}")
+    per_worker = int(load_perf(profile_path(args.profile))[1].get("kv_capacity_tokens", 500_000)) // BLOCK_TOKENS
+    ceiling, pooled = pooled_hit(reqs, 0), pooled_hit(reqs, per_worker * args.workers)
+    print(f"ceilings: one cache of every worker's blocks ({per_worker * args.workers:,}) seen by every request "
+          f"would serve {pooled:.1%} of prompt tokens, an unbounded one {ceiling:.1%}")
+    if args.json:
+        args.json.write_text(json.dumps({"simulated": True, "machine": machine.describe(), "rows": rows,
+                                         "ceiling_hit": ceiling, "pooled_hit": pooled, "args": {k: str(v) for k, v in vars(args).items()}},
+                                        indent=1))
+    return 0
