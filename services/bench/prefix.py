@@ -53,7 +53,8 @@ class Req:
     arrival: float
     input_len: int
     output_len: int
-    blocks: list[int]
+    blocks: list[int]  # the engine's cache blocks of its prompt, by hash
+    text: str = ""  # its prompt ("": made of `blocks`, `prompt_text`)
 
 
 @dataclass
@@ -116,10 +117,12 @@ def prompt_text(blocks: list[int]) -> str:
     return "".join((f"<{b}>" * BLOCK_TEXT)[:BLOCK_TEXT] for b in blocks[:upto])
 
 
-def run(rule: str, reqs: list[Req], n_workers: int, profile: str, factor: float, table_blocks: int = 65536) -> dict:
-    """One replay of `reqs` placed by `rule` (one of RULES): its figures."""
+def run(rule: str, reqs: list[Req], n_workers: int, profile: str, factor: float, table_blocks: int = 65536,
+        block_tokens: int = BLOCK_TOKENS) -> dict:
+    """One replay of `reqs` (their cache blocks of `block_tokens` tokens) placed by `rule` (one of
+    RULES): its figures."""
     perf, raw = load_perf(profile_path(profile))
-    capacity = int(raw.get("kv_capacity_tokens", 500_000)) // BLOCK_TOKENS  # blocks per worker
+    capacity = int(raw.get("kv_capacity_tokens", 500_000)) // block_tokens  # blocks per worker
     workers = {f"w{i}": _Worker(Heartbeat(worker_id=f"w{i}", deployment=DEPLOYMENT, model="m", engine="vllm"),
                                 capacity) for i in range(n_workers)}
     fits = [w.hb for w in workers.values()]
@@ -138,7 +141,7 @@ def run(rule: str, reqs: list[Req], n_workers: int, profile: str, factor: float,
     def start_prefill(now: float, w: _Worker) -> None:
         nonlocal computed, cached_tokens
         r = w.queue.popleft()
-        hit = min(r.input_len - 1, w.cached_start(r.blocks) * BLOCK_TOKENS)
+        hit = min(r.input_len - 1, w.cached_start(r.blocks) * block_tokens)
         computed += r.input_len - hit
         cached_tokens += hit
         w.busy = True
@@ -150,7 +153,7 @@ def run(rule: str, reqs: list[Req], n_workers: int, profile: str, factor: float,
         now, _, kind, wid, r = heapq.heappop(events)
         if kind == "arrive":
             if by_prefix:
-                hashes = prefixes.blocks("", "", prompt_text(r.blocks))
+                hashes = prefixes.blocks("", "", r.text or prompt_text(r.blocks))
                 hb, outcome = prefixes.choose(router, table, hashes, policy, DEPLOYMENT, fits, factor) if hashes \
                     else (router.choose(policy, DEPLOYMENT, fits), "short")
                 outcomes[outcome] = outcomes.get(outcome, 0) + 1
@@ -185,14 +188,14 @@ def run(rule: str, reqs: list[Req], n_workers: int, profile: str, factor: float,
             "outcomes": outcomes}
 
 
-def pooled_hit(reqs: list[Req], capacity: int) -> float:
+def pooled_hit(reqs: list[Req], capacity: int, block_tokens: int = BLOCK_TOKENS) -> float:
     """Prompt tokens served from cache if every request saw one cache of `capacity` blocks (0 = no
     limit), least recently used out: what no placement over separate caches can beat by much."""
     pool = _Worker(Heartbeat(worker_id="pool", deployment=DEPLOYMENT, model="m", engine="vllm"),
                    capacity or 1 << 62)
     hit = total = 0
     for r in reqs:
-        hit += min(r.input_len - 1, pool.cached_start(r.blocks) * BLOCK_TOKENS)
+        hit += min(r.input_len - 1, pool.cached_start(r.blocks) * block_tokens)
         total += r.input_len
         pool.keep(r.blocks)
     return hit / max(1, total)
@@ -201,10 +204,13 @@ def pooled_hit(reqs: list[Req], capacity: int) -> float:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", type=Path, default=TRACE, help="JSONL with timestamp (ms), input_length, "
                    "output_length, hash_ids (default: Mooncake's FAST'25 synthetic trace)")
+    p.add_argument("--conversations", choices=("hh_rlhf", "mt_bench"),
+                   help="instead of --trace: real multi-turn text (bench/prefix_conversations.py)")
+    p.add_argument("--conv-rate", type=float, default=2.0, help="conversations starting per second (--conversations)")
     p.add_argument("--profile", default=PROFILE, help="engine profile (name or path): prefill/decode times, KV capacity")
     p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--rate-scale", type=float, default=1.0, help="arrivals this many times faster")
-    p.add_argument("--limit", type=int, default=0, help="first N requests only (0 = all)")
+    p.add_argument("--rate-scale", type=float, default=1.0, help="arrivals this many times faster (--trace)")
+    p.add_argument("--limit", type=int, default=0, help="first N requests (--trace) or conversations only (0 = all)")
     p.add_argument("--rules", nargs="+", default=list(RULES), choices=RULES)
     p.add_argument("--table-blocks", type=int, default=GatewaySettings().prefix_table_blocks,
                    help="the gateway's prefix_table_blocks")
@@ -213,30 +219,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.workers < 1 or args.rate_scale <= 0 or args.load_factor < 1:
-        raise SystemExit("need --workers >= 1, --rate-scale > 0 and --load-factor >= 1")
-    if not args.trace.exists():
-        raise SystemExit(f"trace not found: {args.trace} (set --trace or POLYSERVE_DATASETS)")
-    reqs = load_trace(args.trace, args.limit, args.rate_scale)
+    if args.workers < 1 or args.rate_scale <= 0 or args.load_factor < 1 or args.conv_rate <= 0:
+        raise SystemExit("need --workers >= 1, --rate-scale > 0, --conv-rate > 0 and --load-factor >= 1")
+    if args.conversations:
+        from polyserve.bench import prefix_conversations as conv
+
+        reqs, block_tokens, source = conv.conversations(args.conversations, args.conv_rate, args.limit), \
+            conv.BLOCK_TOKENS, f"{args.conversations} conversations at {args.conv_rate}/s"
+    else:
+        if not args.trace.exists():
+            raise SystemExit(f"trace not found: {args.trace} (set --trace or POLYSERVE_DATASETS)")
+        reqs, block_tokens, source = load_trace(args.trace, args.limit, args.rate_scale), BLOCK_TOKENS, args.trace.name
     print(machine.line(), flush=True)
     print(f"bench prefix (SIMULATED workers, the gateway's real placement code): {len(reqs)} requests of "
-          f"{args.trace.name} over {reqs[-1].arrival:.0f} s, {args.workers} workers, profile {args.profile}; "
+          f"{source} over {reqs[-1].arrival:.0f} s, {args.workers} workers, profile {args.profile}; "
           f"load bound {args.load_factor} x mean + {AFFINITY_SLACK}", flush=True)
     rows = []
     for rule in args.rules:
-        rows.append(run(rule, reqs, args.workers, args.profile, args.load_factor, args.table_blocks))
+        rows.append(run(rule, reqs, args.workers, args.profile, args.load_factor, args.table_blocks, block_tokens))
         print(f"  {rule}: done", flush=True)
     print(f"\n{'rule (SIMULATED)':<26}{'cache hit':>10}{'prefill Mtok':>13}{'TTFT mean s':>12}{'p50 s':>8}"
           f"{'p99 s':>9}{'max/mean placed':>16}  prefix outcomes")
     for r in rows:
         print(f"{r['rule']:<26}{r['cache_hit']:>10.1%}{r['prefill_mtok']:>13.1f}{r['ttft_mean_s']:>12.2f}"
               f"{r['ttft_p50_s']:>8.2f}{r['ttft_p99_s']:>9.2f}{r['spread']:>16.2f}  {r['outcomes'] or ''}")
-    per_worker = int(load_perf(profile_path(args.profile))[1].get("kv_capacity_tokens", 500_000)) // BLOCK_TOKENS
-    ceiling, pooled = pooled_hit(reqs, 0), pooled_hit(reqs, per_worker * args.workers)
-    print(f"ceilings: one cache of every worker's blocks ({per_worker * args.workers:,}) seen by every request "
-          f"would serve {pooled:.1%} of prompt tokens, an unbounded one {ceiling:.1%}")
+    per_worker = int(load_perf(profile_path(args.profile))[1].get("kv_capacity_tokens", 500_000)) // block_tokens
+    ceiling, pooled = pooled_hit(reqs, 0, block_tokens), pooled_hit(reqs, per_worker * args.workers, block_tokens)
+    print(f"ceilings: one cache of every worker's blocks ({per_worker * args.workers:,} of {block_tokens} tokens) "
+          f"seen by every request would serve {pooled:.1%} of prompt tokens, an unbounded one {ceiling:.1%}")
     if args.json:
         args.json.write_text(json.dumps({"simulated": True, "machine": machine.describe(), "rows": rows,
-                                         "ceiling_hit": ceiling, "pooled_hit": pooled, "args": {k: str(v) for k, v in vars(args).items()}},
-                                        indent=1))
+                                         "ceiling_hit": ceiling, "pooled_hit": pooled,
+                                         "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
     return 0

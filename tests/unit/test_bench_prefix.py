@@ -43,3 +43,28 @@ def test_prefix_rules_serve_more_from_cache_than_load_only_ones(tmp_path, capsys
     assert res["pooled_hit"] <= res["ceiling_hit"] + 1e-12
     outcomes = next(r["outcomes"] for r in res["rows"] if r["rule"] == "prefix:least_outstanding")
     assert outcomes["miss"] == 30 and outcomes["hit"] >= 80  # every first turn misses; most later turns hit
+
+
+def test_real_conversations_each_turn_starts_with_the_one_before(tmp_path):
+    """The out-of-distribution workloads (bench/prefix_conversations.py): MT-bench's second turns
+    carry the first turn's prompt and answer; prefix-aware placement comes close to the pooled
+    ceiling on them."""
+    from polyserve.bench import prefix_conversations as conv
+
+    reqs = conv.conversations("mt_bench", rate=2.0, limit=40)
+    by_conv: dict[str, list] = {}
+    for r in reqs:
+        by_conv.setdefault(r.rid.split("t")[0], []).append(r)
+    two = [sorted(v, key=lambda r: r.rid) for v in by_conv.values() if len(v) == 2]
+    assert len(two) >= 30
+    for first, second in two:
+        assert second.text.startswith(first.text) and second.arrival > first.arrival
+        assert second.blocks[:len(first.blocks)] == first.blocks
+    out = tmp_path / "mt.json"
+    parser = __import__("argparse").ArgumentParser()
+    B.add_arguments(parser)
+    B.main(parser.parse_args(["--conversations", "mt_bench", "--limit", "200", "--workers", "4",
+                              "--rules", "round_robin", "prefix:round_robin", "--json", str(out)]))
+    res = json.loads(out.read_text())
+    hit = {r["rule"]: r["cache_hit"] for r in res["rows"]}
+    assert hit["prefix:round_robin"] > hit["round_robin"] and hit["prefix:round_robin"] >= res["pooled_hit"] - 0.03, hit
