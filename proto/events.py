@@ -60,6 +60,7 @@ class Completed(RequestEvent, tag="completed", kw_only=True):
     finish_reason: str = "stop"
     simulated: bool = False
     migrations: int = 0  # times the request moved to another worker after its worker died (request migration)
+    cached_tokens: int = 0  # of input_tokens, those the engine took from its prefix cache (RequestStats)
 
 
 class Failed(RequestEvent, tag="failed", kw_only=True):

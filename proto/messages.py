@@ -255,6 +255,7 @@ class RequestStats(Msg, kw_only=True):
     atgt_ms: float = 0.0
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
+    cached_tokens: int = 0  # of input_tokens, those the engine took from its prefix cache (vllm, openai-http)
 
 
 class TopLogprob(Msg, kw_only=True):

@@ -26,7 +26,8 @@ from . import compat, disconnect, logprobs, policy, reasoning, tools
 from .admission import Admission, admit
 from .context import Gateway, GatewayState
 from .errors import GatewayError
-from .handlers import Outcome, RequestRun
+from .handlers import RequestRun
+from .outcome import Outcome, merge
 from .schemas import ChatBody, CompletionBody
 
 
@@ -103,7 +104,8 @@ async def serve(gs: GatewayState, request: Request, body: CompletionBody | ChatB
         headers.update(_sim_header(out.simulated) or {})
         answer = policy.full_response(
             chat=chat, request_id=rid, model=adm.deployment.id, texts=out.texts, finish=out.finish,
-            prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens, simulated=out.simulated)
+            prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens, simulated=out.simulated,
+            cached_tokens=out.cached_tokens)
         if render.active:
             for i, choice in enumerate(answer["choices"]):
                 render.choice(choice, i, out.prompts[i], out.logprobs[i], out.prompt_logprobs[i])
@@ -143,7 +145,7 @@ async def _collect(request: Request, runs: list[RequestRun]) -> Outcome:
     """Collect the non-streamed answers; a client that goes away, or one failed prompt of a batch,
     cancels the rest at their workers."""
     if len(runs) == 1:
-        return _merge([await disconnect.collect(request, runs[0])])
+        return merge([await disconnect.collect(request, runs[0])])
     tasks = [asyncio.ensure_future(r.collect()) for r in runs]
 
     async def all_or_first_failure() -> None:
@@ -157,7 +159,7 @@ async def _collect(request: Request, runs: list[RequestRun]) -> Outcome:
             await disconnect.watched(request, all_or_first_failure())  # the client's departure probed
         except disconnect.ClientGone:
             raise GatewayError(499, "client disconnected") from None
-        return _merge([t.result() for t in tasks])
+        return merge([t.result() for t in tasks])
     except BaseException as exc:
         reason = "client disconnected" if isinstance(exc, GatewayError) and exc.status == 499 else \
             "another prompt of the batch failed"
@@ -166,19 +168,6 @@ async def _collect(request: Request, runs: list[RequestRun]) -> Outcome:
                 task.cancel()
                 await run.cancel(reason)
         raise
-
-
-def _merge(outs: list[Outcome]) -> Outcome:
-    """One Outcome for a batch: choices in prompt order (index = prompt * n + j), usage summed."""
-    if len(outs) == 1:
-        return outs[0]
-    return Outcome(texts=[t for o in outs for t in o.texts], finish=[f for o in outs for f in o.finish],
-                   prompt_tokens=sum(o.prompt_tokens for o in outs),
-                   completion_tokens=sum(o.completion_tokens for o in outs),
-                   simulated=any(o.simulated for o in outs), logprobs=[x for o in outs for x in o.logprobs],
-                   prompt_logprobs=[x for o in outs for x in o.prompt_logprobs],
-                   prompts=[x for o in outs for x in o.prompts], token_ids=[x for o in outs for x in o.token_ids],
-                   prompt_token_ids=[x for o in outs for x in o.prompt_token_ids])
 
 
 async def _chunks(runs: list[RequestRun]) -> AsyncIterator[tuple[int, TokenChunk]]:
@@ -229,7 +218,7 @@ async def _stream(adm: Admission, runs: list[RequestRun], rid: str, chat: bool, 
     firsts: set[int] = set()
     model = runs[0].deployment.id
     n = runs[0].params.n
-    usage = [0, 0]
+    usage = [0, 0, 0]  # prompt, completion, cached prompt tokens
     out: list[bytes] = []  # SSE events not written yet
     more = runs[0].has_next if len(runs) == 1 else (lambda: False)
     try:
@@ -239,6 +228,7 @@ async def _stream(adm: Admission, runs: list[RequestRun], rid: str, chat: bool, 
                     if chunk.stats:
                         usage[0] += chunk.stats.input_tokens
                         usage[1] += chunk.stats.output_tokens
+                        usage[2] += chunk.stats.cached_tokens
                     continue  # chunks() ends after the done chunk
                 if chunk.text or chunk.finish_reason or chunk.logprobs or chunk.token_ids:
                     index = i * n + chunk.index
@@ -260,7 +250,7 @@ async def _stream(adm: Admission, runs: list[RequestRun], rid: str, chat: bool, 
                     out.clear()
         if include_usage:
             out.append(_sse(policy.usage_chunk(chat=chat, request_id=rid, model=model, prompt_tokens=usage[0],
-                                               completion_tokens=usage[1])))
+                                               completion_tokens=usage[1], cached_tokens=usage[2])))
         yield b"".join([*out, b"data: [DONE]\n\n"])
     except GatewayError as exc:
         adm.failed(exc)

@@ -18,7 +18,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from .errors import GatewayError
-from .handlers import Outcome, RequestRun
+from .handlers import RequestRun
+from .outcome import Outcome
 
 PROBE_S = 0.5
 T = TypeVar("T")

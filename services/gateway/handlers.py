@@ -34,7 +34,6 @@ from polyserve.proto import (
     Resume,
     SamplingParams,
     TokenChunk,
-    TokenLogprob,
 )
 from polyserve.shared.bus import BusError, decode, error_of
 
@@ -42,23 +41,10 @@ from . import admission, prefixes, routing, tenancy
 from .context import GatewayState
 from .delivery import Delivery, WorkerDied, next_message
 from .errors import GatewayError, status_of
+from .outcome import Outcome
 from .policy import InvalidRequest, estimate_tokens
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Outcome:
-    texts: list[str]
-    finish: list[str | None]
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    simulated: bool = False
-    logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # per choice (params.logprobs set)
-    prompt_logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)  # per choice
-    prompts: list[str] = field(default_factory=list)  # per choice: the prompt it answers (echo)
-    token_ids: list[list[int]] = field(default_factory=list)  # per choice (params.return_token_ids)
-    prompt_token_ids: list[list[int] | None] = field(default_factory=list)  # per choice
 
 
 @dataclass
@@ -453,7 +439,8 @@ class RequestRun(Delivery):
             tbt_mean_ms=st.tbt_mean_ms if st else 0.0, tbt_max_ms=st.tbt_max_ms if st else 0.0,
             atgt_ms=st.atgt_ms if st else 0.0,
             predicted_tokens=self.prediction.tokens_estimate if self.prediction else 0,
-            finish_reason=self.finish_reason, simulated=self.simulated, migrations=self.migrations))
+            finish_reason=self.finish_reason, simulated=self.simulated, migrations=self.migrations,
+            cached_tokens=st.cached_tokens if st else 0))
 
     async def cancel(self, reason: str) -> None:
         """Cancel at the worker (frees its slot at once) and record the failure."""
@@ -493,7 +480,7 @@ class RequestRun(Delivery):
                 if chunk.finish_reason and (not chunk.done or (n == 1 and out.finish[0] is None)):
                     out.finish[chunk.index] = chunk.finish_reason
             if chunk.done and chunk.stats:
-                out.prompt_tokens = chunk.stats.input_tokens
+                out.prompt_tokens, out.cached_tokens = chunk.stats.input_tokens, chunk.stats.cached_tokens
                 out.completion_tokens = chunk.stats.output_tokens
         out.simulated = self.simulated
         out.finish = [f or "stop" for f in out.finish]

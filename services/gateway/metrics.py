@@ -50,6 +50,10 @@ class Metrics:
                                     registry=self.registry)
         self.output_tokens = Counter("polyserve_output_tokens_total", "Output tokens of completed requests",
                                      ["deployment"], registry=self.registry)
+        self.prompt_tokens = Counter("polyserve_prompt_tokens_total", "Prompt tokens of completed requests: those "
+                                     "the engine took from its prefix cache (cached; vllm and openai-http engines "
+                                     "report them) and the rest (computed)", ["deployment", "source"],
+                                     registry=self.registry)
         self.predictions = Counter("polyserve_predictions_total", "Output-length predictions by source "
                                    "(the predictor's model or cache, or the gateway's local-* fallback)",
                                    ["deployment", "source"], registry=self.registry)
@@ -83,11 +87,14 @@ class Metrics:
         self.ttft_hist.labels(deployment).observe(seconds)
 
     def completed(self, deployment: str, output_tokens: int, atgt_ms: float, queue_ms: float,
-                  predicted_tokens: int = 0) -> None:
+                  predicted_tokens: int = 0, input_tokens: int = 0, cached_tokens: int = 0) -> None:
         """A completed generation (embeddings have no output tokens and are left out)."""
         if output_tokens <= 0:
             return
         self.output_tokens.labels(deployment).inc(output_tokens)
+        cached = min(max(0, cached_tokens), max(0, input_tokens))
+        self.prompt_tokens.labels(deployment, "cached").inc(cached)
+        self.prompt_tokens.labels(deployment, "computed").inc(max(0, input_tokens) - cached)
         self.queue_hist.labels(deployment).observe(max(0.0, queue_ms) / 1e3)
         if output_tokens > 1 and atgt_ms > 0:
             self.atgt_hist.labels(deployment).observe(atgt_ms / 1e3)

@@ -25,7 +25,8 @@ async def start(gs: GatewayState) -> None:
 
     def tap(ev) -> None:  # every event the gateway publishes passes here (GatewayState.emit)
         if isinstance(ev, Completed):
-            m.completed(ev.deployment, ev.output_tokens, ev.atgt_ms, ev.queue_ms, ev.predicted_tokens)
+            m.completed(ev.deployment, ev.output_tokens, ev.atgt_ms, ev.queue_ms, ev.predicted_tokens,
+                        ev.input_tokens, ev.cached_tokens)
         elif isinstance(ev, Predicted):
             m.predictions.labels(ev.deployment, ev.source).inc()
 

@@ -216,13 +216,19 @@ def logit_bias(value: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens` when the engine served part of the
+    prompt from its prefix cache (vllm, openai-http), as vLLM's server reports it."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def full_response(*, chat: bool, request_id: str, model: str, texts: list[str], finish: list[str | None],
-                  prompt_tokens: int, completion_tokens: int, simulated: bool) -> dict[str, Any]:
+                  prompt_tokens: int, completion_tokens: int, simulated: bool,
+                  cached_tokens: int = 0) -> dict[str, Any]:
     """A non-streamed completion or chat.completion body."""
     choices = []
     for i, (text, reason) in enumerate(zip(texts, finish)):
@@ -234,7 +240,7 @@ def full_response(*, chat: bool, request_id: str, model: str, texts: list[str], 
     body: dict[str, Any] = {
         "id": request_id, "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()), "model": model, "choices": choices,
-        "usage": usage(prompt_tokens, completion_tokens), "system_fingerprint": "polyserve",
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens), "system_fingerprint": "polyserve",
     }
     if simulated:
         body["simulated"] = True
@@ -280,11 +286,11 @@ def stream_chunk(*, chat: bool, request_id: str, model: str, index: int, text: s
 
 
 def usage_chunk(*, chat: bool, request_id: str, model: str, prompt_tokens: int,
-                completion_tokens: int) -> dict[str, Any]:
+                completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     """The final chunk of a stream when `stream_options.include_usage` is set."""
     return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

@@ -280,7 +280,7 @@ class Turn:
         status = status_of(finish)
         return status, head + [self.message(text, status, entries)], {"role": "assistant", "content": text}
 
-    def obj(self, status: str, output: list[dict[str, Any]] | None = None, usage: tuple[int, int] | None = None,
+    def obj(self, status: str, output: list[dict[str, Any]] | None = None, usage: tuple[int, int, int] | None = None,
             simulated: bool = False) -> dict[str, Any]:
         b = self.body
         out: dict[str, Any] = {
@@ -294,7 +294,7 @@ class Turn:
             "store": self.store, "temperature": self.params.temperature, **rtools.echo(b, self.tl),
             "top_p": self.params.top_p, "truncation": "disabled",
             "usage": None if usage is None else {
-                "input_tokens": usage[0], "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens": usage[0], "input_tokens_details": {"cached_tokens": usage[2]},
                 "output_tokens": usage[1], "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": usage[0] + usage[1]},
             "user": b.user, "metadata": b.metadata or {},
@@ -376,7 +376,7 @@ async def create(body: ResponsesBody, request: Request, gs: Gateway) -> Response
         with trace.use_span(span, end_on_exit=False):
             out = await disconnect.collect(request, run)
         status, items, said = turn.answer(out.texts[0], out.finish[0], out.logprobs[0] if out.logprobs else None)
-        final = turn.obj(status, items, (out.prompt_tokens, out.completion_tokens), out.simulated)
+        final = turn.obj(status, items, (out.prompt_tokens, out.completion_tokens, out.cached_tokens), out.simulated)
         await save(gs, turn, final, said)
         if out.simulated:
             headers["X-Polyserve-Simulated"] = "true"
@@ -426,13 +426,14 @@ async def _events(gs: GatewayState, adm: Admission, turn: Turn, run: RequestRun)
     try:
         yield event("response.created", response=turn.obj("in_progress"))
         yield event("response.in_progress", response=turn.obj("in_progress"))
-        texts, finish, usage, held, raw = [], None, (0, 0), "", []
+        texts, finish, usage, held, raw = [], None, (0, 0, 0), "", []
         lps: list = []  # the logprobs of every token so far; held_lp: of the held text
         held_lp: list = []
         with trace.use_span(adm.span, end_on_exit=False):
             async for chunk in run.chunks():
                 if chunk.done:
-                    usage = (chunk.stats.input_tokens, chunk.stats.output_tokens) if chunk.stats else usage
+                    st = chunk.stats
+                    usage = (st.input_tokens, st.output_tokens, st.cached_tokens) if st else usage
                     continue
                 finish = chunk.finish_reason or finish
                 piece = chunk.text or ""

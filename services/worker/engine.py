@@ -214,8 +214,9 @@ def free_adapter(name: str, adapters, requests, force: bool, cancel: Callable[[s
 
 
 def make_stats(input_tokens: int, output_tokens: int, arrival: float, start: float,
-               token_times: list[float]) -> RequestStats:
-    """RequestStats from monotonic timestamps: arrival, start of prefill, each token's emission.
+               token_times: list[float], cached_tokens: int = 0) -> RequestStats:
+    """RequestStats from monotonic timestamps: arrival, start of prefill, each token's emission;
+    `cached_tokens`: of the input, those the engine's prefix cache served.
 
     ATGT = decode time / (output tokens - 1) (Aladdin §2.2). Engines with n > 1 choices
     pass one timestamp per decode step and correct `output_tokens` afterwards."""
@@ -232,6 +233,7 @@ def make_stats(input_tokens: int, output_tokens: int, arrival: float, start: flo
         atgt_ms=(decode_s / (output_tokens - 1) * 1e3) if output_tokens > 1 else 0.0,
         prefill_ms=(first - start) * 1e3,
         decode_ms=decode_s * 1e3,
+        cached_tokens=cached_tokens,
     )
 
 

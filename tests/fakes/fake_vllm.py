@@ -57,6 +57,7 @@ from typing import Any
 VERSION = "0.33.0"
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 EOS_ID = 0
+BLOCK_SIZE = 16  # vLLM's default KV block size (tokens), the unit of its prefix cache
 # TokensPrompt's keys in the 0.33.0 sources (vllm_surface.json, "vllm.inputs.llm.TokensPrompt")
 _SURFACE = Path(__file__).resolve().parents[2] / "services" / "worker" / "engines" / "vllm_surface.json"
 TOKENS_PROMPT_KEYS = frozenset(json.loads(_SURFACE.read_text())["classes"]["vllm.inputs.llm.TokensPrompt"]["attributes"])
@@ -231,6 +232,7 @@ class RequestOutput:
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
         self.prompt_logprobs, self.outputs, self.finished = prompt_logprobs, outputs, finished
         self.metrics, self.lora_request = metrics, lora_request
+        self.num_cached_tokens = kwargs.get("num_cached_tokens")
 
 
 # --------------------------------------------------------------------- vllm.lora.request
@@ -341,6 +343,7 @@ class FakeAsyncLLM:
         self.inject: dict[str, str] = {}  # request_id -> finish_reason forced on its first token ("abort", "error")
         self.live: dict[str, list[_Child]] = {}
         self._prompt_sent: dict[str, bool] = {}
+        self.cached_blocks: set[int] = set()  # automatic prefix caching: hashes of the full blocks computed
         self.shut_down = False
 
     @classmethod
@@ -395,6 +398,7 @@ class FakeAsyncLLM:
                                priority=priority))
         children = [_Child(i, self.script(ids, i, lora_request)) for i in range(params.n)]
         self.live[request_id] = children
+        cached = self._prefix_cache(ids, prompt, lora_request)
         delta = getattr(params, "output_kind", RequestOutputKind.CUMULATIVE) == RequestOutputKind.DELTA
         holdback = max((len(s) for s in params.stop), default=1) - 1
         try:
@@ -404,7 +408,8 @@ class FakeAsyncLLM:
                 if request_id in self.aborted:
                     for c in children:
                         c.finish_reason = c.finish_reason or "abort"
-                    yield self._output(request_id, ids, children, children, delta, holdback, lora_request, params)
+                    yield self._output(request_id, ids, children, children, delta, holdback, lora_request, params,
+                                       cached)
                     return
                 stepped, forced = [], self.inject.pop(request_id, None)
                 for c in children:
@@ -413,7 +418,8 @@ class FakeAsyncLLM:
                         stepped.append(c)
                 groups = [[c] for c in stepped] if self.per_child_outputs else [stepped]
                 for group in groups:
-                    yield self._output(request_id, ids, children, group, delta, holdback, lora_request, params)
+                    yield self._output(request_id, ids, children, group, delta, holdback, lora_request, params,
+                                       cached)
                 await asyncio.sleep(self.step_delay)
         except asyncio.CancelledError:
             await self.abort(request_id)  # vLLM's generate() aborts its request when cancelled
@@ -449,7 +455,24 @@ class FakeAsyncLLM:
         if params.max_tokens is not None and len(c.token_ids) >= params.max_tokens:
             c.finish_reason = "length"
 
-    def _output(self, request_id, ids, children, group, delta, holdback, lora_request, params) -> RequestOutput:
+    def _prefix_cache(self, ids: list[int], prompt: Any, lora_request: LoRARequest | None) -> int:
+        """vLLM's automatic prefix caching, by its rules: the prompt in blocks of BLOCK_SIZE tokens, each
+        block's hash chained on its parent's with the LoRA and (first block) the TokensPrompt's
+        cache_salt as extra keys; the cached tokens are those of the longest run of known full blocks,
+        short of the last prompt token (always computed, for its logits). The blocks join the cache."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        parent, hit, counting = hash((salt, lora_request.lora_name if lora_request else None)), 0, True
+        for start in range(0, len(ids) - BLOCK_SIZE + 1, BLOCK_SIZE):
+            parent = hash((parent, tuple(ids[start:start + BLOCK_SIZE])))
+            if counting and parent in self.cached_blocks and start + BLOCK_SIZE <= len(ids) - 1:
+                hit += BLOCK_SIZE
+            else:
+                counting = False
+            self.cached_blocks.add(parent)
+        return hit
+
+    def _output(self, request_id, ids, children, group, delta, holdback, lora_request, params,
+                cached: int = 0) -> RequestOutput:
         outs = []
         for c in group:
             visible = len(c.text) if c.finish_reason is not None else max(c.sent_text, len(c.text) - holdback)
@@ -468,7 +491,8 @@ class FakeAsyncLLM:
         if params.prompt_logprobs is not None and not (delta and self._prompt_sent.get(request_id)):
             prompt_lps = [None] + [fake_position(t, j, params.prompt_logprobs) for j, t in enumerate(ids[1:], 1)]
             self._prompt_sent[request_id] = True  # DELTA: vLLM pops them, so they come once
-        return RequestOutput(request_id, None, ids, prompt_lps, outs, finished, lora_request=lora_request)
+        return RequestOutput(request_id, None, ids, prompt_lps, outs, finished, lora_request=lora_request,
+                             num_cached_tokens=cached)
 
     async def abort(self, request_id: str | list[str], internal: bool = False) -> None:
         self.aborted += [request_id] if isinstance(request_id, str) else list(request_id)

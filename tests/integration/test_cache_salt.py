@@ -53,3 +53,38 @@ async def test_by_default_an_upstream_sees_only_a_clients_own_salt(plane, state)
             await acme.completions.create(model="up", prompt="hi", max_tokens=2)
             await acme.completions.create(model="up", prompt="hi", max_tokens=2, extra_body={"cache_salt": "s"})
             assert await _salts(up, 2) == [None, salt("acme", "s")]
+
+
+async def test_the_engines_cached_prompt_tokens_reach_the_client_and_the_metrics(plane, state):
+    """What the engine's prefix cache served (here an upstream's `usage.prompt_tokens_details`, as vLLM
+    reports it) comes back as OpenAI's `usage.prompt_tokens_details.cached_tokens` on completions and
+    chat, streamed and not, as the Responses API's `input_tokens_details.cached_tokens`, and counts in
+    `polyserve_prompt_tokens_total{source}`; an upstream that does not report it: no details."""
+    import httpx
+
+    from tests.helpers import wait_for
+
+    await state.put_deployment(Deployment(id="up", model="up", engine="openai-http"))
+    with StandIn(completion_out=[" a", " b"], finish="stop", cached=8) as up:
+        async with plane(worker_kw=_worker(up)) as p:
+            c = await p.client.completions.create(model="up", prompt="a shared prefix", max_tokens=2)
+            assert (c.usage.prompt_tokens, c.usage.prompt_tokens_details.cached_tokens) == (9, 8)
+            stream = await p.client.chat.completions.create(model="up", messages=MSG, max_tokens=2, stream=True,
+                                                            stream_options={"include_usage": True})
+            last = [chunk async for chunk in stream][-1]
+            assert (last.usage.prompt_tokens, last.usage.prompt_tokens_details.cached_tokens) == (11, 8)
+            r = await p.client.responses.create(model="up", input="hi", max_output_tokens=2)
+            assert r.usage.input_tokens_details.cached_tokens == 8
+            up.cached = None  # a server that leaves the details out (transformers serve, vLLM by default)
+            plain = await p.client.chat.completions.create(model="up", messages=MSG, max_tokens=2)
+            assert plain.usage.prompt_tokens == 11 and plain.usage.prompt_tokens_details is None
+
+            async with httpx.AsyncClient(base_url=p.url) as http:
+                async def counted(line: str) -> bool:
+                    return line in (await http.get("/metrics")).text
+
+                await wait_for(lambda: counted('polyserve_prompt_tokens_total{deployment="up",source="cached"} 24.0'),
+                               what="the cached prompt tokens counted")
+                # computed: 9 - 8 (completion), 11 - 8 (chat), 11 - 8 (Responses, a chat upstream), 11 (no details)
+                await wait_for(lambda: counted('polyserve_prompt_tokens_total{deployment="up",source="computed"} 18.0'),
+                               what="the computed prompt tokens counted")

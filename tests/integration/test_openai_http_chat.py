@@ -42,13 +42,20 @@ class StandIn(LoopbackHTTP):
     reasoning: the first chunk's text comes as `reasoning`. A chat with tools is answered with a
     call as vLLM's tool parsers send it (`tool_calls`; streamed: id and name, then the arguments
     in fragments; finish_reason "tool_calls"), after `said` as its content when given (the model's
-    words before the call, which vLLM's parsers return beside the calls)."""
+    words before the call, which vLLM's parsers return beside the calls). cached: the usage's
+    `prompt_tokens_details.cached_tokens` (vLLM with --enable-prompt-tokens-details; None: left out)."""
 
     def __init__(self, refuse: str | None = None, reasoning: bool = False, completion_out: list[str] | None = None,
-                 finish: str = "length", said: str | None = None):
+                 finish: str = "length", said: str | None = None, cached: int | None = None):
         super().__init__()
         self.refuse, self.reasoning, self.said = refuse, reasoning, said
-        self.completion_out, self.finish = completion_out or COMPLETION_OUT, finish
+        self.completion_out, self.finish, self.cached = completion_out or COMPLETION_OUT, finish, cached
+
+    def _usage(self, prompt: int, completion: int) -> dict:
+        usage: dict = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        if self.cached is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached}
+        return usage
 
     def answer(self, method: str, path: str, body: dict) -> tuple[int, bytes, str]:
         if method == "GET":
@@ -99,7 +106,7 @@ class StandIn(LoopbackHTTP):
 
     def chat(self, body: dict, reasoning: bool) -> tuple[bytes, str]:
         k = body.get("top_logprobs", 0) if body.get("logprobs") else None
-        usage = {"prompt_tokens": 11, "completion_tokens": len(CHAT_OUT), "total_tokens": 11 + len(CHAT_OUT)}
+        usage = self._usage(11, len(CHAT_OUT))
         base = {"id": "chatcmpl-1", "created": 0, "model": "m"}
         if not body.get("stream"):
             lp = {"content": [c for t in CHAT_OUT for c in self._lp(t, k)["content"]]} if k is not None else None
@@ -122,7 +129,7 @@ class StandIn(LoopbackHTTP):
 
     def completion(self, body: dict) -> tuple[bytes, str]:
         out, last = self.completion_out, len(self.completion_out) - 1
-        usage = {"prompt_tokens": 9, "completion_tokens": len(out), "total_tokens": 9 + len(out)}
+        usage = self._usage(9, len(out))
         base = {"id": "cmpl-1", "created": 0, "model": "m", "object": "text_completion"}
         ids = body.get("return_token_ids")  # vLLM's: one id per piece here (100, 101, ...), the prompt's 1..9
         if not body.get("stream"):

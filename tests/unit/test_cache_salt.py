@@ -70,3 +70,29 @@ async def test_the_vllm_engine_salts_vllms_tokens_prompt(monkeypatch, mode):
             assert keyed == {"prompt_token_ids": ids} and own["cache_salt"] == cs.salt("", "mine")
     finally:
         await engine.stop()
+
+
+async def _cached(engine: VllmEngine, rid: str, prompt: str, tenant: str = "") -> int:
+    events = [ev async for ev in engine.generate(EngineRequest(rid, prompt, SamplingParams(max_tokens=2),
+                                                               tenant=tenant))]
+    assert isinstance(events[-1], Finished), events[-1]
+    return events[-1].stats.cached_tokens
+
+
+async def test_the_vllm_engine_reports_vllms_prefix_cache_hits_per_tenant(monkeypatch):
+    """RequestOutput.num_cached_tokens (vLLM's automatic prefix caching: whole 16-token blocks of a
+    prompt computed before, short of its last token) becomes the request's cached_tokens, which the
+    gateway returns as usage.prompt_tokens_details.cached_tokens; salted per tenant, another
+    tenant's identical prompt finds nothing."""
+    fake_vllm.install(monkeypatch, "v1")
+    engine = VllmEngine(settings())
+    await engine.start()
+    try:
+        doc = "the quarterly report says revenue grew by four percent in the north region. "  # 76 chars
+        assert await _cached(engine, "a", doc + "summarise it", "acme") == 0  # nothing computed before
+        assert await _cached(engine, "b", doc + "translate it", "acme") == 64  # 4 whole blocks of the 76 alike
+        assert await _cached(engine, "c", doc + "summarise it", "acme") == 80  # all 88 but the last block
+        assert await _cached(engine, "d", doc + "summarise it", "globex") == 0  # another tenant's salt
+        assert await _cached(engine, "e", doc + "summarise it") == 0  # no key: unsalted, its own cache
+    finally:
+        await engine.stop()

@@ -93,7 +93,7 @@ class _Flight:
     tokens: dict[int, int] = field(default_factory=dict)
     seen: set[int] = field(default_factory=set)
     ended: set[int] = field(default_factory=set)
-    usage: tuple[int, int] | None = None  # (prompt_tokens, completion_tokens) from the upstream
+    usage: tuple[int, int, int] | None = None  # (prompt, completion, cached prompt tokens) from the upstream
     done: bool = False
     calls: Any = None  # a tool chat on the chat endpoint: openai_http_chat.CallText
     think: Any = None  # openai_http_chat.ThinkText: reasoning back in its tags
@@ -364,7 +364,7 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
         now = time.monotonic()
         usage = getattr(chunk, "usage", None)
         if usage is not None and getattr(usage, "completion_tokens", None) is not None:
-            fl.usage = (int(usage.prompt_tokens or 0), int(usage.completion_tokens or 0))
+            fl.usage = openai_http_wire.usage_of(usage)
         stepped = False
         n = fl.req.params.n
         for choice in getattr(chunk, "choices", None) or ():
@@ -412,11 +412,11 @@ class OpenAIHttpEngine(UpstreamLoRA, Engine):
         fl.done = True
         self._flights.pop(fl.req.request_id, None)
         counted = sum(fl.tokens.values())
-        prompt_tokens, output_tokens = fl.usage if fl.usage else (self.count_tokens(fl.req.prompt), counted)
+        prompt_tokens, output_tokens, cached = fl.usage if fl.usage else (self.count_tokens(fl.req.prompt), counted, 0)
         steps = max(fl.tokens.values(), default=0)
         if fl.usage and fl.req.params.n == 1:
             steps = output_tokens
-        stats = make_stats(prompt_tokens, steps, fl.req.arrival, fl.start, fl.step_times)
+        stats = make_stats(prompt_tokens, steps, fl.req.arrival, fl.start, fl.step_times, cached)
         fl.queue.put_nowait(Finished(stats=msgspec.structs.replace(stats, output_tokens=output_tokens)))
 
     def _fail(self, fl: _Flight, exc: EngineError) -> None:

@@ -104,6 +104,15 @@ def _get(obj: Any, name: str) -> Any:
     return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
 
 
+def usage_of(usage: Any) -> tuple[int, int, int]:
+    """(prompt, completion, cached prompt tokens) of an upstream answer's `usage`; the cached ones from
+    `prompt_tokens_details.cached_tokens` (vLLM with --enable-prompt-tokens-details, OpenAI; 0 when
+    the server leaves it out)."""
+    details = _get(usage, "prompt_tokens_details")
+    cached = _get(details, "cached_tokens") if details is not None else None
+    return int(_get(usage, "prompt_tokens") or 0), int(_get(usage, "completion_tokens") or 0), int(cached or 0)
+
+
 def entries(logprobs: Any, k: int) -> list[TokenLogprob]:
     """A choice's completions (or chat) `logprobs` object as TokenLogprob entries with k alternatives each."""
     content = _get(logprobs, "content")
@@ -161,7 +170,7 @@ def split_echo(text: str, lps: list[TokenLogprob] | None, prompt: str, prompt_to
     return text[len(prompt):], lps[:prompt_tokens], lps[prompt_tokens:]
 
 
-def choice_delta(req: EngineRequest, choice: Any, text: str, whole: bool, usage: tuple[int, int] | None,
+def choice_delta(req: EngineRequest, choice: Any, text: str, whole: bool, usage: tuple[int, int, int] | None,
                  url: str, chunk: Any = None) -> Delta:
     """A choice's Delta (tokens and finish set by the caller) with its logprobs entries, the echoed
     prompt split off (its entries as prompt_logprobs), and vLLM's token ids (`return_token_ids`:

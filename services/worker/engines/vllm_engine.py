@@ -20,7 +20,7 @@ vLLM API used (as in the 0.33.0 sources; `vllm_api` detects the rest):
 - `engine.generate({"prompt_token_ids": ids[, "cache_salt": salt]}, SamplingParams, request_id,
   lora_request=..., priority=...)` (a `TokensPrompt`; the salt: core/cache_salt.py): an async generator of
   `RequestOutput` (`.outputs[i]` = `CompletionOutput` with `.index`, `.text`, `.token_ids`, `.finish_reason`
-  in "stop"/"length"/"abort"/"error"/"repetition"; `.finished`). With n > 1 an output may carry only some
+  in "stop"/"length"/"abort"/"error"/"repetition"; `.finished`; `.num_cached_tokens`: the prompt tokens its prefix cache served). With n > 1 an output may carry only some
   choices, so choices are keyed by `.index`, never by position. vLLM makes the request id unique internally (a random suffix) but `abort()`
   takes the id passed to generate();
 - `SamplingParams(n, temperature, top_p, top_k, seed, stop, max_tokens, min_tokens,
@@ -37,24 +37,22 @@ vLLM API used (as in the 0.33.0 sources; `vllm_api` detects the rest):
   admission rejections (`GracefulHTTPError`: QueueOverflowError, MaxQueuedTokensError) -> their
   `http_status` (503).
 
-Mapping to polyserve: `max_batch` -> max_num_seqs; `scheduling` "priority" -> scheduling_policy
-"priority" and each request's priority passed through (vLLM: lower value = earlier, the same
-convention as the hf engine); finish reasons stop/length kept, "abort" -> "cancelled".
+Mapping to polyserve: `max_batch` -> max_num_seqs; `scheduling` "priority" -> scheduling_policy "priority" and
+each request's priority passed through (vLLM: lower value = earlier, as the hf engine); finish reasons stop/length
+kept, "abort" -> "cancelled"; `num_cached_tokens` -> RequestStats.cached_tokens (usage's cached_tokens).
 
-Load (heartbeats): vLLM's stat loggers are not a stable API, so running/waiting come from this
-engine's own accounting: an admitted request is *waiting* until its first output arrives and
-*running* after (a long prompt being prefilled therefore counts as waiting). `kv_used` is the
-context those running requests hold, n x input + generated tokens (prefix sharing ignored).
-`kv_capacity` is vLLM's `cache_config.num_gpu_blocks * block_size` when the engine exposes it,
-else 0 (unknown). `max_waiting` bounds the waiting count (429 beyond it), `max_input_len` is
-clamped to the model's `max_model_len - 1`.
+Load (heartbeats): vLLM's stat loggers are not a stable API, so running/waiting come from this engine's own
+accounting: an admitted request is *waiting* until its first output arrives and *running* after (a long prompt being
+prefilled therefore counts as waiting). `kv_used` is the context those running requests hold, n x input + generated
+tokens (prefix sharing ignored). `kv_capacity` is vLLM's `cache_config.num_gpu_blocks * block_size` when the engine
+exposes it, else 0 (unknown). `max_waiting` bounds the waiting count (429 beyond it), `max_input_len` is clamped to
+the model's `max_model_len - 1`.
 
-Settings read: model, model_path (served instead of `model` when set), max_waiting, max_batch,
-max_input_len, scheduling, dtype ("float32", the hf engine's CPU default, and "" mean vLLM's
-"auto"). `device` is ignored (vLLM picks its platform), `kv_capacity_tokens` too (vLLM sizes its
-cache from gpu_memory_utilization). Optional, read with getattr: gpu_memory_utilization (0.9),
-max_model_len (0 = the model's), enable_lora (True), max_lora_rank (64), max_loras (4),
-seed (0), vllm_engine_args (dict or JSON of extra AsyncEngineArgs fields; `polyserve up
+Settings read: model, model_path (served instead of `model` when set), max_waiting, max_batch, max_input_len,
+scheduling, dtype ("float32", the hf engine's CPU default, and "" mean vLLM's "auto"). `device` is ignored (vLLM picks
+its platform), `kv_capacity_tokens` too (vLLM sizes its cache from gpu_memory_utilization). Optional, read with
+getattr: gpu_memory_utilization (0.9), max_model_len (0 = the model's), enable_lora (True), max_lora_rank (64),
+max_loras (4), seed (0), vllm_engine_args (dict or JSON of extra AsyncEngineArgs fields; `polyserve up
 --reasoning-parser` adds vLLM's `reasoning_parser`, so a constraint applies after the thinking).
 """
 from __future__ import annotations
@@ -122,6 +120,7 @@ class _Req:
         self.no_think: set[int] = set()  # choices still owed an empty "<think></think>" (_admit)
         self.ids_sent: set[int] = set()  # choices whose first delta carried the prompt's token ids
         self.prompt_sent: set[int] = set()  # choices whose first delta carried them
+        self.cached = 0  # prompt tokens vLLM's prefix cache served (RequestOutput.num_cached_tokens)
 
 
 class VllmEngine(Engine):
@@ -315,6 +314,7 @@ class VllmEngine(Engine):
         prompt_lps = getattr(out, "prompt_logprobs", None)
         if prompt_lps:  # DELTA: sent once (popped by vLLM), so kept here; cumulative: the whole list each time
             act.prompt_raw = (act.prompt_raw or []) + list(prompt_lps) if self.api.delta_outputs else list(prompt_lps)
+        act.cached = int(getattr(out, "num_cached_tokens", None) or act.cached)  # None until scheduled
         new_tokens = 0
         for co in out.outputs:
             i = int(co.index)
@@ -401,7 +401,7 @@ class VllmEngine(Engine):
         act.done = True
         self._known.pop(act.req.request_id, None)
         steps = 1 + max(0, max(act.tokens, default=0) - act.first_tokens) if act.step_times else 0
-        stats = make_stats(len(act.ids), steps, act.req.arrival, act.start, act.step_times)
+        stats = make_stats(len(act.ids), steps, act.req.arrival, act.start, act.step_times, act.cached)
         act.queue.put_nowait(Finished(stats=msgspec.structs.replace(stats, output_tokens=sum(act.tokens))))
 
     def _fail(self, act: _Req, exc: EngineError) -> None:
