@@ -73,7 +73,7 @@ SURFACE_USED = {
         "vllm.config.vllm.VllmConfig": ["cache_config", "model_config"],
         "vllm.config.cache.CacheConfig": ["num_gpu_blocks", "block_size"],
         "vllm.config.model.ModelConfig": ["max_model_len"],
-        "vllm.outputs.RequestOutput": ["outputs", "finished", "prompt_logprobs"],
+        "vllm.outputs.RequestOutput": ["outputs", "finished", "prompt_logprobs", "num_cached_tokens"],
         "vllm.outputs.CompletionOutput": ["index", "text", "token_ids", "finish_reason", "logprobs"],
         "vllm.logprobs.Logprob": ["logprob", "rank", "decoded_token"],
     },
