@@ -84,6 +84,16 @@ class DispatchRequest(Msg, kw_only=True):
     affinity: str = ""
 
 
+class PrefixPlaced(Msg, kw_only=True):
+    """Gateway -> every other gateway (core NATS, best effort): a request whose prompt starts are
+    `hashes` (gateway/prefixes.py `blocks`: stable across processes) was placed on `worker_id`, so
+    each gateway's picture of the workers' prefix caches includes the others' placements."""
+    deployment: str
+    worker_id: str
+    gateway: str  # the sender's instance: it ignores its own
+    hashes: list[int]
+
+
 class Placement(Msg, kw_only=True):
     request_id: str
     worker_id: str
@@ -430,7 +440,8 @@ class AgentInfo(Msg, kw_only=True):
 
 
 ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
-    PredictRequest, Prediction, PredictBatch, Predictions, DispatchRequest, Placement, SamplingParams, GenerateRequest,
+    PredictRequest, Prediction, PredictBatch, Predictions, DispatchRequest, PrefixPlaced, Placement, SamplingParams,
+    GenerateRequest,
     GenerateAccepted, RequestStats, TokenChunk, CancelRequest, Admitted, Predicted, Dispatched,
     FirstToken, Completed, Failed, AdapterInfo, Heartbeat, WorkerUp, WorkerDown, ServiceState,
     ScaleDecision, GpuTelemetry, StartWorker, StopWorker, AgentReply, ScalerPolicy, Deployment,

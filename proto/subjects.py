@@ -38,6 +38,11 @@ class Subjects:
     def agent(self, gpu_id: str, action: str) -> str:
         return f"{self.prefix}.v1.agent.{gpu_id}.{action}"
 
+    @property
+    def prefixes(self) -> str:
+        """PrefixPlaced, gateway to gateways: the prompt starts each placed (gateway/prefixes.py)."""
+        return f"{self.prefix}.v1.gateway.prefixes"
+
     def event(self, kind: str) -> str:
         """Request events: admitted, predicted, dispatched, first_token, completed, failed."""
         return f"{self.prefix}.v1.events.request.{kind}"

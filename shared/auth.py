@@ -46,8 +46,8 @@ def nats_permissions(prefix: str) -> dict[str, dict]:
     worker = [f"{p}.worker.*.{verb}" for verb in ("generate", "cancel", "withdraw", "embed", "replay", "credit")]
     perms = {
         "gateway": {"pub": [f"{p}.predict", f"{p}.predict_batch", f"{p}.dispatch", *[s for s in worker if not s.endswith("withdraw")],
-                            f"{p}.adapters.*", f"{p}.events.request.>", service_state],
-                    "sub": [*events]},
+                            f"{p}.adapters.*", f"{p}.events.request.>", service_state, f"{p}.gateway.prefixes"],
+                    "sub": [*events, f"{p}.gateway.prefixes"]},
         "predictor": {"pub": [service_state], "sub": [f"{p}.predict", f"{p}.predict_batch", *events]},
         "dispatcher": {"pub": [f"{p}.worker.*.withdraw", f"{p}.events.plan.signal.*", service_state],
                        "sub": [f"{p}.dispatch", *events]},

@@ -18,7 +18,7 @@ from fastapi import Depends, Request
 from opentelemetry import trace
 
 from polyserve.core.length_hint import LocalLengths
-from polyserve.proto import AdapterSpec, Deployment, Heartbeat, Subjects, WorkerDown
+from polyserve.proto import AdapterSpec, Deployment, Heartbeat, PrefixPlaced, Subjects, WorkerDown
 from polyserve.shared.bus import Bus
 from polyserve.shared.state import State
 
@@ -244,6 +244,22 @@ class GatewayState:
         if hb and (now - self._last_heartbeat > ttl / 2 or now - max(hb[0], self._silence_end) <= ttl):
             return ""
         return gone if await self.bus_healthy(grace=ttl + 1.0) else ""
+
+    def placed_prefix(self, deployment: str, hashes: tuple[int, ...], worker_id: str) -> None:
+        """A prompt with these starts (prefixes.blocks) runs on `worker_id`: in this gateway's table
+        and, best effort, every other gateway's (`PrefixPlaced`)."""
+        if not hashes:
+            return
+        self.prefixes.record(hashes, worker_id)
+        try:
+            self.bus.publish_soon(self.subjects.prefixes, PrefixPlaced(
+                deployment=deployment, worker_id=worker_id, gateway=self.settings.instance, hashes=list(hashes)))
+        except Exception:  # noqa: BLE001 - a hint: the request goes on without it
+            logger.debug("could not share the prompt starts of a placement on %s", worker_id, exc_info=True)
+
+    async def on_prefix(self, msg: PrefixPlaced) -> None:
+        if msg.gateway != self.settings.instance:  # (its own: recorded when it placed)
+            self.prefixes.record(tuple(msg.hashes), msg.worker_id)
 
     async def on_down(self, ev: WorkerDown) -> None:
         self._down[ev.worker_id] = (time.monotonic(), ev.reason)

@@ -264,7 +264,7 @@ class RequestRun(Delivery):
     def _place(self, placement: Placement) -> None:
         """Run on `placement` now: this gateway's requests per worker and prompt starts follow."""
         self.gs.router.assign(self.request_id, placement.worker_id)
-        self.gs.prefixes.record(self.prefix, placement.worker_id)
+        self.gs.placed_prefix(self.deployment.id, self.prefix, placement.worker_id)
         self.placement = placement
 
     async def _dispatch(self, excluded: list[str], after: asyncio.Future | None = None,

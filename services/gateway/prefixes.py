@@ -9,19 +9,23 @@ the prompts it placed. A prompt is cut into blocks of BLOCK_CHARS characters (th
 tokenize; 128 characters are ~32 tokens, two of vLLM's 16-token blocks), and its starts of 2, 3,
 4, 6, ... 256 blocks (CHECKPOINTS) are hashed, each hash covering the whole start and the request's
 tenant and `cache_salt`, as the engines' caches are salted per (tenant, salt)
-(core/cache_salt.py): a prefix of another tenant never attracts a request. The table holds at most
-`capacity` such hashes (least recently placed first out), so it forgets what a worker's cache has
-most likely evicted too; a worker that goes down is forgotten at once. Each gateway process learns
-from its own placements (with several gateways each has its own picture, as each SGLang router
-has).
+(core/cache_salt.py): a prefix of another tenant does not attract a request. The table holds at
+most `capacity` such hashes (least recently placed first out), so it forgets what a worker's cache
+has most likely evicted too; a worker that goes down is forgotten at once.
+
+Gateways share what they place (`PrefixPlaced` on `<p>.v1.gateway.prefixes`, best effort): with
+several gateway processes or replicas a conversation's turns reach different gateways, and each
+must know where the others put its earlier turns. So the hashes are stable across processes:
+CRC-32 (zlib, in C: 2.6 µs for a 600-character prompt, 20 µs for 31,500) run on over the start,
+seeded with the tenant and salt. It is no secret and may collide (1 in 4·10⁹ per pair): a
+collision misplaces a request, nothing more, as the engine checks its own cache by token.
 
 Why by hand: no library keeps this (SGLang's router is Rust inside its own server; vLLM's block
-hashes are its engine's, over token ids the gateway does not have). Python's `hash` of (previous
-hash, block) is the chain: fast (SipHash in C) and per-process randomised, which is all a table
-that never leaves the process needs.
+hashes are its engine's, over token ids the gateway does not have).
 """
 from __future__ import annotations
 
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -50,20 +54,23 @@ def applies(mode: str, engine: str) -> bool:
 
 
 def blocks(tenant: str, salt: str, text: str) -> tuple[int, ...]:
-    """The chained hashes of `text`'s starts of CHECKPOINTS[i] whole blocks (the i-th names the
-    first CHECKPOINTS[i] blocks); () when it has fewer than MIN_BLOCKS, so a short prompt costs
-    nothing."""
+    """The hashes of `text`'s starts of CHECKPOINTS[i] whole blocks (the i-th names the first
+    CHECKPOINTS[i] blocks, with the tenant and salt); () when it has fewer than MIN_BLOCKS, so a
+    short prompt costs nothing. Stable across processes (gateways share them: `PrefixPlaced`)."""
     n = min(len(text) // BLOCK_CHARS, MAX_BLOCKS)
     if n < MIN_BLOCKS:
         return ()
-    h = hash((tenant, salt))
+    h = zlib.crc32(f"{tenant}\0{salt}\0".encode("utf-8", "surrogatepass"))
     out = []
+    prev = 0
     for k in CHECKPOINTS:
         if k > n:
             break
-        # the chain runs over every block; a checkpoint's hash covers all of its start
-        h = hash((h, text[(len(out) and CHECKPOINTS[len(out) - 1]) * BLOCK_CHARS:k * BLOCK_CHARS]))
-        out.append(h)
+        # CRC-32 runs on over the UTF-8 of each next piece: a checkpoint's value covers its whole start;
+        # its start's length in the low 9 bits (a placement hint: a rare collision misplaces a request)
+        h = zlib.crc32(text[prev * BLOCK_CHARS:k * BLOCK_CHARS].encode("utf-8", "surrogatepass"), h)
+        out.append(h << 9 | k)
+        prev = k
     return tuple(out)
 
 
@@ -74,6 +81,7 @@ class PrefixTable:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._held: OrderedDict[int, set[str]] = OrderedDict()
+        self.recorded = 0  # placements recorded (this gateway's and, via PrefixPlaced, the others')
 
     def __len__(self) -> int:
         return len(self._held)
@@ -99,6 +107,7 @@ class PrefixTable:
         chain `longest` walks breaks at its first forgotten block."""
         if not hashes or self.capacity <= 0:
             return
+        self.recorded += 1
         held = self._held
         for h in reversed(hashes):
             holders = held.get(h)

@@ -12,7 +12,7 @@ import time
 import uvicorn
 
 from polyserve.gateway import limits
-from polyserve.proto import Heartbeat, WorkerDown
+from polyserve.proto import Heartbeat, PrefixPlaced, WorkerDown
 from polyserve.shared.lifecycle import ServiceBase
 
 from . import observe
@@ -87,6 +87,7 @@ class GatewayService(ServiceBase):
         self.gs.bus, self.gs.state = self.bus, self.state
         await self.bus.listen(self.subjects.worker_event("heartbeat"), Heartbeat, self.gs.on_heartbeat)
         await self.bus.listen(self.subjects.worker_event("down"), WorkerDown, self.gs.on_down)
+        await self.bus.listen(self.subjects.prefixes, PrefixPlaced, self.gs.on_prefix)  # other gateways' (prefixes.py)
         await observe.start(self.gs)  # dashboards' metrics: own request events, fleet events (observe.py)
         # The terminal events' stream, looked up before any traffic: once it has answered, an event
         # is kept until stored (never best effort) through an outage, one that starts at once too.

@@ -72,3 +72,39 @@ async def test_auto_leaves_a_deployment_without_prefix_cache_alone(make_settings
     auto, counted = await _run(make_settings, state, bus, subjects)
     assert len(set(auto["billing"])) == 3  # round robin over the five turns
     assert "polyserve_prefix_placements_total{" not in counted
+
+
+async def test_gateways_share_the_starts_they_placed(make_settings, state, bus, subjects):
+    """Two gateway processes' worth (replicas behind one address): a conversation whose turns
+    alternate between them stays on one worker, as each hears where the other placed a prompt
+    (`PrefixPlaced` on `<p>.v1.gateway.prefixes`). Gateway B's round robin is moved on first, so
+    without the sharing its turns would go elsewhere."""
+    from polyserve.gateway.config import GatewaySettings
+    from polyserve.gateway.service import GatewayService
+
+    where = await placements(bus, subjects, WORKERS)
+    await state.put_deployment(Deployment(id=MODEL, model=MODEL, engine="sim", policy="round_robin"))
+    gw_a, services = sim_fleet(make_settings, WORKERS, prefix_affinity="on")
+    gw_b = GatewayService(make_settings(GatewaySettings, "gateway", port=0, prefix_affinity="on"))
+    async with running(*services, gw_b):
+        await wait_for(lambda: all(len(g.gs.fresh_heartbeats(MODEL)) == 3 for g in (gw_a, gw_b)),
+                       what="three workers' heartbeats at both gateways")
+        a, b = (openai.AsyncOpenAI(base_url=g.url + "/v1", api_key="unused", max_retries=0, timeout=20)
+                for g in (gw_a, gw_b))
+        await b.completions.create(model=MODEL, prompt="hi", max_tokens=2)  # B's round robin: past w-a
+        messages, ids = [{"role": "system", "content": _system("billing")}], []
+        for i in range(6):
+            gw, client, other = (gw_a, a, gw_b) if i % 2 == 0 else (gw_b, b, gw_a)
+            messages.append({"role": "user", "content": f"question {i} about my invoice?"})
+            known = other.gs.prefixes.recorded
+            r = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
+            ids.append(r.id)
+            messages.append({"role": "assistant", "content": r.choices[0].message.content or ""})
+            # the next turn comes from a person, seconds later; the other gateway hears within ms
+            await wait_for(lambda: other.gs.prefixes.recorded > known, what="the other gateway told of the placement")
+        await a.close()
+        await b.close()
+        await wait_for(lambda: all(i in where for i in ids), what="every placement")
+        counted = gw_b.gs.metrics.render().decode()
+    assert len({where[i] for i in ids}) == 1, [where[i] for i in ids]
+    assert f'polyserve_prefix_placements_total{{deployment="{MODEL}",outcome="hit"}} 3.0' in counted  # B's 3 turns
