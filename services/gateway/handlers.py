@@ -153,7 +153,7 @@ class RequestRun(Delivery):
                                                max_tokens=self.params.max_tokens, stream=self.stream,
                                                n=self.params.n))
         admission.check_input(gs, self.deployment, self.input_tokens)
-        if prefixes.applies(s.prefix_affinity, self.deployment.engine):
+        if prefixes.applies(s.prefix_affinity, self.deployment):
             self.prefix = prefixes.blocks(self.tenant, self.params.cache_salt, self.prompt)
         await self._fresh_inbox()
         placement = await self._predict_and_place()

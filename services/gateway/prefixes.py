@@ -30,9 +30,11 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from polyserve.gateway.routing import LOCAL_POLICIES
+
 if TYPE_CHECKING:
     from polyserve.gateway.routing import LocalRouter
-    from polyserve.proto import Heartbeat
+    from polyserve.proto import Deployment, Heartbeat
 
 BLOCK_CHARS = 128
 MAX_BLOCKS = 256  # the first 32k characters are compared; beyond them two prompts count as alike
@@ -47,10 +49,11 @@ CACHING_ENGINES = frozenset({"vllm", "openai-http"})
 MODES = ("auto", "on", "off")
 
 
-def applies(mode: str, engine: str) -> bool:
-    """Whether prefix-aware placement runs for a deployment of `engine` (setting `prefix_affinity`:
-    auto = for the engines that keep a prefix cache)."""
-    return mode == "on" or (mode == "auto" and engine in CACHING_ENGINES)
+def applies(mode: str, deployment: Deployment) -> bool:
+    """Whether prefix-aware placement runs for `deployment` (setting `prefix_affinity`: auto = for the
+    engines that keep a prefix cache): where the gateway places, under a load-only policy."""
+    return deployment.policy in LOCAL_POLICIES and (
+        mode == "on" or (mode == "auto" and deployment.engine in CACHING_ENGINES))
 
 
 def blocks(tenant: str, salt: str, text: str) -> tuple[int, ...]:

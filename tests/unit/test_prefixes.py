@@ -70,7 +70,13 @@ def test_a_worker_that_went_down_is_forgotten():
     assert len(t) == 0
 
 
-def test_applies_to_caching_engines_under_auto():
-    assert P.applies("auto", "vllm") and P.applies("auto", "openai-http")
-    assert not P.applies("auto", "sim") and not P.applies("auto", "hf")
-    assert P.applies("on", "sim") and not P.applies("off", "vllm")
+def test_applies_to_caching_engines_under_auto_and_load_only_policies():
+    from polyserve.proto import Deployment
+
+    def dep(engine: str, policy: str = "least_outstanding") -> Deployment:
+        return Deployment(id="d", model="m", engine=engine, policy=policy)
+
+    assert P.applies("auto", dep("vllm")) and P.applies("auto", dep("openai-http", "round_robin"))
+    assert not P.applies("auto", dep("sim")) and not P.applies("auto", dep("hf"))
+    assert P.applies("on", dep("sim")) and not P.applies("off", dep("vllm"))
+    assert not P.applies("on", dep("vllm", "aladdin"))  # the dispatcher places: nothing to hash or share
