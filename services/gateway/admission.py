@@ -259,8 +259,8 @@ def place_here(gs: GatewayState, req: DispatchRequest, policy: str,
     free batch slot (the request starts there at once); None when the dispatcher must decide:
     `local_dispatch` off, a policy that reads more than worker load, a LoRA adapter, no
     fresh heartbeat of a worker that can take the request, or a fleet not heard as usual
-    (`GatewayState.fleet_steady`: during and just after a NATS stall). `prefix`: the prompt's
-    block hashes where prefix-aware placement applies (prefixes.py)."""
+    (`GatewayState.fleet_steady`: during and just after a NATS stall). `prefix`: hashes of the
+    prompt's starts where prefix-aware placement applies (prefixes.blocks)."""
     if not gs.settings.local_dispatch or policy not in LOCAL_POLICIES or req.adapter:
         return None
     fits = candidates(gs.fresh_heartbeats(req.deployment), req.input_tokens, req.exclude)

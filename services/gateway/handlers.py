@@ -90,7 +90,7 @@ class RequestRun(Delivery):
     _peeked: tuple[Any, TokenChunk] | None = None  # (message, its chunk) decoded by `has_next`
     tenant: str = field(default_factory=tenancy.current_tenant)  # the API key's tenant; "" without keys
     cache_key: str = ""  # prompt_cache_key: its requests go to one worker (routing.affinity)
-    prefix: tuple[int, ...] = ()  # the prompt's block hashes where prefix-aware placement applies (prefixes.py)
+    prefix: tuple[int, ...] = ()  # hashes of the prompt's starts where prefix-aware placement applies (prefixes.py)
     chat: list[ChatTurn] | None = None  # a chat's messages, for a worker whose model has a chat template
     chat_end: str = "open"  # how the chat's prompt ends (GenerateRequest.chat_end; policy.chat_end)
     tools: list[dict] | None = None  # the chat's listed tools, for a worker's chat template (GenerateRequest.tools)
