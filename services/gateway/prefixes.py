@@ -14,12 +14,12 @@ most `capacity` such hashes (least recently placed first out), so it forgets wha
 has most likely evicted too; a worker that goes down is forgotten at once.
 
 Gateways share what they place (`PrefixPlaced` on `<p>.v1.gateway.prefixes`, best effort): with
-several gateway processes or replicas a conversation's turns reach different gateways, and each
-must know where the others put its earlier turns. So the hashes are stable across processes:
-CRC-32 (zlib, in C: 2.6 µs for a 600-character prompt, 20 µs for 31,500 on the Zen 4 EPYC of
-docs/scheduling.md) run on over the start,
-seeded with the tenant and salt. It is no secret and may collide (1 in 4·10⁹ per pair): a
-collision misplaces a request, nothing more, as the engine checks its own cache by token.
+several gateway processes or replicas a conversation's turns reach different gateways, and each must
+know where the others put its earlier turns. So the hashes are stable across processes: CRC-32
+(zlib, in C: 2.6 µs for a 600-character prompt, 20 µs for 31,500 on the Zen 4 EPYC of
+docs/scheduling.md) run on over the start, seeded with the tenant and salt. It is no secret and may
+collide (1 in 4·10⁹ per pair): a collision misplaces a request, nothing more, as the engine checks
+its own cache by token.
 
 Why by hand: no library keeps this (SGLang's router is Rust inside its own server; vLLM's block
 hashes are its engine's, over token ids the gateway does not have).
