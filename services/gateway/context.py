@@ -29,7 +29,7 @@ from .fairness import Fairness
 from .keys import KeyStore
 from .metrics import Metrics
 from .predict_batch import PredictBatcher
-from .prefixes import PrefixTable
+from .prefixes import CHECKPOINTS, PrefixTable
 from .ratelimit import Limiter
 from .routing import LocalRouter
 
@@ -259,7 +259,7 @@ class GatewayState:
 
     async def on_prefix(self, msg: PrefixPlaced) -> None:
         if msg.gateway != self.settings.instance:  # (its own: recorded when it placed)
-            self.prefixes.record(tuple(msg.hashes), msg.worker_id)
+            self.prefixes.record(tuple(msg.hashes[:len(CHECKPOINTS)]), msg.worker_id)  # (at most one prompt's)
 
     async def on_down(self, ev: WorkerDown) -> None:
         self._down[ev.worker_id] = (time.monotonic(), ev.reason)
