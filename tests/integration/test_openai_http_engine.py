@@ -45,6 +45,7 @@ from polyserve.worker.engines.openai_http import OpenAIHttpEngine
 from polyserve.worker.engines.openai_http_metrics import parse_metrics, server_root
 from polyserve.worker.service import WorkerService
 from tests.helpers import LoopbackHTTP, running, wait_for
+from tests.integration.conftest import placements
 
 pytestmark = [pytest.mark.integration, pytest.mark.torch]  # torch: saves a model; the upstream runs one
 
@@ -447,24 +448,24 @@ MODEL = "tiny-upstream"
 @pytest.fixture
 def upstream_plane(make_settings, state, span_exporter, upstream):
     @contextlib.asynccontextmanager
-    async def start(**worker_kw):
-        await state.put_deployment(Deployment(id=MODEL, model=MODEL, engine="openai-http",
-                                              policy="least_outstanding",
-                                              scaler=ScalerPolicy(min_replicas=1, max_replicas=1)))
-        wkw = dict(worker_id="w-up", deployment=MODEL, model=MODEL, engine="openai-http",
+    async def start(policy: str = "least_outstanding", workers: int = 1, **worker_kw):
+        await state.put_deployment(Deployment(id=MODEL, model=MODEL, engine="openai-http", policy=policy,
+                                              scaler=ScalerPolicy(min_replicas=workers, max_replicas=workers)))
+        wkw = dict(deployment=MODEL, model=MODEL, engine="openai-http",
                    upstream_url=upstream.url, upstream_model=upstream.model, model_path=upstream.model,
                    upstream_start_timeout_s=30.0, heartbeat_interval_s=0.2, heartbeat_ttl_s=1.0)
         wkw.update(worker_kw)
-        worker = WorkerService(make_settings(WorkerSettings, "worker", **wkw), span_exporter=span_exporter)
+        fleet = [WorkerService(make_settings(WorkerSettings, "worker", worker_id="w-up" + "-x" * i, **wkw),
+                               span_exporter=span_exporter) for i in range(workers)]
         gateway = GatewayService(make_settings(GatewaySettings, "gateway", port=0), span_exporter=span_exporter)
         services = [PredictorService(make_settings(PredictorSettings, "predictor", proxy_artifact=""),
                                      span_exporter=span_exporter),
                     DispatcherService(make_settings(DispatcherSettings, "dispatcher"), span_exporter=span_exporter),
-                    worker, gateway]
+                    *fleet, gateway]
         async with running(*services, timeout=60):
             client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=60)
             try:
-                yield client, worker
+                yield client, fleet[0]
             finally:
                 await client.close()
 
@@ -555,3 +556,23 @@ async def test_a_chat_without_a_local_template_is_the_upstreams_own_chat(upstrea
             await client.chat.completions.create(model=MODEL, messages=messages, tools=[tool], tool_choice="required",
                                                  max_tokens=4)
         assert "answered 422" in err.value.message and "response_format" in err.value.message
+
+
+async def test_a_conversation_stays_with_its_prefix_on_openai_http_workers(upstream_plane, upstream, bus, subjects):
+    """Prefix-aware placement as shipped (`prefix_affinity` auto: on for openai-http deployments):
+    two openai-http workers in front of `transformers serve`, round robin; a conversation's turns all
+    reach one worker, while unrelated short prompts alternate. transformers serve reports no cached
+    tokens: the usage has no prompt_tokens_details."""
+    where = await placements(bus, subjects, ["w-up", "w-up-x"])
+    system = "You are the support assistant of a small bookshop. Answer in one short sentence. " * 5
+    async with upstream_plane(policy="round_robin", workers=2) as (client, _):
+        short = [(await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)).id for _ in range(2)]
+        messages, turns = [{"role": "system", "content": system}], []
+        for i in range(3):
+            messages.append({"role": "user", "content": f"question {i}: do you have this book?"})
+            r = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0)
+            turns.append(r.id)
+            messages.append({"role": "assistant", "content": r.choices[0].message.content or ""})
+        assert r.usage.prompt_tokens_details is None
+    assert sorted(where[i] for i in short) == ["w-up", "w-up-x"]  # round robin
+    assert len({where[i] for i in turns}) == 1, [where[i] for i in turns]
