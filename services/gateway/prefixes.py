@@ -122,6 +122,10 @@ class PrefixTable:
         while len(held) > self.capacity:
             held.popitem(last=False)
 
+    def holds(self, worker_id: str) -> bool:
+        """Whether some prompt start names the worker."""
+        return any(worker_id in holders for holders in self._held.values())
+
     def forget(self, worker_id: str) -> None:
         """The worker is gone (its cache with it): no block names it any more."""
         for h in [h for h, holders in self._held.items() if worker_id in holders]:

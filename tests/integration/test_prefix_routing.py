@@ -108,3 +108,36 @@ async def test_gateways_share_the_starts_they_placed(make_settings, state, bus, 
         counted = gw_b.gs.metrics.render().decode()
     assert len({where[i] for i in ids}) == 1, [where[i] for i in ids]
     assert f'polyserve_prefix_placements_total{{deployment="{MODEL}",outcome="hit"}} 3.0' in counted  # B's 3 turns
+
+
+async def test_a_conversation_whose_worker_went_down_moves_once(make_settings, state, bus, subjects):
+    """Fault: the worker holding a conversation's start stops (its WorkerDown event). The gateway
+    forgets what it held (its cache is gone with it), the next turn goes where the policy puts it,
+    and the turns after that stay there."""
+    from polyserve.worker.service import WorkerService
+
+    where = await placements(bus, subjects, WORKERS)
+    await state.put_deployment(Deployment(id=MODEL, model=MODEL, engine="sim", policy="round_robin"))
+    gw, services = sim_fleet(make_settings, WORKERS, prefix_affinity="on")
+    workers = {s.settings.worker_id: s for s in services if isinstance(s, WorkerService)}
+    async with running(*services):
+        await wait_for(lambda: len(gw.gs.fresh_heartbeats(MODEL)) == 3, what="three workers' heartbeats")
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=20)
+        messages, ids = [{"role": "system", "content": _system("travel")}], []
+
+        async def turn(i: int) -> str:
+            messages.append({"role": "user", "content": f"question {i} about my trip?"})
+            r = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
+            messages.append({"role": "assistant", "content": r.choices[0].message.content or ""})
+            ids.append(r.id)
+            await wait_for(lambda: r.id in where, what="the placement seen")
+            return where[r.id]
+
+        home = [await turn(0), await turn(1)]
+        assert home[0] == home[1]
+        workers[home[0]].request_stop()  # publishes WorkerDown as it goes
+        await wait_for(lambda: not gw.gs.prefixes.holds(home[0]),
+                       what="the gateway forgetting the stopped worker's prompt starts")
+        after = [await turn(i) for i in range(2, 5)]
+        await client.close()
+    assert home[0] not in after and len(set(after)) == 1, (home, after)

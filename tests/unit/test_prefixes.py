@@ -64,8 +64,9 @@ def test_a_worker_that_went_down_is_forgotten():
     h = P.blocks("", "", SYSTEM)
     t.record(h, "w1")
     t.record(h, "w2")
+    assert t.holds("w1") and t.holds("w2")
     t.forget("w1")
-    assert t.longest(h, {"w1", "w2"}) == ({"w2"}, 3)
+    assert t.longest(h, {"w1", "w2"}) == ({"w2"}, 3) and not t.holds("w1")
     t.forget("w2")
     assert len(t) == 0
 
