@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from polyserve.core.perf import load_perf
+from polyserve.core.perf import WorkerPerf, load_perf
 from polyserve.core.profiles import profile_path
 from polyserve.gateway import prefixes
 from polyserve.gateway.config import GatewaySettings
@@ -117,12 +117,10 @@ def prompt_text(blocks: list[int]) -> str:
     return "".join((f"<{b}>" * BLOCK_TEXT)[:BLOCK_TEXT] for b in blocks[:upto])
 
 
-def run(rule: str, reqs: list[Req], n_workers: int, profile: str, factor: float, table_blocks: int = 65536,
-        block_tokens: int = BLOCK_TOKENS) -> dict:
-    """One replay of `reqs` (their cache blocks of `block_tokens` tokens) placed by `rule` (one of
-    RULES): its figures."""
-    perf, raw = load_perf(profile_path(profile))
-    capacity = int(raw.get("kv_capacity_tokens", 500_000)) // block_tokens  # blocks per worker
+def run(rule: str, reqs: list[Req], n_workers: int, perf: WorkerPerf, capacity: int, factor: float,
+        table_blocks: int = 65536, block_tokens: int = BLOCK_TOKENS) -> dict:
+    """One replay of `reqs` (their cache blocks of `block_tokens` tokens, `capacity` of them per
+    worker, timed by `perf`) placed by `rule` (one of RULES): its figures."""
     workers = {f"w{i}": _Worker(Heartbeat(worker_id=f"w{i}", deployment=DEPLOYMENT, model="m", engine="vllm"),
                                 capacity) for i in range(n_workers)}
     fits = [w.hb for w in workers.values()]
@@ -234,16 +232,17 @@ def main(args: argparse.Namespace) -> int:
     print(f"bench prefix (SIMULATED workers, the gateway's real placement code): {len(reqs)} requests of "
           f"{source} over {reqs[-1].arrival:.0f} s, {args.workers} workers, profile {args.profile}; "
           f"load bound {args.load_factor} x mean + {AFFINITY_SLACK}", flush=True)
+    perf, raw = load_perf(profile_path(args.profile))
+    per_worker = int(raw.get("kv_capacity_tokens", 500_000)) // block_tokens  # blocks of one worker's cache
     rows = []
     for rule in args.rules:
-        rows.append(run(rule, reqs, args.workers, args.profile, args.load_factor, args.table_blocks, block_tokens))
+        rows.append(run(rule, reqs, args.workers, perf, per_worker, args.load_factor, args.table_blocks, block_tokens))
         print(f"  {rule}: done", flush=True)
     print(f"\n{'rule (SIMULATED)':<26}{'cache hit':>10}{'prefill Mtok':>13}{'TTFT mean s':>12}{'p50 s':>8}"
           f"{'p99 s':>9}{'max/mean placed':>16}  prefix outcomes")
     for r in rows:
         print(f"{r['rule']:<26}{r['cache_hit']:>10.1%}{r['prefill_mtok']:>13.1f}{r['ttft_mean_s']:>12.2f}"
               f"{r['ttft_p50_s']:>8.2f}{r['ttft_p99_s']:>9.2f}{r['spread']:>16.2f}  {r['outcomes'] or ''}")
-    per_worker = int(load_perf(profile_path(args.profile))[1].get("kv_capacity_tokens", 500_000)) // block_tokens
     ceiling, pooled = pooled_hit(reqs, 0, block_tokens), pooled_hit(reqs, per_worker * args.workers, block_tokens)
     print(f"ceilings: one cache of every worker's blocks ({per_worker * args.workers:,} of {block_tokens} tokens) "
           f"seen by every request would serve {pooled:.1%} of prompt tokens, an unbounded one {ceiling:.1%}")
