@@ -12,7 +12,11 @@
   attention off as in the engine: `core.torch_cuda.planless_attention`) over KV lengths it has not
   seen, then over the same lengths again (`first_pass_over_repeat` well under 1 means a kernel is
   planned per new shape, which a server pays on every request), and, for comparison, through
-  transformers' `generate()` (docs/benchmarks/gpu.md).
+  transformers' `generate()` (docs/benchmarks/gpu.md). `static_decode` times the lever the
+  host-bound eager loop leaves: a `StaticCache` whose decode step is captured once as a CUDA graph
+  and replayed per token (`graph_decode_tokens_per_s`, with how many of its tokens match the same
+  static cache run eagerly: the graph must change the speed, not the tokens). The hf engine does not
+  decode through graphs yet; this measures what they would buy.
 
 Nothing here changes clocks, power limits or modes. Without an NVIDIA GPU it says so and
 exits 2. Figures are printed with the device's name; record them with the device.
@@ -106,6 +110,9 @@ def roofline(args: argparse.Namespace) -> dict:
     decode_rate(model, ids, 8, sync)  # warm-up
     tps = decode_rate(model, ids, args.tokens, sync)  # KV lengths mostly new: what a server meets
     repeat_tps = decode_rate(model, ids, args.tokens, sync)  # the same lengths again
+    static_decode(model, ids, 8, sync, graph=True)  # warm-up
+    static_tps, static_toks = static_decode(model, ids, args.tokens, sync, graph=False)
+    graph_tps, graph_toks = static_decode(model, ids, args.tokens, sync, graph=True)
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)  # warm-up
         sync()
@@ -121,6 +128,10 @@ def roofline(args: argparse.Namespace) -> dict:
             # core.torch_cuda); a server pays the first pass
             "first_pass_over_repeat": round(tps / repeat_tps, 3),
             "generate_tokens_per_s": round(generate_tps, 1),
+            "static_decode_tokens_per_s": round(static_tps, 1),
+            "graph_decode_tokens_per_s": round(graph_tps, 1),
+            "graph_tokens_same_as_static": f"{int((graph_toks == static_toks).sum())}/{args.tokens}",
+            "graph_fraction_of_bound": round(graph_tps / bound, 3),
             "bound_tokens_per_s": round(bound, 1), "fraction_of_bound": round(tps / bound, 3),
             "achieved_gb_s": round(tps * weight_bytes / 1e9, 1)}
 
@@ -141,6 +152,60 @@ def decode_rate(model, ids, tokens: int, sync=lambda: None) -> float:
             cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
         sync()
         return tokens / (time.perf_counter() - t)
+
+
+def static_decode(model, ids, tokens: int, sync=lambda: None, graph: bool = False):
+    """Greedy decode at batch 1 over a `StaticCache` (fixed shapes: every step the same kernels on
+    the same buffers), eagerly or (`graph`, CUDA only) by replaying one captured CUDA graph per token.
+    Returns (tokens/s, the token ids). Nothing about the KV length may be decided on the host inside
+    the graph, so the step gets an explicit additive mask and its position as device tensors, updated
+    in place between replays."""
+    import torch
+    from transformers import StaticCache
+
+    n = ids.shape[1]
+    dev, dtype = ids.device, model.dtype
+    with torch.inference_mode():
+        cache = StaticCache(config=model.config, max_cache_len=n + tokens + 1)
+        out = model(ids, past_key_values=cache, cache_position=torch.arange(n, device=dev), use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        tok, pos = nxt.clone(), torch.tensor([n], device=dev)
+        mask = torch.full((1, 1, 1, n + tokens + 1), torch.finfo(dtype).min, dtype=dtype, device=dev)
+        mask[..., : n + 1] = 0
+
+        def step():
+            return model(tok, attention_mask=mask, past_key_values=cache, cache_position=pos,
+                         use_cache=True).logits
+
+        if graph:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the capture, as torch.cuda.graph asks
+                for _ in range(3):
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                logits = step()
+            # the warm-ups advanced each layer's write counter (a device tensor in transformers'
+            # StaticLayer, which writes there, not at `cache_position`): back to the prompt's end
+            for layer in cache.layers:
+                layer.cumulative_length.fill_(n)
+        sync()
+        t = time.perf_counter()
+        out_ids = []
+        for i in range(tokens):
+            tok.copy_(nxt)
+            pos.fill_(n + i)
+            mask[..., n + i] = 0
+            if graph:
+                g.replay()
+            else:
+                logits = step()
+            nxt = logits[:, -1:].argmax(-1)
+            out_ids.append(nxt)
+        sync()
+        return tokens / (time.perf_counter() - t), torch.cat(out_ids, 1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,6 +65,30 @@ def test_decode_rate_times_one_forward_per_token():
     assert rate > 0 and calls == [5] + [1] * 6
 
 
+@pytest.mark.torch
+def test_static_decode_gives_the_dynamic_caches_tokens():
+    """The roofline's static-cache path (whose decode step a GPU replays as a CUDA graph) writes each
+    token's KV where its mask and position say: on the CPU in float32 it decodes the very tokens the
+    engine's `DynamicCache` loop does."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers import DynamicCache
+
+    from polyserve.worker.engines.hf_model import build_random_model
+
+    model = build_random_model(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        out = model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
+        want = []
+        for _ in range(13):
+            nxt = out.logits[:, -1:].argmax(-1)
+            want.append(int(nxt))
+            out = model(nxt, past_key_values=out.past_key_values, use_cache=True)
+    rate, got = gpu.static_decode(model, ids, 12)
+    assert rate > 0 and got[0].tolist() == want[1:]  # the tokens after the prefill's own
+
+
 def test_a_cuda_engine_keeps_attention_off_cudnn_and_a_cpu_one_leaves_it():
     """cuDNN's attention plans each new KV length on first sight (88 vs 17 ms/token on an H200,
     docs/benchmarks/gpu.md): a CUDA device turns that backend off, a CPU device touches nothing."""
