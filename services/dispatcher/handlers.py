@@ -90,7 +90,8 @@ class DispatchHandlers:
         logger.debug("dispatch %s -> %s (deployment %s, policy %s, %d candidates%s)", req.request_id,
                      choice.worker.worker_id, dep.id, dep.policy, choice.candidates,
                      ", indexed" if choice.indexed else "")
-        return self._placement(req.request_id, choice.worker, dep.policy, req.priority)
+        name = dep.policy + "+prefix" if choice.prefixed else dep.policy
+        return self._placement(req.request_id, choice.worker, name, req.priority)
 
     async def _deployment(self, req: DispatchRequest) -> Deployment:
         """The deployment `req` is for, or a BusError (400 bad request, 404 unknown, 500 bad policy)."""

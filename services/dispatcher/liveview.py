@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 from polyserve.core.names import MODEL_POLICIES
 from polyserve.dispatcher import index as dindex
-from polyserve.dispatcher import policy, policy_aladdin
+from polyserve.dispatcher import policy, policy_aladdin, prefer
 from polyserve.dispatcher.config import DispatcherSettings
 from polyserve.dispatcher.live import ModelBook
 from polyserve.dispatcher.registry import Outstanding, WorkerRegistry
@@ -67,6 +67,7 @@ class Choice(NamedTuple):
     request: RequestView  # what the policy was given
     candidates: int  # workers the policy chose among
     indexed: bool = False  # the fast twin over the index answered (not the scan)
+    prefixed: bool = False  # a worker holding the prompt's start (`DispatchRequest.prefer`: prefer.py)
 
 
 class _DepIndex:
@@ -206,10 +207,12 @@ class LiveView:
                 and not self.registry.any_expired():
             decision = di.fast(di.index, rview, state, self.rng)
             self.indexed_decisions += 1
-            return Choice(decision, self.registry.get(decision.worker_id), rview, len(di.index), True)
-        workers, beats = self.candidates(dep, req)
-        decision = choose(workers, rview, state, self.rng)
-        return Choice(decision, beats[decision.worker_id], rview, len(workers))
+            choice = Choice(decision, self.registry.get(decision.worker_id), rview, len(di.index), True)
+        else:
+            workers, beats = self.candidates(dep, req)
+            decision = choose(workers, rview, state, self.rng)
+            choice = Choice(decision, beats[decision.worker_id], rview, len(workers))
+        return prefer.keep(self, dep, req, choice, state) if req.prefer else choice
 
     def record(self, dep: Deployment, choice: Choice) -> None:
         """Account the placement `choice` (outstanding, policy state, model book, index)."""

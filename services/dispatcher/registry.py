@@ -120,6 +120,14 @@ class WorkerRegistry:
         stalled = self.silent(now)  # NATS stalled: the last known fleet is the best guess (a dead one: 503 at once)
         return [w.hb for w in self._workers.values() if w.hb.deployment == deployment and (stalled or w.expires > now)]
 
+    def live_one(self, worker_id: str, deployment: str) -> Heartbeat | None:
+        """The worker's last heartbeat when it is a live worker of `deployment` (as `live`), else None."""
+        w = self._workers.get(worker_id)
+        if w is None or w.hb.deployment != deployment:
+            return None
+        now = self.clock()
+        return w.hb if w.expires > now or self.silent(now) else None
+
     def known(self, deployment: str) -> int:
         """Workers of the deployment still in memory, expired or not."""
         return sum(1 for w in self._workers.values() if w.hb.deployment == deployment)

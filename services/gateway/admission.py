@@ -24,6 +24,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import msgspec
 from opentelemetry import propagate
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
@@ -301,7 +302,13 @@ async def place(gs: GatewayState, req: DispatchRequest, base: dict, after: async
     if here is None:
         mine = place_here(gs, req, policy, prefix)
         here = mine[0] if mine else None
+    if here is None and prefix:  # the dispatcher decides: with the prompt's holders as a hint
+        ids = {hb.worker_id for hb in gs.fresh_heartbeats(req.deployment)}.difference(req.exclude)
+        req = msgspec.structs.replace(req, prefer=prefixes.prefer(gs.prefixes, prefix, ids))
     placement = here if here is not None else await _ask_dispatcher(gs, req)
+    if here is None and prefix:
+        outcome = "hit" if placement.policy.endswith("+prefix") else "spilled" if req.prefer else "miss"
+        gs.metrics.prefix.labels(req.deployment, outcome).inc()
     latency_ms = (time.monotonic() - t) * 1e3
     if after is not None:
         await asyncio.shield(after)  # the caller may cancel this wait, never the prediction under it

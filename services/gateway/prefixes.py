@@ -31,8 +31,6 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from polyserve.gateway.routing import LOCAL_POLICIES
-
 if TYPE_CHECKING:
     from polyserve.gateway.routing import LocalRouter
     from polyserve.proto import Deployment, Heartbeat
@@ -40,6 +38,7 @@ if TYPE_CHECKING:
 BLOCK_CHARS = 128
 MAX_BLOCKS = 256  # the first 32k characters are compared; beyond them two prompts count as alike
 MIN_BLOCKS = 2  # a shared start shorter than this (256 characters) does not move a request
+MAX_PREFER = 16  # holders named in a dispatcher's hint (as dispatcher/prefer.py reads at most)
 # The starts (in blocks) the table keeps a hash of: each about 1.4x the one before, so a long prompt
 # takes 15 entries, not 256, and the table remembers 17x more prompts (on Mooncake's trace 65,536
 # entries of every block held too few prompts: `polyserve bench prefix`, docs/scheduling.md); the
@@ -51,9 +50,9 @@ CACHING_ENGINES = frozenset({"vllm", "openai-http"})
 
 def applies(mode: str, deployment: Deployment) -> bool:
     """Whether prefix-aware placement runs for `deployment` (setting `prefix_affinity`: auto = for the
-    engines that keep a prefix cache): where the gateway places, under a load-only policy."""
-    return deployment.policy in LOCAL_POLICIES and (
-        mode == "on" or (mode == "auto" and deployment.engine in CACHING_ENGINES))
+    engines that keep a prefix cache). Under a load-only policy the gateway places by it (`choose`);
+    under the others the dispatcher gets the holders as a hint (`prefer`, dispatcher/prefer.py)."""
+    return mode == "on" or (mode == "auto" and deployment.engine in CACHING_ENGINES)
 
 
 def blocks(tenant: str, salt: str, text: str) -> tuple[int, ...]:
@@ -133,6 +132,14 @@ class PrefixTable:
             holders.discard(worker_id)
             if not holders:
                 del self._held[h]
+
+
+def prefer(table: PrefixTable, hashes: tuple[int, ...], among: Iterable[str]) -> list[str]:
+    """The workers of `among` that hold the longest start of `hashes`, sorted, at most MAX_PREFER:
+    `DispatchRequest.prefer`, the dispatcher's hint (dispatcher/prefer.py); [] when none holds
+    MIN_BLOCKS of it."""
+    holders, _ = table.longest(hashes, among) if hashes else (set(), 0)
+    return sorted(holders)[:MAX_PREFER]
 
 
 def choose(router: LocalRouter, table: PrefixTable, hashes: tuple[int, ...], policy: str, deployment: str,

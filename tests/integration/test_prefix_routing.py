@@ -11,7 +11,7 @@ from collections import Counter
 import openai
 import pytest
 
-from polyserve.proto import Deployment
+from polyserve.proto import Deployment, Dispatched
 from tests.helpers import running, wait_for
 from tests.integration.conftest import MODEL, placements, sim_fleet
 
@@ -141,3 +141,58 @@ async def test_a_conversation_whose_worker_went_down_moves_once(make_settings, s
         after = [await turn(i) for i in range(2, 5)]
         await client.close()
     assert home[0] not in after and len(set(after)) == 1, (home, after)
+
+
+async def test_under_caraserve_the_dispatcher_follows_the_hint(make_settings, state, bus, subjects):
+    """Under a policy the dispatcher runs (caraserve), the gateway sends the workers holding the
+    prompt's start as `DispatchRequest.prefer`. Two long answers in the same conversation load its
+    worker; caraserve alone would now put any request on an idle worker (as it does an unrelated
+    prompt sent at the same moment), but the conversation's next turn stays home, answered as
+    `caraserve+prefix`, within the SLO and the load bound."""
+    where = await placements(bus, subjects, WORKERS)
+    await state.put_deployment(Deployment(id=MODEL, model=MODEL, engine="sim", policy="caraserve"))
+    # the sim at its profile's own pace: the dispatcher's online fits (from `completed` events) then
+    # stay at the profile, and the workers differ in load only
+    gw, services = sim_fleet(make_settings, WORKERS, time_scale=1.0, prefix_affinity="on")
+    policies: dict[str, str] = {}  # request id -> the policy its `dispatched` event names
+
+    async def on_dispatched(ev: Dispatched) -> None:
+        policies[ev.request_id] = ev.policy
+
+    await bus.listen(subjects.event("dispatched"), Dispatched, on_dispatched)
+    async with running(*services):
+        await wait_for(lambda: len(gw.gs.fresh_heartbeats(MODEL)) == 3, what="three workers' heartbeats")
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=20)
+        messages = [{"role": "system", "content": _system("billing")},
+                    {"role": "user", "content": "question 0 about my invoice?"}]
+        first = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
+        await wait_for(lambda: first.id in where, what="the first turn's placement")
+        home = where[first.id]
+        messages.append({"role": "assistant", "content": first.choices[0].message.content or ""})
+
+        async def long_answer(i: int) -> str:  # ~1.8 s at the sim's pace: in flight for what follows
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=messages + [{"role": "user", "content": f"a long question {i}?"}],
+                max_tokens=60, stream=True, extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                rid = chunk.id
+            return rid
+
+        long = [asyncio.ensure_future(long_answer(i)) for i in range(2)]
+        await wait_for(lambda: len(where) >= 3, what="the two long answers placed")
+        messages.append({"role": "user", "content": "question 1 about my invoice?"})
+        turn, unrelated = await asyncio.gather(
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6),
+            client.completions.create(model=MODEL, prompt="an unrelated prompt, long enough to hash. " * 9,
+                                      max_tokens=6))
+        long_ids = await asyncio.gather(*long)
+        await client.close()
+        await wait_for(lambda: all(i in where and i in policies for i in (turn.id, unrelated.id, *long_ids)),
+                       what="every placement and its dispatched event")
+        counted = gw.gs.metrics.render().decode()
+    assert [where[i] for i in long_ids] == [home, home]
+    assert where[turn.id] == home and where[unrelated.id] != home
+    assert [policies[i] for i in (*long_ids, turn.id, unrelated.id)] == ["caraserve+prefix"] * 3 + ["caraserve"]
+    # the two long answers and the turn found the start (hits); the first turn and the unrelated prompt did not
+    assert f'polyserve_prefix_placements_total{{deployment="{MODEL}",outcome="hit"}} 3.0' in counted
+    assert f'polyserve_prefix_placements_total{{deployment="{MODEL}",outcome="miss"}} 2.0' in counted

@@ -71,7 +71,7 @@ def test_a_worker_that_went_down_is_forgotten():
     assert len(t) == 0
 
 
-def test_applies_to_caching_engines_under_auto_and_load_only_policies():
+def test_applies_to_caching_engines_under_auto_whatever_the_policy():
     from polyserve.proto import Deployment
 
     def dep(engine: str, policy: str = "least_outstanding") -> Deployment:
@@ -80,4 +80,18 @@ def test_applies_to_caching_engines_under_auto_and_load_only_policies():
     assert P.applies("auto", dep("vllm")) and P.applies("auto", dep("openai-http", "round_robin"))
     assert not P.applies("auto", dep("sim")) and not P.applies("auto", dep("hf"))
     assert P.applies("on", dep("sim")) and not P.applies("off", dep("vllm"))
-    assert not P.applies("on", dep("vllm", "aladdin"))  # the dispatcher places: nothing to hash or share
+    assert P.applies("auto", dep("vllm", "aladdin"))  # the dispatcher places, with the holders as a hint
+
+
+def test_prefer_names_the_live_holders_of_the_longest_start_sorted_and_bounded():
+    t = PrefixTable(1000)
+    h = P.blocks("", "", SYSTEM)
+    for w in ("w3", "w1", "w2"):
+        t.record(h[:1], w)  # three hold the first checkpoint
+    t.record(h, "w2")  # one holds all of it
+    assert P.prefer(t, h, {"w1", "w2", "w3"}) == ["w2"]
+    assert P.prefer(t, h, {"w1", "w3"}) == ["w1", "w3"]  # w2 not live: the next longest start
+    assert P.prefer(t, h, set()) == [] and P.prefer(t, (), {"w1"}) == []
+    for i in range(40):
+        t.record(h[:1], f"x{i:02d}")
+    assert len(P.prefer(t, h[:1], {f"x{i:02d}" for i in range(40)})) == P.MAX_PREFER

@@ -1,0 +1,93 @@
+"""The dispatcher's prefix hint (`DispatchRequest.prefer`, dispatcher/prefer.py), in process: the
+policy's choice among the workers holding the prompt's start, kept only while it meets the policy's
+SLO and the load bound; with the worker index on and off."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from polyserve.dispatcher.handlers import DispatchHandlers
+from polyserve.proto import Deployment, Subjects
+from tests.unit.test_dispatch_liveview import beat, make_view, place, req
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(params=[True, False], ids=["index", "scan"])
+def index(request) -> bool:
+    return request.param
+
+SLOW = "sim-llama2-70b-h100-tp4"  # a 28.8 ms decode step: breaks an ATGT SLO of 20 ms
+FAST = "hf-tiny-llama-random-cpu"
+
+
+def test_a_preferred_worker_is_taken_within_the_load_bound(index):
+    view = make_view(index)
+    dep = Deployment(id="d", model="m", policy="least_outstanding")
+    for wid in ("w1", "w2", "w3"):
+        view.heartbeat(beat(wid))
+    got = []
+    for i in range(7):
+        c = place(view, dep, req(f"r{i}", prefer=["w3"]))
+        got.append((c.worker.worker_id, c.prefixed))
+    # w3 takes the hint while it carries <= 1.25 x the policy's pick (0) + 4, then the policy decides
+    assert got[:5] == [("w3", True)] * 5 and got[5] == ("w1", False) and got[6] == ("w2", False)
+    assert view.outstanding.count("w3") == 5
+    c = place(view, dep, req("plain"))
+    assert not c.prefixed and c.worker.worker_id != "w3"
+
+
+def test_hints_the_dispatcher_cannot_follow_are_ignored(index):
+    view = make_view(index, max_outstanding=3)
+    dep = Deployment(id="d", model="m", policy="least_outstanding")
+    view.heartbeat(beat("w1"))
+    view.heartbeat(beat("w2"))
+    view.heartbeat(beat("short", max_input_len=50))
+    view.heartbeat(beat("other", dep="e"))
+    for prefer in (["gone"], ["other"], ["short"], ["w2"]):
+        exclude = ["w2"] if prefer == ["w2"] else []
+        c = place(view, dep, req(f"r-{prefer[0]}", prefer=prefer, exclude=exclude))
+        assert c.worker.worker_id == "w1" and not c.prefixed, prefer
+        view.outstanding.finish(f"r-{prefer[0]}")
+    for i in range(3):  # w2 at its max_outstanding: not a candidate, hint or not
+        view.outstanding.place(f"full{i}", "w2")
+    assert place(view, dep, req("capped", prefer=["w2"])).worker.worker_id == "w1"
+
+
+@pytest.mark.parametrize("policy", ["caraserve", "aladdin"])
+def test_a_preferred_worker_that_breaks_the_slo_is_not_taken(index, policy):
+    view = make_view(index)
+    dep = Deployment(id="d", model="m", policy=policy, atgt_slo_ms=20.0)
+    view.heartbeat(beat("slow", profile=SLOW, max_batch=8, kv_capacity=100_000))
+    for wid in ("fast1", "fast2"):
+        view.heartbeat(beat(wid, profile=FAST, max_batch=8, kv_capacity=100_000))
+    own = view.decide(dep, req("probe"))
+    assert own.worker.worker_id != "slow" and not own.decision.scale_out
+    c = place(view, dep, req("r1", prefer=["slow"], predicted_tokens=50))
+    assert c.worker.worker_id != "slow" and not c.prefixed
+    other = "fast2" if own.worker.worker_id == "fast1" else "fast1"
+    c = place(view, dep, req("r2", prefer=[other], predicted_tokens=50))
+    assert c.worker.worker_id == other and c.prefixed and not c.decision.scale_out
+
+
+def test_the_placement_names_the_hint():
+    view = make_view()
+    dep = Deployment(id="d", model="m", policy="least_outstanding")
+
+    class Deps:
+        async def get(self, dep_id):
+            return dep if dep_id == "d" else None
+
+    h = DispatchHandlers(view.settings, view, Deps(), Subjects())
+    view.heartbeat(beat("w1"))
+    view.heartbeat(beat("w2"))
+
+    async def go():
+        a = await h.dispatch(req("a", prefer=["w2"]))
+        b = await h.dispatch(req("b"))
+        return a, b
+
+    a, b = asyncio.run(go())
+    assert (a.worker_id, a.policy) == ("w2", "least_outstanding+prefix")
+    assert (b.worker_id, b.policy) == ("w1", "least_outstanding")
