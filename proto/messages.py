@@ -82,9 +82,10 @@ class DispatchRequest(Msg, kw_only=True):
     # a hash of (tenant, prompt_cache_key), "" = none: the gateway places such requests on the key's
     # worker unless it is overloaded (gateway/routing.py); the dispatcher's policies do not read it
     affinity: str = ""
-    # workers holding the longest start of the prompt (the gateway's prefix table, gateway/prefixes.py),
-    # at most 16: the dispatcher places there when its policy's choice among them meets the policy's
-    # SLO and load bound (dispatcher/prefer.py), answering policy "<policy>+prefix"
+    # where the gateway would have placed the request itself (gateway/admission.py `dispatch_hint`):
+    # the key's worker or those holding the longest start of the prompt, within its load bound, at
+    # most 16; the dispatcher places there when its policy's choice among them meets the policy's SLO
+    # (dispatcher/prefer.py), answering policy "<policy>+prefer"
     prefer: list[str] = []
 
 

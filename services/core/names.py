@@ -13,6 +13,9 @@ DISPATCH_POLICIES: tuple[str, ...] = (
 DEFAULT_POLICY = "least_outstanding"
 MODEL_POLICIES = frozenset({"aladdin", "caraserve"})
 """Policies that reason with performance models and keep per-request bookkeeping."""
+PREFERRED = "+prefer"
+"""Suffix of a `Placement.policy` where the dispatcher followed `DispatchRequest.prefer`
+(dispatcher/prefer.py); the gateway names it `+affinity` or `+prefix` as it names its own."""
 
 METRIC_SCALERS: tuple[str, ...] = ("pertoken", "request", "target_tracking")
 """Scalers driven by a latency metric each poll (thesis §5 HPA; target tracking)."""

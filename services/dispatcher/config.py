@@ -39,11 +39,6 @@ class DispatcherSettings(CommonSettings, frozen=True, kw_only=True):
     (700, 10, 10)). With Python's, a young collection ran every ~10 dispatches and an older one
     every ~100: most of the handler's p99, and a full collection of the fleet's views (up to
     60 ms) now and then (docs/benchmarks/dispatch.md, 2026-11-26 evening)."""
-    prefix_load_factor: float = 1.25
-    """A request's `prefer` hint (the workers holding the longest start of its prompt: dispatcher/
-    prefer.py) is followed while the preferred worker has at most this many times the outstanding
-    requests of the policy's own pick, plus 4 (the gateway's `affinity_load_factor` for the load-only
-    policies); 0 = only while it carries at most 4."""
     index: bool = True
     """Keep each deployment's workers in an incremental index (`dispatcher/index.py`) and place
     with the policy's fast twin; false = every decision scans freshly built views."""
@@ -63,8 +58,6 @@ class DispatcherSettings(CommonSettings, frozen=True, kw_only=True):
             raise SettingsError("rebalance_max_moves must be >= 1")
         if self.max_outstanding < 0:
             raise SettingsError("max_outstanding must be >= 0 (0 = no cap)")
-        if self.prefix_load_factor < 0:
-            raise SettingsError("prefix_load_factor must be >= 0")
         if self.gc_gen0 < 0:
             raise SettingsError("gc_gen0 must be >= 0 (0 = Python's garbage-collection thresholds)")
 

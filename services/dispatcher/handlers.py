@@ -15,7 +15,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from polyserve.core.names import MODEL_POLICIES
+from polyserve.core.names import MODEL_POLICIES, PREFERRED
 from polyserve.dispatcher import policy
 from polyserve.dispatcher.config import DispatcherSettings
 from polyserve.dispatcher.liveview import LiveView
@@ -90,7 +90,7 @@ class DispatchHandlers:
         logger.debug("dispatch %s -> %s (deployment %s, policy %s, %d candidates%s)", req.request_id,
                      choice.worker.worker_id, dep.id, dep.policy, choice.candidates,
                      ", indexed" if choice.indexed else "")
-        name = dep.policy + "+prefix" if choice.prefixed else dep.policy
+        name = dep.policy + PREFERRED if choice.prefixed else dep.policy
         return self._placement(req.request_id, choice.worker, name, req.priority)
 
     async def _deployment(self, req: DispatchRequest) -> Deployment:

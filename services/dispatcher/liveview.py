@@ -67,7 +67,7 @@ class Choice(NamedTuple):
     request: RequestView  # what the policy was given
     candidates: int  # workers the policy chose among
     indexed: bool = False  # the fast twin over the index answered (not the scan)
-    prefixed: bool = False  # a worker holding the prompt's start (`DispatchRequest.prefer`: prefer.py)
+    prefixed: bool = False  # one of `DispatchRequest.prefer` (the gateway's hint: prefer.py)
 
 
 class _DepIndex:

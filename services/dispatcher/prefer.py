@@ -1,21 +1,23 @@
-"""Prefix-aware placement under the dispatcher's policies: `DispatchRequest.prefer` names the workers
-that hold the longest start of the request's prompt (the gateway's picture of the engines' prefix
-caches: gateway/prefixes.py). The gateway places prefix-aware itself under the load-only policies;
-under aladdin and caraserve (and for a LoRA request, or with `local_dispatch` off) it asks the
-dispatcher with that hint, and the dispatcher honours it when the policy agrees:
+"""Placement hints under the dispatcher's policies: `DispatchRequest.prefer` names the workers the
+gateway would have placed the request on itself (gateway/admission.py `dispatch_hint`): a
+`prompt_cache_key`'s worker, or those holding the longest start of the prompt (the gateway's picture
+of the engines' prefix caches, gateway/prefixes.py), each within the gateway's load bound
+(`affinity_load_factor` x the mean + 4). The gateway places by them itself under the load-only
+policies; under aladdin and caraserve (and for a LoRA request, or with `local_dispatch` off, or while
+it does not hear the fleet as usual) the dispatcher places, and follows the hint when its policy
+agrees:
 
 * the deployment's own policy chooses among the preferred workers that may take the request (live,
-  not excluded, long enough an input limit, under `max_outstanding`), with the state and request
-  view of the choice it made over every worker;
-* that choice is kept when the policy does not flag it (aladdin: no worker of them meets the TTFT
-  and ATGT constraints; caraserve: it would break the ATGT SLO: `Decision.scale_out`), and its
-  outstanding count is within `prefix_load_factor` x that of the policy's own pick + 4, the bound
-  the gateway's `affinity_load_factor` sets on load-only policies (a hint never piles a
-  conversation's turns onto an overloaded worker);
-* otherwise the policy's own pick stands.
+  of the deployment, not excluded, a long enough input limit, under `max_outstanding`), with the
+  state and request view of the choice it made over every worker;
+* that choice is kept when the policy does not flag it (aladdin: none of them meets the TTFT and
+  ATGT constraints; caraserve: it would break the ATGT SLO: `Decision.scale_out`), so a hint never
+  buys a cache hit with an SLO miss; otherwise the policy's own pick stands.
 
-A preferred placement answers with the policy name `<policy>+prefix` (the gateway counts it as a
-hit, the `dispatched` event shows it). The cost is O(preferred workers), at most MAX_PREFER.
+The load bound is the gateway's (it has the loads it bounds by locally); the SLO is the policy's
+(the gateway has no model of it). A followed hint answers the policy name with `names.PREFERRED`
+appended (the gateway names it `+affinity` or `+prefix`). The cost is one policy evaluation over at
+most MAX_PREFER workers.
 """
 from __future__ import annotations
 
@@ -30,14 +32,12 @@ if TYPE_CHECKING:
     from polyserve.proto import Deployment, DispatchRequest
 
 MAX_PREFER = 16  # preferred workers read from one request (the gateway sends at most this many)
-SLACK = 4  # requests a preferred worker may carry beyond the factor (as gateway/routing.py's bound)
 
 
 def keep(view: LiveView, dep: Deployment, req: DispatchRequest, choice: Choice, state: PolicyState) -> Choice:
     """`choice` (the policy's pick over every worker) or the policy's pick among `req.prefer` (module
     docstring), marked `prefixed`."""
-    mine = choice.worker.worker_id
-    if mine in req.prefer:
+    if choice.worker.worker_id in req.prefer:
         return choice._replace(prefixed=True)
     excluded = set(req.exclude)
     cap = view.settings.max_outstanding
@@ -52,8 +52,7 @@ def keep(view: LiveView, dep: Deployment, req: DispatchRequest, choice: Choice, 
         return choice
     views = view.views(beats.values(), dep.policy in MODEL_POLICIES)
     pick = policy.get_policy(dep.policy)(views, choice.request, state, view.rng)
-    bound = view.settings.prefix_load_factor * view.outstanding.count(mine) + SLACK
-    if pick.scale_out or view.outstanding.count(pick.worker_id) > bound:
+    if pick.scale_out:
         return choice
     return choice._replace(decision=pick, worker=beats[pick.worker_id], candidates=len(views),
                            indexed=False, prefixed=True)

@@ -29,7 +29,7 @@ from opentelemetry import propagate
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from polyserve.core import length_hint
-from polyserve.core.names import MODEL_POLICIES
+from polyserve.core.names import MODEL_POLICIES, PREFERRED
 from polyserve.proto import (
     AdapterSpec,
     Deployment,
@@ -302,18 +302,54 @@ async def place(gs: GatewayState, req: DispatchRequest, base: dict, after: async
     if here is None:
         mine = place_here(gs, req, policy, prefix)
         here = mine[0] if mine else None
-    if here is None and prefix:  # the dispatcher decides: with the prompt's holders as a hint
-        ids = {hb.worker_id for hb in gs.fresh_heartbeats(req.deployment)}.difference(req.exclude)
-        req = msgspec.structs.replace(req, prefer=prefixes.prefer(gs.prefixes, prefix, ids))
+    hint = None
+    if here is None and (req.affinity or prefix):  # the dispatcher decides: with a hint (`dispatch_hint`)
+        hint = dispatch_hint(gs, req, prefix)
+        req = msgspec.structs.replace(req, prefer=hint[0])
     placement = here if here is not None else await _ask_dispatcher(gs, req)
-    if here is None and prefix:
-        outcome = "hit" if placement.policy.endswith("+prefix") else "spilled" if req.prefer else "miss"
-        gs.metrics.prefix.labels(req.deployment, outcome).inc()
+    if hint is not None:
+        placement = _count_hint(gs, req, placement, hint)
     latency_ms = (time.monotonic() - t) * 1e3
     if after is not None:
         await asyncio.shield(after)  # the caller may cancel this wait, never the prediction under it
     await announce(gs, base, placement, latency_ms)
     return placement
+
+
+def dispatch_hint(gs: GatewayState, req: DispatchRequest, prefix: tuple[int, ...]) -> tuple[list[str], str, bool]:
+    """(`DispatchRequest.prefer`, the key's home worker or "", whether some worker holds a start of the
+    prompt): what the gateway would have placed `req` by, where the dispatcher places it
+    (dispatcher/prefer.py; its policy then checks its SLO): a `prompt_cache_key`'s first worker
+    within the affinity bound (`LocalRouter.first_within`), else the workers holding the longest
+    start of the prompt that take one more request within it (`prefixes.choose`'s rule)."""
+    fits = candidates(gs.fresh_heartbeats(req.deployment), req.input_tokens, req.exclude)
+    if not fits:
+        return [], "", False
+    factor = gs.settings.affinity_load_factor
+    if req.affinity:
+        ranked = ranked_for(req.affinity, fits)
+        return [gs.router.first_within(ranked, factor).worker_id], ranked[0].worker_id, False
+    holders = set(prefixes.prefer(gs.prefixes, prefix, {hb.worker_id for hb in fits}))
+    within = [hb.worker_id for hb in fits if hb.worker_id in holders and gs.router.within(hb, fits, factor)]
+    return sorted(within), "", bool(holders)
+
+
+def _count_hint(gs: GatewayState, req: DispatchRequest, placement: Placement,
+                hint: tuple[list[str], str, bool]) -> Placement:
+    """Count the affinity or prefix outcome of a placement the dispatcher made with `dispatch_hint`'s
+    hint; the placement with its policy named as the gateway names its own (`<policy>+affinity`,
+    `<policy>+prefix`) where the dispatcher followed the hint (it answers `<policy>+prefer`)."""
+    _, home, held = hint
+    followed = placement.policy.endswith(PREFERRED)
+    if req.affinity:
+        if home:
+            gs.metrics.affinity.labels(req.deployment, "home" if placement.worker_id == home else "spilled").inc()
+    else:
+        gs.metrics.prefix.labels(req.deployment, "hit" if followed else "spilled" if held else "miss").inc()
+    if not followed:
+        return placement
+    named = placement.policy[:-len(PREFERRED)] + ("+affinity" if req.affinity else "+prefix")
+    return msgspec.structs.replace(placement, policy=named)
 
 
 async def announce(gs: GatewayState, base: dict, placement: Placement, latency_ms: float) -> None:

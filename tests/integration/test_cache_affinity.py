@@ -10,7 +10,7 @@ from collections import Counter
 import openai
 import pytest
 
-from polyserve.proto import Deployment
+from polyserve.proto import Deployment, Dispatched
 from tests.helpers import running, wait_for
 from tests.integration.conftest import MODEL, placements, sim_fleet
 
@@ -49,3 +49,34 @@ async def test_one_key_one_worker_and_no_key_spread(make_settings, state, bus, s
     assert sorted(Counter(where[c.id] for c in plain).values()) == [2, 2, 2]  # no key: least_outstanding
     assert set(Counter(where[c.id] for c in many)) == set(WORKERS)  # many keys: every worker
     assert where[resp.id] in homes  # the Responses API's request went home too
+
+
+@pytest.mark.parametrize("policy", ["least_outstanding", "caraserve"])
+async def test_the_dispatcher_keeps_a_key_on_its_worker_too(make_settings, state, bus, subjects, policy):
+    """Where the dispatcher places (here `local_dispatch` off; also aladdin / caraserve, a LoRA
+    request, or a gateway that does not hear the fleet as usual, as on a busy CI machine) the gateway
+    sends the key's worker as `DispatchRequest.prefer` and the dispatcher follows it: six concurrent
+    requests with one key meet on one worker (least outstanding alone spreads them), counted `home`
+    and shown as `<policy>+affinity`."""
+    where = await placements(bus, subjects, WORKERS)
+    policies: dict[str, str] = {}
+
+    async def on_dispatched(ev: Dispatched) -> None:
+        policies[ev.request_id] = ev.policy
+
+    await bus.listen(subjects.event("dispatched"), Dispatched, on_dispatched)
+    await state.put_deployment(Deployment(id=MODEL, model=MODEL, engine="sim", policy=policy))
+    gw, services = sim_fleet(make_settings, WORKERS, local_dispatch=False)
+    async with running(*services):
+        await wait_for(lambda: len(gw.gs.fresh_heartbeats(MODEL)) == 3, what="three workers' heartbeats")
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=20)
+        keyed = await asyncio.gather(*(client.completions.create(
+            model=MODEL, prompt=f"p{i}", max_tokens=8, extra_body={"prompt_cache_key": "support-bot-v1"})
+            for i in range(6)))
+        await client.close()
+        counted = gw.gs.metrics.render().decode()
+        ids = [c.id for c in keyed]
+        await wait_for(lambda: all(i in where and i in policies for i in ids), what="every placement and event")
+    assert len({where[i] for i in ids}) == 1, [where[i] for i in ids]
+    assert {policies[i] for i in ids} == {f"{policy}+affinity"}
+    assert f'polyserve_affinity_placements_total{{deployment="{MODEL}",outcome="home"}} 6.0' in counted

@@ -56,7 +56,9 @@ async def test_the_observer_counts_what_its_live_subscription_missed_and_a_resen
         await outbox.publish(subject, _event("r3"), {})
         # the outbox's re-send of r3 (same payload, same message id): the stream keeps one copy
         await gw.publish(subject, _event("r3"), headers={durable.MSG_ID: durable.msg_id(subject, _event("r3"))})
-        assert await _until(lambda: outbox.pending == 0 and len(obs.terminal.get("r3", [])) == 2, 10)
+        # (failed once in CI, 1a86f02, not reproduced: say which half did not come)
+        assert await _until(lambda: outbox.pending == 0 and len(obs.terminal.get("r3", [])) == 2, 10), \
+            f"after 10 s: outbox pending {outbox.pending}, live terminal events {obs.terminal}, away {obs.away}"
         assert set(obs.terminal) == {"r3"}, "the live subscription saw only r3 (twice)"
 
         await obs.finish({"r1", "r2", "r3"}, wait_s=10)

@@ -240,3 +240,42 @@ def test_place_here_follows_a_prompts_start_until_its_worker_is_overloaded():
     text = gs.metrics.render().decode()
     assert 'polyserve_prefix_placements_total{deployment="d",outcome="hit"} 8.0' in text
     assert 'outcome="spilled"} 1.0' in text and 'outcome="miss"} 1.0' in text
+
+
+def test_dispatch_hint_is_what_the_gateway_would_place_by_within_its_bound():
+    """Where the dispatcher places (aladdin, a LoRA request, a fleet not heard as usual), the gateway
+    sends as `DispatchRequest.prefer` what it would have placed by itself: a key's first worker
+    within the affinity bound, or the holders of the prompt's start within it. The dispatcher's
+    answer (`<policy>+prefer` where it followed) is counted and named as the gateway's own."""
+    from polyserve.gateway import prefixes
+    from polyserve.proto import Placement
+
+    gs = _state()
+    for w in "abc":
+        asyncio.run(gs.on_heartbeat(hb(w, max_batch=8)))
+    prefer, home, _ = admission.dispatch_hint(gs, _req(affinity="k1"), ())
+    assert prefer == [home]
+    for i in range(9):  # the key's home past the bound (ceil(1.25 x 10 / 3) + 4 = 9 < 10)
+        gs.router.assign(f"x{i}", home)
+    second, again, _ = admission.dispatch_hint(gs, _req(affinity="k1"), ())
+    assert again == home and second != [home] and second[0] in "abc"
+    others = sorted(set("abc") - {home})
+    start = prefixes.blocks("", "", "A long shared system prompt for the support bot. " * 10)
+    assert admission.dispatch_hint(gs, _req(), start) == ([], "", False)  # nobody holds it: a miss
+    for w in "abc":
+        gs.prefixes.record(start, w)
+    assert admission.dispatch_hint(gs, _req(), start) == (others, "", True)  # the home is over the bound
+    # without one of them the mean is over two workers: ceil(1.25 x 10 / 2) + 4 = 11, the home is within it
+    assert admission.dispatch_hint(gs, _req(exclude=[others[0]]), start) == (sorted([home, others[1]]), "", True)
+
+    def answered(policy: str, worker: str, req, hint) -> Placement:
+        p = Placement(request_id="r", worker_id=worker, generate_subject="g", cancel_subject="c", policy=policy)
+        return admission._count_hint(gs, req, p, hint)
+
+    assert answered("aladdin+prefer", others[0], _req(), (others, "", True)).policy == "aladdin+prefix"
+    assert answered("aladdin", home, _req(), (others, "", True)).policy == "aladdin"  # the SLO said no
+    assert answered("aladdin+prefer", home, _req(affinity="k1"), ([home], home, False)).policy == "aladdin+affinity"
+    text = gs.metrics.render().decode()
+    assert 'polyserve_prefix_placements_total{deployment="d",outcome="hit"} 1.0' in text
+    assert 'polyserve_prefix_placements_total{deployment="d",outcome="spilled"} 1.0' in text
+    assert 'polyserve_affinity_placements_total{deployment="d",outcome="home"} 1.0' in text
