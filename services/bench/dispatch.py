@@ -240,13 +240,18 @@ async def _live_run(name: str, index: bool, args: argparse.Namespace) -> dict:
             adapters=[AdapterInfo(name=a, rank=r) for a, r in zip(v.adapters, v.adapter_ranks)],
             max_adapters=v.max_adapters, profile="" if encoder else profile))
     placed: list[tuple[str, str, int]] = []
+    ids = [v.worker_id for v in wl.views()]
+    hint_rng = random.Random(args.seed + 7)  # its own stream: the workload's requests stay those of --prefer 0
+    # drawn before the timing (the gateway makes the hint, not the dispatcher)
+    hints = [hint_rng.sample(ids, args.prefer) for _ in range(args.outstanding + args.live_decisions)]
     settle = getattr(view, "settle", lambda: None)  # (a dispatcher from before the fifth round has none)
 
     async def one() -> None:  # the reply's path: bookkeeping queued (`LiveView.record_later`)
         r = wl.request()
         p = await h.dispatch(DispatchRequest(
             request_id=r.request_id, deployment="d", model="m", input_tokens=r.input_tokens,
-            predicted_tokens=r.predicted_tokens, adapter=r.adapter, adapter_rank=r.adapter_rank))
+            predicted_tokens=r.predicted_tokens, adapter=r.adapter, adapter_rank=r.adapter_rank,
+            prefer=hints.pop() if args.prefer else []))
         placed.append((p.worker_id, r.request_id, r.input_tokens))
 
     for _ in range(args.outstanding):
@@ -280,7 +285,7 @@ async def _live_run(name: str, index: bool, args: argparse.Namespace) -> dict:
             "after_reply_cpu_p50_us": pct(book, 50), "after_reply_cpu_p99_us": pct(book, 99),
             "with_bookkeeping_cpu_p50_us": pct(total, 50), "with_bookkeeping_cpu_p99_us": pct(total, 99),
             "completed_cpu_p50_us": pct(fin, 50), "completed_cpu_p99_us": pct(fin, 99),
-            "indexed_decisions": view.indexed_decisions, "dispatches": view.placed}
+            "indexed_decisions": view.indexed_decisions, "dispatches": view.placed, "prefer": args.prefer}
 
 
 _NO_SCAN = {"dispatch_cpu_p50_us": math.nan, "dispatch_cpu_p99_us": math.nan, "completed_cpu_p50_us": math.nan,
@@ -291,7 +296,8 @@ def live_main(names: list[str], args: argparse.Namespace) -> int:
     import asyncio
 
     _say(f"bench dispatch --live: DispatchHandlers in process, {args.workers} workers, {args.outstanding} "
-         f"outstanding, {args.live_decisions} dispatches per policy after a completed event each; CPU µs; "
+         f"outstanding, {args.live_decisions} dispatches per policy after a completed event each"
+         f"{f', each naming {args.prefer} preferred workers' if args.prefer else ''}; CPU µs; "
          f"{machine.line()}; {native.describe()}")
     _say(f"{'policy':18} {'scan p50':>9} {'scan p99':>9} {'index p50':>9} {'index p99':>9} {'x p50':>6} "
          f"{'completed p50 (scan / index)':>29} {'after reply p50/p99':>20} {'with it p50/p99':>16}")
@@ -346,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--live", action="store_true",
                     help="time the live dispatcher's handlers (DispatchHandlers) with the index off and on")
     ap.add_argument("--live-decisions", type=int, default=1000, help="steady-state dispatches per policy with --live")
+    ap.add_argument("--prefer", type=int, default=0, metavar="K",
+                    help="with --live, every request names K random workers in DispatchRequest.prefer (the "
+                         "gateway's cache-affinity / prefix hint: dispatcher/prefer.py)")
     ap.add_argument("--no-live-scan", dest="live_scan", action="store_false",
                     help="with --live, time the index only (the scan takes seconds per policy)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -363,6 +372,8 @@ def _check(args: argparse.Namespace) -> list[str]:
             raise SystemExit(f"--{k} must be >= 1")
     if args.pure_decisions < 0 or args.adapters < 0 or args.max_adapters < 0:
         raise SystemExit("--pure-decisions, --adapters and --max-adapters must be >= 0")
+    if not 0 <= args.prefer <= min(16, args.workers):
+        raise SystemExit(f"--prefer must be between 0 and {min(16, args.workers)} (the dispatcher reads 16 at most)")
     if not Path(args.profile).is_file():
         raise SystemExit(f"profile {args.profile} not found; pass --profile PATH to a perf profile JSON")
     args.pure_decisions = min(args.pure_decisions, args.decisions)

@@ -212,7 +212,9 @@ class LiveView:
             workers, beats = self.candidates(dep, req)
             decision = choose(workers, rview, state, self.rng)
             choice = Choice(decision, beats[decision.worker_id], rview, len(workers))
-        return prefer.keep(self, dep, req, choice, state) if req.prefer else choice
+        if not req.prefer:
+            return choice
+        return prefer.keep(self, dep, req, choice, state, di.index if choice.indexed else None)
 
     def record(self, dep: Deployment, choice: Choice) -> None:
         """Account the placement `choice` (outstanding, policy state, model book, index)."""

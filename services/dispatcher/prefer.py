@@ -27,6 +27,7 @@ from polyserve.core.names import MODEL_POLICIES
 from polyserve.dispatcher import policy
 
 if TYPE_CHECKING:
+    from polyserve.dispatcher.index import WorkerIndex
     from polyserve.dispatcher.liveview import Choice, LiveView
     from polyserve.dispatcher.policy import PolicyState
     from polyserve.proto import Deployment, DispatchRequest
@@ -34,9 +35,12 @@ if TYPE_CHECKING:
 MAX_PREFER = 16  # preferred workers read from one request (the gateway sends at most this many)
 
 
-def keep(view: LiveView, dep: Deployment, req: DispatchRequest, choice: Choice, state: PolicyState) -> Choice:
+def keep(view: LiveView, dep: Deployment, req: DispatchRequest, choice: Choice, state: PolicyState,
+         index: WorkerIndex | None = None) -> Choice:
     """`choice` (the policy's pick over every worker) or the policy's pick among `req.prefer` (module
-    docstring), marked `prefixed`."""
+    docstring), marked `prefixed`. `index`: the deployment's worker index when its fast twin made
+    `choice`; the policy then reads the same views the twin did (building a view costs ~2-3 µs,
+    more than the rest of a hint: `polyserve bench dispatch --live --prefer K`)."""
     if choice.worker.worker_id in req.prefer:
         return choice._replace(prefixed=True)
     excluded = set(req.exclude)
@@ -50,7 +54,9 @@ def keep(view: LiveView, dep: Deployment, req: DispatchRequest, choice: Choice, 
         beats[wid] = hb
     if not beats:
         return choice
-    views = view.views(beats.values(), dep.policy in MODEL_POLICIES)
+    views = [index.get(wid) for wid in beats] if index is not None else []
+    if not views or None in views:
+        views = view.views(beats.values(), dep.policy in MODEL_POLICIES)
     pick = policy.get_policy(dep.policy)(views, choice.request, state, view.rng)
     if pick.scale_out:
         return choice

@@ -127,6 +127,19 @@ def test_bench_dispatch_finds_every_decision_identical(tmp_path):
         assert r["decision_cpu_p50_us"] > 0 and r["update_cpu_p50_us"] > 0
 
 
+def test_bench_dispatch_live_times_requests_with_a_placement_hint(tmp_path):
+    """`--live --prefer K`: the live handler's cost when every request names K preferred workers (the
+    gateway's hint, dispatcher/prefer.py); a bad K says what to fix."""
+    out = tmp_path / "live.json"
+    rc = bench.main(["--live", "--no-live-scan", "--workers", "40", "--outstanding", "80", "--live-decisions", "60",
+                     "--policy", "caraserve,least_outstanding", "--prefer", "3", "--out", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert rc == 0 and [(r["policy"], r["prefer"]) for r in rows] == [("caraserve", 3), ("least_outstanding", 3)]
+    assert all(r["dispatches"] == 80 + 60 and r["dispatch_cpu_p99_us"] > 0 for r in rows)
+    with pytest.raises(SystemExit, match="--prefer must be between 0 and 16"):
+        bench.main(["--live", "--policy", "caraserve", "--prefer", "17"])
+
+
 def test_with_load_is_replace_of_the_two_fields():
     """`index_structs._with_load` is generated from WorkerView's fields (fifth round)."""
     from dataclasses import replace
