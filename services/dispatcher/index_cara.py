@@ -344,6 +344,30 @@ class _Cara(_Struct):
                 best = self._visit(entries, req, cfg, need, candidates_only, best)
         return best
 
+    def best_among(self, req: RequestView, cfg: CS.CaraConfig, need: int, wids: list[str]) -> tuple | None:
+        """`best` over the workers `wids` alone (a placement hint: dispatcher/prefer.py), as
+        `policy_caraserve.rank_aware` over their views: the cheapest candidate (KV room, and the
+        adapter resident or a free slot), else the cheapest of them all; None when none is indexed.
+        From the cost inputs the index keeps: no view is built, no perf model called."""
+        adapter, rank, n_in = req.adapter, req.adapter_rank, req.input_tokens
+        slo, penalty = cfg.atgt_slo_ms, cfg.penalty
+        best = None
+        for only_candidates in (True, False):
+            for wid in wids:
+                st = self.state.get(wid)
+                if st is None:
+                    continue
+                resident = adapter is None or adapter in st[12]
+                if only_candidates and (need > st[11] or not (resident or self.where[wid][2])):
+                    continue  # no KV room, or the adapter neither resident nor a free slot for it
+                cost, violates = _cara_cost(st, n_in, rank, slo, penalty)
+                cand = (cost, not resident, wid, violates)
+                if best is None or cand < best:
+                    best = cand
+            if best is not None:
+                return best
+        return None
+
     def _visit(self, entries: list[tuple], req: RequestView, cfg: CS.CaraConfig, need: int,
                candidates_only: bool, best: tuple | None) -> tuple | None:
         """`best` or a cheaper candidate of the groups `entries` (sorted by bound) list."""

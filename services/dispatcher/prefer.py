@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from polyserve.core.names import MODEL_POLICIES
+from polyserve.dispatcher import index as dindex
 from polyserve.dispatcher import policy
 
 if TYPE_CHECKING:
@@ -39,8 +40,10 @@ def keep(view: LiveView, dep: Deployment, req: DispatchRequest, choice: Choice, 
          index: WorkerIndex | None = None) -> Choice:
     """`choice` (the policy's pick over every worker) or the policy's pick among `req.prefer` (module
     docstring), marked `prefixed`. `index`: the deployment's worker index when its fast twin made
-    `choice`; the policy then reads the same views the twin did (building a view costs ~2-3 µs,
-    more than the rest of a hint: `polyserve bench dispatch --live --prefer K`)."""
+    `choice`; caraserve then costs the preferred workers from the index's cost inputs
+    (`index.fast_caraserve_among`: its pure policy over their views took 20-60 µs), and the other
+    policies read the same views the twin did (building one costs ~2-3 µs): `polyserve bench
+    dispatch --live --prefer K`, docs/benchmarks/dispatch.md."""
     if choice.worker.worker_id in req.prefer:
         return choice._replace(prefixed=True)
     excluded = set(req.exclude)
@@ -54,11 +57,15 @@ def keep(view: LiveView, dep: Deployment, req: DispatchRequest, choice: Choice, 
         beats[wid] = hb
     if not beats:
         return choice
-    views = [index.get(wid) for wid in beats] if index is not None else []
-    if not views or None in views:
-        views = view.views(beats.values(), dep.policy in MODEL_POLICIES)
-    pick = policy.get_policy(dep.policy)(views, choice.request, state, view.rng)
+    pick = None
+    if index is not None and dep.policy == "caraserve":  # from the index's cost inputs (~1 µs a worker)
+        pick = dindex.fast_caraserve_among(index, choice.request, state, list(beats))
+    if pick is None:
+        views = [index.get(wid) for wid in beats] if index is not None else []
+        if not views or None in views:
+            views = view.views(beats.values(), dep.policy in MODEL_POLICIES)
+        pick = policy.get_policy(dep.policy)(views, choice.request, state, view.rng)
     if pick.scale_out:
         return choice
-    return choice._replace(decision=pick, worker=beats[pick.worker_id], candidates=len(views),
+    return choice._replace(decision=pick, worker=beats[pick.worker_id], candidates=len(beats),
                            indexed=False, prefixed=True)

@@ -140,6 +140,30 @@ def test_bench_dispatch_live_times_requests_with_a_placement_hint(tmp_path):
         bench.main(["--live", "--policy", "caraserve", "--prefer", "17"])
 
 
+@pytest.mark.parametrize("same", [False, True], ids=["varied", "alike"])
+def test_caraserve_among_a_few_workers_is_the_pure_policy_over_their_views(same):
+    """`fast_caraserve_among` (a placement hint's subset, dispatcher/prefer.py) decides as the pure
+    policy over the views of those workers: candidates first (KV room, the adapter resident or a
+    free slot), all of them when none is."""
+    rng = random.Random(11)
+    index = ix.WorkerIndex(policies=("caraserve",))
+    views = [random_view(rng, f"w{k:02d}", same=PERFS[1] if same else None) for k in range(40)]
+    for v in views:
+        index.upsert(v)
+    compared = 0
+    for i in range(600):
+        req = random_request(rng, i)
+        subset = rng.sample([v.worker_id for v in views], rng.choice([1, 2, 3, 5, 8]))
+        state = p.PolicyState()
+        got = ix.fast_caraserve_among(index, req, state, subset)
+        want = ix.PURE_POLICIES["caraserve"]([index.get(w) for w in subset], req, state, random.Random(0))
+        assert got == want, (i, subset, req)
+        compared += 1
+        if rng.random() < 0.5:  # move the cluster on: placements change the cost inputs
+            index.placed(ix.FAST_POLICIES["caraserve"](index, req, state, None).worker_id, req)
+    assert compared == 600 and ix.fast_caraserve_among(index, random_request(rng, 0), p.PolicyState(), ["gone"]) is None
+
+
 def test_with_load_is_replace_of_the_two_fields():
     """`index_structs._with_load` is generated from WorkerView's fields (fifth round)."""
     from dataclasses import replace
