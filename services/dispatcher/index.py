@@ -414,16 +414,6 @@ def fast_caraserve(index: WorkerIndex, request: RequestView, state: PolicyState,
     return Decision(best[2], state, scale_out=best[3])  # type: ignore[index]
 
 
-def fast_caraserve_among(index: WorkerIndex, request: RequestView, state: PolicyState,
-                         worker_ids: list[str]) -> Decision | None:
-    """`fast_caraserve` over `worker_ids` alone (`policy.POLICIES["caraserve"]` over their views: a
-    placement hint, dispatcher/prefer.py); None when none of them is indexed."""
-    index._require()
-    s: _Cara = index._struct("caraserve")
-    best = s.best_among(request, CS.config_for(request), request.input_tokens + request.predicted_tokens, worker_ids)
-    return None if best is None else Decision(best[2], state, scale_out=best[3])
-
-
 def make_fast_arlo_mlq(lam: float = AR.DEFAULT_LAMBDA, alpha: float = AR.DEFAULT_ALPHA,
                        max_levels: int = AR.DEFAULT_LEVELS):
     """The indexed twin of `policy_arlo.make_arlo_mlq(lam, alpha, max_levels)`."""

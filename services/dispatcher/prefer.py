@@ -24,8 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from polyserve.core.names import MODEL_POLICIES
-from polyserve.dispatcher import index as dindex
-from polyserve.dispatcher import policy
+from polyserve.dispatcher import index_hints, policy
 
 if TYPE_CHECKING:
     from polyserve.dispatcher.index import WorkerIndex
@@ -34,16 +33,17 @@ if TYPE_CHECKING:
     from polyserve.proto import Deployment, DispatchRequest
 
 MAX_PREFER = 16  # preferred workers read from one request (the gateway sends at most this many)
+AMONG = {"aladdin": index_hints.aladdin_among, "caraserve": index_hints.caraserve_among}
 
 
 def keep(view: LiveView, dep: Deployment, req: DispatchRequest, choice: Choice, state: PolicyState,
          index: WorkerIndex | None = None) -> Choice:
     """`choice` (the policy's pick over every worker) or the policy's pick among `req.prefer` (module
     docstring), marked `prefixed`. `index`: the deployment's worker index when its fast twin made
-    `choice`; caraserve then costs the preferred workers from the index's cost inputs
-    (`index.fast_caraserve_among`: its pure policy over their views took 20-60 µs), and the other
-    policies read the same views the twin did (building one costs ~2-3 µs): `polyserve bench
-    dispatch --live --prefer K`, docs/benchmarks/dispatch.md."""
+    `choice`; aladdin and caraserve then decide from the index's structures (index_hints.py: their
+    pure policies over the views took 20-60 µs), and the other policies read the same views the
+    twin did (building one costs ~2-3 µs): `polyserve bench dispatch --live --prefer K`,
+    docs/benchmarks/dispatch.md."""
     if choice.worker.worker_id in req.prefer:
         return choice._replace(prefixed=True)
     excluded = set(req.exclude)
@@ -58,8 +58,9 @@ def keep(view: LiveView, dep: Deployment, req: DispatchRequest, choice: Choice, 
     if not beats:
         return choice
     pick = None
-    if index is not None and dep.policy == "caraserve":  # from the index's cost inputs (~1 µs a worker)
-        pick = dindex.fast_caraserve_among(index, choice.request, state, list(beats))
+    among = AMONG.get(dep.policy) if index is not None else None
+    if among is not None:  # from the index's structures (index_hints.py)
+        pick = among(index, choice.request, state, list(beats))
     if pick is None:
         views = [index.get(wid) for wid in beats] if index is not None else []
         if not views or None in views:

@@ -20,6 +20,7 @@ import pytest
 from polyserve.bench import dispatch as bench
 from polyserve.dispatcher import index as ix
 from polyserve.dispatcher import index_cara as ixc
+from polyserve.dispatcher import index_hints as ixh
 from polyserve.dispatcher import index_structs as ixs
 from polyserve.dispatcher import policy as p
 from polyserve.dispatcher import policy_caraserve as cs
@@ -141,27 +142,35 @@ def test_bench_dispatch_live_times_requests_with_a_placement_hint(tmp_path):
 
 
 @pytest.mark.parametrize("same", [False, True], ids=["varied", "alike"])
-def test_caraserve_among_a_few_workers_is_the_pure_policy_over_their_views(same):
-    """`fast_caraserve_among` (a placement hint's subset, dispatcher/prefer.py) decides as the pure
-    policy over the views of those workers: candidates first (KV room, the adapter resident or a
-    free slot), all of them when none is."""
+@pytest.mark.parametrize("policy", ["caraserve", "aladdin"])
+def test_a_policy_among_a_few_workers_is_the_pure_policy_over_their_views(policy, same):
+    """`index_hints` (a placement hint's few workers, dispatcher/prefer.py) decides as the pure policy
+    over those workers' views: caraserve's candidates first (KV room, the adapter resident or a free
+    slot), all of them when none is; aladdin's best fit, and where none fits only `scale_out` (the
+    hint is not followed, so the pure policy's fallback worker does not matter)."""
     rng = random.Random(11)
-    index = ix.WorkerIndex(policies=("caraserve",))
+    index = ix.WorkerIndex(policies=(policy,))
     views = [random_view(rng, f"w{k:02d}", same=PERFS[1] if same else None) for k in range(40)]
     for v in views:
         index.upsert(v)
-    compared = 0
+    among = {"caraserve": ixh.caraserve_among, "aladdin": ixh.aladdin_among}[policy]
+    fits = 0
     for i in range(600):
         req = random_request(rng, i)
         subset = rng.sample([v.worker_id for v in views], rng.choice([1, 2, 3, 5, 8]))
         state = p.PolicyState()
-        got = ix.fast_caraserve_among(index, req, state, subset)
-        want = ix.PURE_POLICIES["caraserve"]([index.get(w) for w in subset], req, state, random.Random(0))
-        assert got == want, (i, subset, req)
-        compared += 1
-        if rng.random() < 0.5:  # move the cluster on: placements change the cost inputs
-            index.placed(ix.FAST_POLICIES["caraserve"](index, req, state, None).worker_id, req)
-    assert compared == 600 and ix.fast_caraserve_among(index, random_request(rng, 0), p.PolicyState(), ["gone"]) is None
+        got = among(index, req, state, subset)
+        want = ix.PURE_POLICIES[policy]([index.get(w) for w in subset], req, state, random.Random(0))
+        if policy == "aladdin" and want.scale_out:
+            assert got.scale_out, (i, subset, req)
+        else:
+            assert got == want, (i, subset, req)
+            fits += not want.scale_out
+        if rng.random() < 0.5:  # move the cluster on: placements change what the structures hold
+            index.placed(ix.FAST_POLICIES[policy](index, req, state, None).worker_id, req)
+    assert fits > 100
+    if policy == "caraserve":
+        assert among(index, random_request(rng, 0), p.PolicyState(), ["gone"]) is None
 
 
 def test_with_load_is_replace_of_the_two_fields():
