@@ -233,14 +233,15 @@ async def _live_run(name: str, index: bool, args: argparse.Namespace) -> dict:
     encoder = name.startswith("arlo")
     wl = Workload(args, encoder)
     profile = Path(args.profile).stem if Path(args.profile).parent == PROFILE.parent else args.profile
-    for v in wl.views():
+    views = wl.views()  # (once: it draws from the workload's random stream)
+    for v in views:
         await h.on_heartbeat(Heartbeat(
             worker_id=v.worker_id, deployment="d", model="m", engine="sim", ttl_s=1e6, gpu_id=v.gpu_id,
             kv_capacity=v.kv_capacity, max_input_len=v.max_input_len, max_batch=v.max_batch, kernel=v.kernel,
             adapters=[AdapterInfo(name=a, rank=r) for a, r in zip(v.adapters, v.adapter_ranks)],
             max_adapters=v.max_adapters, profile="" if encoder else profile))
     placed: list[tuple[str, str, int]] = []
-    ids = [v.worker_id for v in wl.views()]
+    ids = [v.worker_id for v in views]
     hint_rng = random.Random(args.seed + 7)  # its own stream: the workload's requests stay those of --prefer 0
     # drawn before the timing (the gateway makes the hint, not the dispatcher)
     hints = [hint_rng.sample(ids, args.prefer) for _ in range(args.outstanding + args.live_decisions)]
