@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -24,7 +26,9 @@ import httpx
 import numpy as np
 
 from polyserve.cli import launcher
+from polyserve.proto import Keys
 from polyserve.shared import batching, infra, machine
+from polyserve.shared.state import connect_sync
 
 
 async def _one(client: httpx.AsyncClient, url: str, body: dict) -> float:
@@ -40,13 +44,11 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
-async def drive(base: str, model: str, stream: bool, n: int, concurrency: int, tokens: int) -> dict:
-    """Closed-loop load: `concurrency` clients send `n` requests in total.
-
-    Each client has its own one-connection httpx pool: one pool of `concurrency` connections
-    costs O(connections) per request in httpx (`_assign_requests_to_connections` checks every
-    connection's expiry, with a getpeername each); at 64 that was 8 ms of client CPU per request,
-    the load generator taking the 2-core machine from both sides (docs/benchmarks/overhead.md)."""
+async def _drive_raw(base: str, model: str, stream: bool, n: int, concurrency: int, tokens: int,
+                     go: float = 0.0) -> tuple[list[float], float, float]:
+    """(latencies ms, start, end) of `n` closed-loop requests over `concurrency` connections,
+    timed from `go` (a `time.perf_counter` instant, shared by the processes of `drive_procs`;
+    0 = once warmed up). See `drive`."""
     body = {"model": model, "prompt": "measure the control plane overhead please", "max_tokens": tokens,
             "stream": stream, "min_tokens": tokens}
     url = base + "/v1/completions"
@@ -64,14 +66,58 @@ async def drive(base: str, model: str, stream: bool, n: int, concurrency: int, t
                 remaining -= 1
                 lat.append(await _one(client, url, body))
 
+        if go > time.perf_counter():
+            await asyncio.sleep(go - time.perf_counter())
         t = time.perf_counter()
         await asyncio.gather(*(worker(c) for c in clients))
-        elapsed = time.perf_counter() - t
+        end = time.perf_counter()
     finally:
         await asyncio.gather(*(c.aclose() for c in clients))
+    return lat, max(t, go), end
+
+
+def _summary(lat: list[float], elapsed: float) -> dict:
     arr = np.array(lat)
     return {"rps": len(lat) / elapsed, "p50_ms": float(np.percentile(arr, 50)),
             "p99_ms": float(np.percentile(arr, 99)), "mean_ms": float(arr.mean()), "n": len(lat)}
+
+
+async def drive(base: str, model: str, stream: bool, n: int, concurrency: int, tokens: int) -> dict:
+    """Closed-loop load: `concurrency` clients send `n` requests in total.
+
+    Each client has its own one-connection httpx pool: one pool of `concurrency` connections
+    costs O(connections) per request in httpx (`_assign_requests_to_connections` checks every
+    connection's expiry, with a getpeername each); at 64 that was 8 ms of client CPU per request,
+    the load generator taking the 2-core machine from both sides (docs/benchmarks/overhead.md)."""
+    lat, t0, t1 = await _drive_raw(base, model, stream, n, concurrency, tokens)
+    return _summary(lat, t1 - t0)
+
+
+def _client(job: tuple) -> tuple[list[float], float, float, float]:
+    """One load generator process's share of `drive_procs` (run in a child): its latencies, start,
+    end and the CPU seconds it used."""
+    c0 = time.process_time()
+    lat, t0, t1 = asyncio.run(_drive_raw(*job))
+    return lat, t0, t1, time.process_time() - c0
+
+
+def drive_procs(pool, k: int, base: str, model: str, stream: bool, n: int, concurrency: int,
+                tokens: int) -> tuple[dict, float]:
+    """`drive` from `k` processes of `pool` (`--clients`: one Python process drives ~1,000
+    requests/s at most, so on a machine with more cores it would be the limit, not the endpoint),
+    `n` and `concurrency` split evenly, all timed from one instant; (`drive`'s figures over every
+    process, their CPU ms)."""
+    k = min(k, concurrency)  # at least one connection per process
+    if k <= 1:
+        me = _cpu_s(os.getpid())
+        out = asyncio.run(drive(base, model, stream, n, concurrency, tokens))
+        return out, (_cpu_s(os.getpid()) - me) * 1e3
+    go = time.perf_counter() + 2.0  # after every process has opened its connections and warmed up
+    jobs = [(base, model, stream, n // k + (i < n % k), concurrency // k + (i < concurrency % k),
+             tokens, go) for i in range(k)]
+    parts = list(pool.map(_client, jobs))
+    lat = [x for p in parts for x in p[0]]
+    return _summary(lat, max(p[2] for p in parts) - min(p[1] for p in parts)), sum(p[3] for p in parts) * 1e3
 
 
 async def stage_breakdown(nats_url: str, prefix: str, base: str, model: str, n: int) -> dict:
@@ -101,6 +147,21 @@ async def stage_breakdown(nats_url: str, prefix: str, base: str, model: str, n: 
     return {k: round(statistics.median(v), 3) for k, v in stages.items() if v}
 
 
+def _ready(_: int) -> int:
+    """A `--clients` process, started: it has imported this module (and httpx) by now."""
+    return os.getpid()
+
+
+def _wait_workers(state: launcher.ClusterState, n: int, timeout: float = 60.0) -> None:
+    """Until `n` workers are in the registry (`launcher.up` waits for the first)."""
+    r, keys = connect_sync(state.redis_url), Keys(state.prefix)
+    deadline = time.monotonic() + timeout
+    while (have := launcher.live_counts(r, keys)[1]) < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{have} of {n} workers ready within {timeout:.0f} s; logs in {state.run_dir}/logs")
+        time.sleep(0.2)
+
+
 def _wait_http(url: str, timeout: float = 20) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -124,7 +185,7 @@ def _cpu_s(pid: int) -> float:
 
 def _processes(state: launcher.ClusterState) -> dict[str, int]:
     """pid of every process of the run by role (gateways summed as "gateway"; workers are
-    the gpu-agent's children), and this process as the load generator."""
+    the gpu-agent's children); the load generator's CPU comes from `drive_procs`."""
     procs = {name: pid for name, pid in state.pids.items() if name != "supervisor"}
     agent = state.pids.get("gpu-agent")
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -133,7 +194,6 @@ def _processes(state: launcher.ClusterState) -> dict[str, int]:
                 procs[f"worker-{stat.parent.name}"] = int(stat.parent.name)
         except (OSError, ValueError, IndexError):
             continue
-    procs["load generator"] = os.getpid()
     return procs
 
 
@@ -144,8 +204,8 @@ def _role(name: str) -> str:
 def _spec(args: argparse.Namespace, gateways: int) -> launcher.ClusterSpec:
     return launcher.ClusterSpec(
         run_dir=Path(tempfile.mkdtemp(prefix="ps-bench-")), engine="sim", model="bench-sim",
-        port=infra.free_port(), nats_port=0, redis_port=0, prefix="polyserve", min_replicas=1, max_replicas=1,
-        gateways=gateways,
+        port=infra.free_port(), nats_port=0, redis_port=0, prefix="polyserve",
+        gateways=gateways, min_replicas=args.workers, max_replicas=args.workers,
         extra_env={"POLYSERVE_WORKER_TIME_SCALE": "0", "POLYSERVE_LOG_LEVEL": "WARNING",
                    # the control plane alone: the historical-mean predictor, unless
                    # --with-model also measures the BERT proxy model on this CPU
@@ -168,7 +228,7 @@ def _median_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["rps"])[(len(runs) - 1) // 2]
 
 
-def _run(args: argparse.Namespace, gateways: int, bare_url: str | None, bare_pid: int = 0) -> dict:
+def _run(args: argparse.Namespace, gateways: int, bare_url: str | None, bare_pid: int = 0, pool=None) -> dict:
     """Every case against polyserve with `gateways` gateway processes (and against the bare
     endpoint, case by case, when `bare_url` is given), with the CPU each role used, and the
     CPU the bare endpoint and the load generator used for it (`bare_pid`). With `--repeats R`
@@ -180,8 +240,11 @@ def _run(args: argparse.Namespace, gateways: int, bare_url: str | None, bare_pid
     repeats = max(1, args.repeats)
     try:
         state = launcher.up(spec, progress=lambda m: None)
+        _wait_workers(state, args.workers)
         procs = _processes(state)
-        bare_procs = {"bare": bare_pid, "load generator": os.getpid()}
+        out["workers"] = sum(1 for name in procs if name.startswith("worker-"))
+        bare_procs = {"bare": bare_pid}
+        k = args.clients
         for stream in (False, True):
             for conc in args.concurrency:
                 case = f"{'stream' if stream else 'json'}-c{conc}"
@@ -195,15 +258,18 @@ def _run(args: argparse.Namespace, gateways: int, bare_url: str | None, bare_pid
                     if bare_url is not None:
                         print(f"  {case}: bare{of} ...", flush=True)
                         before = {n: _cpu_s(p) for n, p in bare_procs.items()}
-                        bare_runs.append(asyncio.run(drive(bare_url, "bare", stream, args.requests, conc,
-                                                           args.tokens)))
+                        res, lg_ms = drive_procs(pool, k, bare_url, "bare", stream, args.requests, conc, args.tokens)
+                        bare_runs.append(res)
                         _cpu_ms(bare_procs, before, bare_ms)
+                        bare_ms["load generator"] = bare_ms.get("load generator", 0.0) + lg_ms
                     print(f"  {case}: polyserve, {gateways} gateway process(es){of} ...", flush=True)
-                    before, t = {n: _cpu_s(p) for n, p in procs.items()}, time.perf_counter()
-                    ps_runs.append(asyncio.run(drive(state.gateway_url, "bench-sim", stream, args.requests,
-                                                     conc, args.tokens)))
-                    ps_s += time.perf_counter() - t
+                    before = {n: _cpu_s(p) for n, p in procs.items()}
+                    res, lg_ms = drive_procs(pool, k, state.gateway_url, "bench-sim", stream, args.requests, conc,
+                                             args.tokens)
+                    ps_runs.append(res)
+                    ps_s += res["n"] / res["rps"]  # the timed part (not the connections, warm-up, start)
                     _cpu_ms(procs, before, ps_ms)
+                    ps_ms["load generator"] = ps_ms.get("load generator", 0.0) + lg_ms
                 cell: dict = {"polyserve": _median_run(ps_runs)}
                 if bare_runs:
                     cell["bare"] = _median_run(bare_runs)
@@ -289,15 +355,23 @@ def main(args: argparse.Namespace) -> int:
                              "--tokens", str(args.tokens)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     facts = machine.describe()
     print(f"machine: {machine.line(facts)}")
-    print("starting polyserve (sim engine, zero compute time) and a bare FastAPI endpoint ...", flush=True)
+    print(f"starting polyserve (sim engine, zero compute time, {args.workers} worker(s)) and a bare FastAPI "
+          f"endpoint; {args.clients} load generator process(es) ...", flush=True)
     runs: dict[int, dict] = {}
+    pool = None
+    if args.clients > 1:  # started once, before any timing (a spawned process imports for ~1 s)
+        pool = concurrent.futures.ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"))
     try:
+        if pool is not None:
+            list(pool.map(_ready, range(args.clients)))
         _wait_http(f"http://127.0.0.1:{bare_port}/healthz")
         for i, n in enumerate(args.gateways):
-            runs[n] = _run(args, n, f"http://127.0.0.1:{bare_port}" if i == 0 else None, bare.pid)
+            runs[n] = _run(args, n, f"http://127.0.0.1:{bare_port}" if i == 0 else None, bare.pid, pool)
     finally:
         bare.terminate()
         bare.wait(10)
+        if pool is not None:
+            pool.shutdown()
     _print_overhead(args, runs[args.gateways[0]])
     if len(runs) > 1:
         _print_scale_out(runs)
@@ -321,6 +395,11 @@ def add_arguments(o) -> None:
                         "every pair's ratio and their median below it (single runs move by several percent)")
     o.add_argument("--with-model", action="store_true",
                    help="predict with the BERT proxy model (default: the historical mean, i.e. the control plane alone)")
+    o.add_argument("--clients", type=int, default=1, metavar="K",
+                   help="load generator processes, the concurrency split among them (one Python process "
+                        "drives ~1,000 requests/s at most: on a machine with many cores, e.g. for --gateways 4)")
+    o.add_argument("--workers", type=int, default=1, metavar="W",
+                   help="sim workers (zero compute time) behind the gateways")
     o.add_argument("--gateways", type=int, nargs="+", default=[1], metavar="N",
                    help="gateway processes (polyserve up --gateways N) to measure, e.g. 1 2 4: the overhead "
                         "table with the first, then requests/s and CPU per role for each")

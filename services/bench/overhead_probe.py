@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{n:40s}" + "".join(f"{100 * t.get(n, 0.0):14.1f}%" for t in table.values()))
         print(f"{'samples':40s}" + "".join(f"{int(t['samples']):15d}" for t in table.values()))
         return 0
-    spec = overhead._spec(argparse.Namespace(with_model=False), 1)
+    spec = overhead._spec(argparse.Namespace(with_model=False, workers=1), 1)
     print(f"starting polyserve (sim engine, zero compute time) in {spec.run_dir} ...", flush=True)
     state = launcher.up(spec, progress=lambda m: None)
     try:

@@ -267,7 +267,7 @@ def live_json(r: redis.Redis, index: str, key_of) -> list[dict]:
     return [json.loads(x) for x in raws if x]
 
 
-def _live(r: redis.Redis, keys: Keys, deployment: str = "") -> tuple[set[str], int, int]:
+def live_counts(r: redis.Redis, keys: Keys, deployment: str = "") -> tuple[set[str], int, int]:
     """(live service names, live workers (of `deployment` when given), live gateway instances)
     in the Redis registry."""
     now = time.time()
@@ -451,7 +451,7 @@ def wait_ready(r: redis.Redis, keys: Keys, state: ClusterState, timeout: float, 
             if not infra.pid_alive(pid):
                 log = Path(state.run_dir, "logs", f"{name if name.startswith(REPLICATED) else module_of(name)}.log")
                 raise LaunchError(f"{name} exited during start-up; see {log}")
-        services, workers, live_gateways = _live(r, keys, deployment)
+        services, workers, live_gateways = live_counts(r, keys, deployment)
         for name in sorted((services & want) - seen):
             progress(f"  {name} ready")
         seen |= services & want
@@ -460,7 +460,7 @@ def wait_ready(r: redis.Redis, keys: Keys, state: ClusterState, timeout: float, 
             return
         time.sleep(0.2)
     worker = f"a worker of {deployment}" if deployment else "worker"
-    missing = sorted(want - seen) + ([] if _live(r, keys, deployment)[1] else [worker])
+    missing = sorted(want - seen) + ([] if live_counts(r, keys, deployment)[1] else [worker])
     raise LaunchError(f"not ready within {timeout:.0f}s: {', '.join(missing)}; logs in {state.run_dir}/logs")
 
 

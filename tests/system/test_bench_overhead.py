@@ -73,3 +73,23 @@ def test_summary_names_each_sample_by_its_deepest_component(tmp_path, capsys):
     assert shares["RequestRun: relay, order, credits"] == 0.1 and shares[overhead_probe.OTHER] == 0.1
     assert overhead_probe.main(["summary", str(raw)]) == 0
     assert "NATS client: socket writes" in capsys.readouterr().out
+
+
+def test_bench_overhead_with_several_clients_workers_and_gateways(tmp_path):
+    """--clients K splits the load over K processes (their CPU counted as the load generator's),
+    --workers W starts W sim workers and waits for them, --gateways 1 2 adds the scale-out table."""
+    out = tmp_path / "ov.json"
+    run = subprocess.run([sys.executable, "-m", "polyserve.cli", "bench", "overhead", "--requests", "24",
+                          "--concurrency", "4", "--clients", "2", "--workers", "2", "--gateways", "1", "2",
+                          "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert set(data["by_gateways"]) == {"1", "2"}
+    for n, runs in data["by_gateways"].items():
+        assert runs["workers"] == 2, n
+        for case in ("json-c4", "stream-c4"):
+            assert runs["results"][case]["polyserve"]["n"] == 24
+            assert runs["cpu_ms_per_request"][case]["load generator"] > 0
+    assert data["results"]["json-c4"]["bare"]["n"] == 24
+    assert data["bare_cpu_ms_per_request"]["json-c4"]["load generator"] > 0
+    assert "scale-out: polyserve requests/s by gateway processes" in run.stdout
