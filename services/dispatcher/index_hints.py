@@ -16,9 +16,9 @@ if TYPE_CHECKING:
 
 
 def caraserve_among(index: WorkerIndex, request: RequestView, state: PolicyState,
-                    worker_ids: list[str]) -> Decision | None:
+                    worker_ids: list[str], fallback: bool = False) -> Decision | None:
     """`policy.POLICIES["caraserve"]` over the views of `worker_ids` (`_Cara.best_among`); None when
-    none of them is indexed."""
+    none of them is indexed. (`fallback`: as `aladdin_among`'s; caraserve's pick is its fallback.)"""
     index._require()
     s = index._struct("caraserve")
     best = s.best_among(request, CS.config_for(request), request.input_tokens + request.predicted_tokens, worker_ids)
@@ -26,12 +26,14 @@ def caraserve_among(index: WorkerIndex, request: RequestView, state: PolicyState
 
 
 def aladdin_among(index: WorkerIndex, request: RequestView, state: PolicyState,
-                  worker_ids: list[str]) -> Decision | None:
+                  worker_ids: list[str], fallback: bool = False) -> Decision | None:
     """`policy.POLICIES["aladdin"]` over the views of `worker_ids` where one of them fits: Alg. 1's
     best fit, walked as `index.fast_aladdin` walks every worker (in (-capacity_norm, id) order, the
     keys' limits deciding where they can, `check` where they cannot). Where none fits, a decision
-    with `scale_out` (the hint is not followed, so the pure policy's fallback is not computed); None
-    where the index keeps no structure for the request's SLOs."""
+    with `scale_out`: with `fallback` (the policy's own pick was flagged too, so the hint stands:
+    prefer.follows) the pure policy's fallback among them, else the first of them (the hint is not
+    followed, so the fallback is not computed). None where the index keeps no structure for the
+    request's SLOs."""
     index._require()
     cfg = AL.config_for(request)
     s = index._aladdin_for(cfg)
@@ -46,4 +48,8 @@ def aladdin_among(index: WorkerIndex, request: RequestView, state: PolicyState,
         if (need_in <= key[5] and need_w <= key[6] and need_t <= key[7]) \
                 or not AL.check(index.get(key[1]), request, cfg):
             return Decision(key[1], state)
+    if fallback:
+        views = [v for v in (index.get(w) for w in worker_ids) if v is not None]
+        if views:
+            return Decision(AL.fallback(views, request, cfg), state, scale_out=True)
     return Decision(worker_ids[0], state, scale_out=True)

@@ -68,3 +68,23 @@ def test_real_conversations_each_turn_starts_with_the_one_before(tmp_path):
     res = json.loads(out.read_text())
     hit = {r["rule"]: r["cache_hit"] for r in res["rows"]}
     assert hit["prefix:round_robin"] > hit["round_robin"] and hit["prefix:round_robin"] >= res["pooled_hit"] - 0.03, hit
+
+
+def test_the_dispatchers_policies_follow_the_gateways_hint(tmp_path):
+    """--rules aladdin / caraserve: the dispatcher's pure policy places (over the simulated workers'
+    views), with the gateway's hint under prefix: (dispatcher/prefer.py's rule): more of the prompts
+    from cache than the policy alone, every request counted once in the outcomes."""
+    trace, out = tmp_path / "conv.jsonl", tmp_path / "out.json"
+    _trace(trace, conversations=40)
+    parser = __import__("argparse").ArgumentParser()
+    B.add_arguments(parser)
+    rules = ["aladdin", "prefix:aladdin", "caraserve", "prefix:caraserve"]
+    assert B.main(parser.parse_args(["--trace", str(trace), "--workers", "4", "--rules", *rules,
+                                     "--json", str(out)])) == 0
+    rows = {r["rule"]: r for r in json.loads(out.read_text())["rows"]}
+    for policy in ("aladdin", "caraserve"):
+        plain, hinted = rows[policy], rows[f"prefix:{policy}"]
+        assert hinted["cache_hit"] > 1.5 * plain["cache_hit"], (policy, plain["cache_hit"], hinted["cache_hit"])
+        assert sum(hinted["outcomes"].values()) == hinted["requests"] == 160
+        assert hinted["outcomes"]["hit"] >= 60 and plain["outcomes"] == {}
+        assert "flagged" in plain and "flagged" in hinted

@@ -146,15 +146,16 @@ def test_bench_dispatch_live_times_requests_with_a_placement_hint(tmp_path):
 def test_a_policy_among_a_few_workers_is_the_pure_policy_over_their_views(policy, same):
     """`index_hints` (a placement hint's few workers, dispatcher/prefer.py) decides as the pure policy
     over those workers' views: caraserve's candidates first (KV room, the adapter resident or a free
-    slot), all of them when none is; aladdin's best fit, and where none fits only `scale_out` (the
-    hint is not followed, so the pure policy's fallback worker does not matter)."""
+    slot), all of them when none is; aladdin's best fit, and where none fits `scale_out`, with the
+    pure policy's fallback worker when asked for it (`fallback`: the own pick was flagged too, so the
+    hint stands: prefer.follows), else any of them (the hint is not followed)."""
     rng = random.Random(11)
     index = ix.WorkerIndex(policies=(policy,))
     views = [random_view(rng, f"w{k:02d}", same=PERFS[1] if same else None) for k in range(40)]
     for v in views:
         index.upsert(v)
     among = {"caraserve": ixh.caraserve_among, "aladdin": ixh.aladdin_among}[policy]
-    fits = 0
+    fits = flagged = 0
     for i in range(600):
         req = random_request(rng, i)
         subset = rng.sample([v.worker_id for v in views], rng.choice([1, 2, 3, 5, 8]))
@@ -163,12 +164,15 @@ def test_a_policy_among_a_few_workers_is_the_pure_policy_over_their_views(policy
         want = ix.PURE_POLICIES[policy]([index.get(w) for w in subset], req, state, random.Random(0))
         if policy == "aladdin" and want.scale_out:
             assert got.scale_out, (i, subset, req)
+            assert among(index, req, state, subset, True) == want, (i, subset, req)
+            flagged += 1
         else:
             assert got == want, (i, subset, req)
             fits += not want.scale_out
         if rng.random() < 0.5:  # move the cluster on: placements change what the structures hold
             index.placed(ix.FAST_POLICIES[policy](index, req, state, None).worker_id, req)
     assert fits > 100
+    assert policy == "caraserve" or flagged > 20, flagged
     if policy == "caraserve":
         assert among(index, random_request(rng, 0), p.PolicyState(), ["gone"]) is None
 

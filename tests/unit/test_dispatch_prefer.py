@@ -1,6 +1,6 @@
 """The dispatcher's placement hint (`DispatchRequest.prefer`, dispatcher/prefer.py), in process: the
-policy's choice among the workers the gateway names, kept only while it meets the policy's SLO; with
-the worker index on and off. (The load bound is the gateway's: test_gateway_routing.py.)"""
+policy's choice among the workers the gateway names, kept unless it breaks the policy's SLO where the
+policy's own pick does not; with the worker index on and off. (The load bound is the gateway's: test_gateway_routing.py.)"""
 from __future__ import annotations
 
 import asyncio
@@ -66,6 +66,22 @@ def test_a_preferred_worker_that_breaks_the_slo_is_not_taken(index, policy):
     other = "fast2" if own.worker.worker_id == "fast1" else "fast1"
     c = place(view, dep, req("r2", prefer=[other], predicted_tokens=50))
     assert c.worker.worker_id == other and c.prefixed and not c.decision.scale_out
+
+
+@pytest.mark.parametrize("policy", ["caraserve", "aladdin"])
+def test_where_no_worker_meets_the_slo_the_hint_stands_and_asks_for_another_worker(index, policy):
+    """Every worker breaks the ATGT SLO: the policy's own pick is flagged (scale-out), so a preferred
+    worker that breaks it too costs nothing the policy could have saved; the hint is followed (the
+    policy's least harmful among the preferred), still flagged (prefer.follows)."""
+    view = make_view(index)
+    dep = Deployment(id="d", model="m", policy=policy, atgt_slo_ms=20.0)
+    for wid in ("slow1", "slow2", "slow3"):
+        view.heartbeat(beat(wid, profile=SLOW, max_batch=8, kv_capacity=100_000))
+    own = view.decide(dep, req("probe", predicted_tokens=50))
+    assert own.decision.scale_out
+    others = sorted({"slow1", "slow2", "slow3"} - {own.worker.worker_id})
+    c = place(view, dep, req("r1", prefer=others, predicted_tokens=50))
+    assert c.worker.worker_id in others and c.prefixed and c.decision.scale_out
 
 
 def test_the_placement_names_the_hint():
