@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from polyserve.proto import Deployment, Dispatched
+from polyserve.proto.messages import ATGT_SLO_MS
 from tests.helpers import running, wait_for
 from tests.integration.conftest import MODEL, placements, sim_fleet
 
@@ -143,14 +144,19 @@ async def test_a_conversation_whose_worker_went_down_moves_once(make_settings, s
     assert home[0] not in after and len(set(after)) == 1, (home, after)
 
 
-async def test_under_caraserve_the_dispatcher_follows_the_hint(make_settings, state, bus, subjects):
+@pytest.mark.parametrize("atgt_slo_ms", [ATGT_SLO_MS, 0.001], ids=["within-the-slo", "no-worker-meets-the-slo"])
+async def test_under_caraserve_the_dispatcher_follows_the_hint(make_settings, state, bus, subjects, atgt_slo_ms):
     """Under a policy the dispatcher runs (caraserve), the gateway sends the workers holding the
     prompt's start as `DispatchRequest.prefer`. Two long answers in the same conversation load its
     worker; caraserve alone would now put any request on an idle worker (as it does an unrelated
     prompt sent at the same moment), but the conversation's next turn stays home, answered as
-    `caraserve+prefix`, within the SLO and the load bound."""
+    `caraserve+prefix`, within the load bound. With an ATGT SLO no worker can meet (0.001 ms per
+    token: every placement flagged for scale-out, the fault of an overloaded fleet) the hint stands
+    as well (prefer.follows: the cache hit costs nothing the policy could have saved; the dispatcher
+    refused it before)."""
     where = await placements(bus, subjects, WORKERS)
-    await state.put_deployment(Deployment(id=MODEL, model=MODEL, engine="sim", policy="caraserve"))
+    await state.put_deployment(Deployment(id=MODEL, model=MODEL, engine="sim", policy="caraserve",
+                                          atgt_slo_ms=atgt_slo_ms))
     # the sim at its profile's own pace: the dispatcher's online fits (from `completed` events) then
     # stay at the profile, and the workers differ in load only
     gw, services = sim_fleet(make_settings, WORKERS, time_scale=1.0, prefix_affinity="on")
