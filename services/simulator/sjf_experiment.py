@@ -1,6 +1,6 @@
 """The speculative-SJF experiment (docs/experiments/sjf.md): one worker, loads as fractions
 of its saturation, FCFS vs SSJF (old: `ssjf_class`, aging 120 s per class) vs SSJF (new:
-`ssjf`, size with a bounded overtake window and, as in a live worker, the P80 tail guard;
+`ssjf`, size with a bounded overtake window and, as in a live worker, the P70 tail guard;
 `ssjf_noguard`: the same without the guard) vs oracle SJF (true output length). SIMULATED.
 
     python -m polyserve.simulator.sjf_experiment --out experiments-out/sjf

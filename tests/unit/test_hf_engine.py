@@ -360,7 +360,7 @@ def test_ssjf_refine_is_offered_and_unknown_orders_are_refused():
 
 def test_ssjf_orders_the_queue_at_each_admission_and_a_request_past_the_tail_guard_goes_first(monkeypatch):
     """scheduling ssjf (no pauses): the queue is ordered by `queue_order.speculative_sjf` on the queued
-    entries, not by a static key, so a long request that has waited past the tail guard (the P80 of
+    entries, not by a static key, so a long request that has waited past the tail guard (the P70 of
     the worker's recent JCTs, from GUARD_MIN completions on) goes ahead of shorter later arrivals."""
     import time
 

@@ -278,11 +278,11 @@ def test_tail_guard_is_a_quantile_of_recent_jcts_and_puts_overdue_requests_first
 
 
 def test_plain_ssjf_puts_a_request_waiting_past_the_tail_guard_first(fresh_default_rule):
-    """The served `ssjf` carries the P80 tail guard: once DEFAULT_RULE has GUARD_MIN completions, a
-    long request that has waited longer than the P80 of their JCTs goes ahead of shorter later
+    """The served `ssjf` carries the P70 tail guard: once DEFAULT_RULE has GUARD_MIN completions, a
+    long request that has waited longer than the P70 of their JCTs goes ahead of shorter later
     arrivals (first come first served among such); with fewer completions, the size rule alone."""
     rule = fresh_default_rule
-    assert rule.tail_guard == wp.TAIL_GUARD == 0.8
+    assert rule.tail_guard == wp.TAIL_GUARD == 0.7
     for k in range(40):  # recent sizes 10..400 tokens: a 5,000-token request ranks last, a 5-token one first
         rule.key(Q(f"seen{k}", -200.0 + k, predicted_tokens=10 * (k + 1)))
     for _ in range(wp.GUARD_MIN - 1):

@@ -202,7 +202,7 @@ def test_sjf_experiment_takes_the_batch_size_the_prompt_weight_and_an_unguarded_
                                     "fcfs,ssjf,ssjf_guard,ssjf_noguard,sjf_oracle", "--max-batch", str(batch),
                                     "--input-weight", "0", "--out", str(out)]) == 0
         text = (out / "results.txt").read_text()
-        assert f"max batch {batch};" in text and "input weight 0;" in text and "tail guard P80" in text
+        assert f"max batch {batch};" in text and "input weight 0;" in text and "tail guard P70" in text
         data = json.loads((out / "results.json").read_text())
         # ssjf_guard, the earlier name of plain ssjf with the guard, runs ssjf
         assert {r["order"] for r in data["rows"]} == {"fcfs", "ssjf", "ssjf_noguard", "sjf_oracle"}
@@ -306,10 +306,10 @@ def test_tail_guard_serves_a_request_waiting_past_the_jct_quantile_first():
 
 
 def test_the_simulators_ssjf_carries_the_live_tail_guard_unless_turned_off():
-    """Plain ssjf in the simulator models the live worker's: the P80 tail guard is on by default
+    """Plain ssjf in the simulator models the live worker's: the P70 tail guard is on by default
     (WorkerConfig, `polyserve simulate --tail-guard`), and 0 turns it off. Batch of 1 kept busy by
     short jobs: the long-prompt job sorts last under the size rule; with the guard it goes once it
-    has waited longer than the P80 of recent JCTs."""
+    has waited longer than the P70 of recent JCTs."""
     from polyserve.core import queue_order as qo
     from polyserve.simulator.cli import _base_config, build_parser
 

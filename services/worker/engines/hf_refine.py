@@ -1,7 +1,7 @@
 """`ssjf` and `ssjf_refine` in the `hf` engine (a mixin of `hf.HfEngine`; its state lives there).
 
 Neither is a static sort key, so the waiting queue is ordered afresh at each admission. `ssjf`:
-`queue_order.speculative_sjf` (the size rule, with the tail guard: requests waiting past the P80
+`queue_order.speculative_sjf` (the size rule, with the tail guard: requests waiting past the P70
 of recent JCTs first, in arrival order), no pauses. `ssjf_refine`, as in the `sim` engine and
 with the same `queue_order` pieces: the queue is ordered by `speculative_sjf_refine` (sizes from
 the survival tables of this worker's completions, per client and class; the tail guard), and
