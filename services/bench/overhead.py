@@ -350,6 +350,8 @@ def _print_scale_out(runs: dict[int, dict]) -> None:
 def main(args: argparse.Namespace) -> int:
     """`polyserve bench overhead`: the overhead table with the first --gateways count, then
     (with several) the scale-out table."""
+    if args.clients < 1 or args.workers < 1 or min(args.gateways) < 1 or min(args.concurrency) < 1:
+        raise SystemExit("need --clients, --workers, --gateways and --concurrency of at least 1")
     bare_port = infra.free_port()
     bare = subprocess.Popen([sys.executable, "-m", "polyserve.bench.bare", "--port", str(bare_port),
                              "--tokens", str(args.tokens)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -93,3 +93,10 @@ def test_bench_overhead_with_several_clients_workers_and_gateways(tmp_path):
     assert data["results"]["json-c4"]["bare"]["n"] == 24
     assert data["bare_cpu_ms_per_request"]["json-c4"]["load generator"] > 0
     assert "scale-out: polyserve requests/s by gateway processes" in run.stdout
+
+
+def test_bench_overhead_refuses_counts_below_one():
+    for flag in ("--clients", "--workers", "--gateways", "--concurrency"):
+        run = subprocess.run([sys.executable, "-m", "polyserve.cli", "bench", "overhead", flag, "0"],
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode != 0 and "of at least 1" in run.stderr + run.stdout, (flag, run.stderr[-500:])
