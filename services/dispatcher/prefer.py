@@ -8,7 +8,8 @@ it does not hear the fleet as usual) the dispatcher places, and follows the hint
 agrees:
 
 * the deployment's own policy chooses among the preferred workers that may take the request (live,
-  of the deployment, not excluded, a long enough input limit, under `max_outstanding`), with the
+  of the deployment, not excluded, a long enough input limit, under `max_outstanding`; for a LoRA
+  request, holding its adapter or with a free adapter slot), with the
   state and request view of the choice it made over every worker;
 * that choice is kept unless the policy flags it (aladdin: none of them meets the TTFT and ATGT
   constraints; caraserve: it would break the ATGT SLO: `Decision.scale_out`) while its own pick over
@@ -39,6 +40,14 @@ if TYPE_CHECKING:
 
 MAX_PREFER = 16  # preferred workers read from one request (the gateway sends at most this many)
 AMONG = {"aladdin": index_hints.aladdin_among, "caraserve": index_hints.caraserve_among}
+
+
+def _swaps(hb, adapter: str | None) -> bool:
+    """Whether a LoRA request on this worker would first evict another adapter: it does not hold
+    `adapter` and its slots are full. Not worth a hint: the cold start costs more than the cached
+    start saves, and the engine's prefix cache is per adapter anyway (gateway/prefixes.py)."""
+    return adapter is not None and 0 < hb.max_adapters <= len(hb.adapters) \
+        and all(a.name != adapter for a in hb.adapters)
 
 
 def pick_among(policy_name: str, views: Sequence[WorkerView], request: RequestView, state: PolicyState,
@@ -75,7 +84,7 @@ def keep(view: LiveView, dep: Deployment, req: DispatchRequest, choice: Choice, 
     for wid in req.prefer[:MAX_PREFER]:
         hb = view.registry.live_one(wid, dep.id)
         if hb is None or wid in excluded or (0 < hb.max_input_len < req.input_tokens) \
-                or (cap > 0 and view.outstanding.count(wid) >= cap):
+                or (cap > 0 and view.outstanding.count(wid) >= cap) or _swaps(hb, req.adapter):
             continue
         beats[wid] = hb
     if not beats:

@@ -154,7 +154,8 @@ class RequestRun(Delivery):
                                                n=self.params.n))
         admission.check_input(gs, self.deployment, self.input_tokens)
         if prefixes.applies(s.prefix_affinity, self.deployment):
-            self.prefix = prefixes.blocks(self.tenant, self.params.cache_salt, self.prompt)
+            self.prefix = prefixes.blocks(self.tenant, self.params.cache_salt, self.prompt,
+                                          self.adapter.name if self.adapter else "")
         await self._fresh_inbox()
         placement = await self._predict_and_place()
         excluded: list[str] = []

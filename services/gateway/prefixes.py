@@ -55,14 +55,18 @@ def applies(mode: str, deployment: Deployment) -> bool:
     return mode == "on" or (mode == "auto" and deployment.engine in CACHING_ENGINES)
 
 
-def blocks(tenant: str, salt: str, text: str) -> tuple[int, ...]:
+def blocks(tenant: str, salt: str, text: str, adapter: str = "") -> tuple[int, ...]:
     """The hashes of `text`'s starts of CHECKPOINTS[i] whole blocks (the i-th names the first
-    CHECKPOINTS[i] blocks, with the tenant and salt); () when it has fewer than MIN_BLOCKS, so a
-    short prompt costs nothing. Stable across processes (gateways share them: `PrefixPlaced`)."""
+    CHECKPOINTS[i] blocks, with the tenant, salt and LoRA adapter); () when it has fewer than
+    MIN_BLOCKS, so a short prompt costs nothing. Stable across processes (gateways share them:
+    `PrefixPlaced`). The adapter is part of the key because an engine's prefix cache is: vLLM hashes
+    a block with its request's LoRA as an extra key, so a start cached under one adapter (or the
+    base model) is not reused by a request with another; a base-model prompt hashes as before."""
     n = min(len(text) // BLOCK_CHARS, MAX_BLOCKS)
     if n < MIN_BLOCKS:
         return ()
-    h = zlib.crc32(f"{tenant}\0{salt}\0".encode("utf-8", "surrogatepass"))
+    seed = f"{tenant}\0{salt}\0" + (f"lora:{adapter}\0" if adapter else "")
+    h = zlib.crc32(seed.encode("utf-8", "surrogatepass"))
     out = []
     prev = 0
     for k in CHECKPOINTS:

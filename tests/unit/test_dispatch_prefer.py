@@ -84,6 +84,28 @@ def test_where_no_worker_meets_the_slo_the_hint_stands_and_asks_for_another_work
     assert c.worker.worker_id in others and c.prefixed and c.decision.scale_out
 
 
+def test_a_lora_request_is_not_hinted_to_a_worker_that_would_evict_an_adapter_for_it(index):
+    """A preferred worker whose adapter slots are full with other adapters is not a candidate for a
+    LoRA request's hint (a cold start costs more than the cached start saves); one that holds the
+    adapter, or has a free slot, is."""
+    from polyserve.proto.events import AdapterInfo
+
+    view = make_view(index)
+    dep = Deployment(id="d", model="m", policy="least_outstanding")
+    held = [AdapterInfo(name=n, rank=8) for n in ("x", "y")]
+    view.heartbeat(beat("w1"))
+    view.heartbeat(beat("full", adapters=held, max_adapters=2))
+    view.heartbeat(beat("holds", adapters=[AdapterInfo(name="sql", rank=8), held[0]], max_adapters=2))
+    view.heartbeat(beat("free", adapters=held[:1], max_adapters=2))
+    c = place(view, dep, req("r1", adapter="sql", adapter_rank=8, prefer=["full"]))
+    assert c.worker.worker_id != "full" and not c.prefixed
+    for wid in ("holds", "free"):
+        c = place(view, dep, req(f"r-{wid}", adapter="sql", adapter_rank=8, prefer=[wid]))
+        assert c.worker.worker_id == wid and c.prefixed
+    c = place(view, dep, req("base", prefer=["full"]))  # a base-model request: no adapter to load
+    assert c.worker.worker_id == "full" and c.prefixed
+
+
 def test_the_placement_names_the_hint():
     view = make_view()
     dep = Deployment(id="d", model="m", policy="least_outstanding")

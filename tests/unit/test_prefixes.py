@@ -35,6 +35,19 @@ def test_tenants_and_salts_never_share_a_start():
     assert t.longest(a, {"w1", "w2"}) == ({"w1"}, 3)
 
 
+def test_each_lora_adapter_has_its_own_starts_and_the_base_model_hashes_as_before():
+    """An engine's prefix cache is per adapter (vLLM hashes a block with its request's LoRA), so a
+    start placed for one adapter, or for the base model, does not steer a request with another."""
+    base, a1, a2 = (P.blocks("acme", "", SYSTEM, adapter) for adapter in ("", "sql-lora", "chat-lora"))
+    assert base == P.blocks("acme", "", SYSTEM)  # a base-model prompt: the same hashes as without the argument
+    assert len(base) == len(a1) == len(a2) and not set(base) & set(a1) and not set(a1) & set(a2)
+    assert a1 == P.blocks("acme", "", SYSTEM, "sql-lora")  # stable: gateways share them
+    t = PrefixTable(1000)
+    t.record(a1, "w1")
+    assert t.longest(base, {"w1"}) == (set(), 0) and t.longest(a2, {"w1"}) == (set(), 0)
+    assert t.longest(a1, {"w1"}) == ({"w1"}, 3)
+
+
 def test_longest_start_among_the_live_workers():
     t = PrefixTable(1000)
     conv = SYSTEM + "user: hi\nassistant: hello, how can I help with your invoice today?\n" * 12  # 9 blocks
