@@ -6,8 +6,10 @@ the default (`auto`) a sim deployment, whose workers keep no prefix cache, is no
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 
+import httpx
 import openai
 import pytest
 
@@ -202,3 +204,28 @@ async def test_under_caraserve_the_dispatcher_follows_the_hint(make_settings, st
     # the two long answers and the turn found the start (hits); the first turn and the unrelated prompt did not
     assert f'polyserve_prefix_placements_total{{deployment="{MODEL}",outcome="hit"}} 3.0' in counted
     assert f'polyserve_prefix_placements_total{{deployment="{MODEL}",outcome="miss"}} 2.0' in counted
+
+
+async def test_a_prompts_starts_are_its_lora_adapters_own(plane, tmp_path):
+    """An engine's prefix cache is per adapter (vLLM keys a cached block by its request's LoRA), so
+    the gateway keeps a prompt's starts per adapter: the same long prompt under the base model, then
+    adapter a1 twice, then a2 finds a cached start only for a1's second request (the dispatcher
+    places LoRA requests, with the gateway's hint). Counted in the gateway's own metrics."""
+    def adapter(name: str):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+        (path / "adapter_model.safetensors").write_bytes(b"\0" * 16)
+        return {"name": name, "path": str(path), "deployment": MODEL}
+
+    prompt = "You are the billing assistant of a mid-sized company; answer from the policy. " * 8
+    async with plane(adapter_roots=str(tmp_path), prefix_affinity="on") as p, \
+            httpx.AsyncClient(base_url=p.url) as h:
+        for name in ("a1", "a2"):
+            assert (await h.post("/v1/adapters", json=adapter(name))).status_code == 201
+        for extra in ({}, {"adapter": "a1"}, {"adapter": "a1"}, {"adapter": "a2"}):
+            await p.client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body=extra)
+        counted = (await h.get("/metrics")).text
+    # the base model's own start was placed by the gateway; a1's first and a2's found none of theirs
+    assert f'polyserve_prefix_placements_total{{deployment="{MODEL}",outcome="hit"}} 1.0' in counted
+    assert f'polyserve_prefix_placements_total{{deployment="{MODEL}",outcome="miss"}} 3.0' in counted
