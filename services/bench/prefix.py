@@ -18,7 +18,7 @@ workers are a model, not an engine:
 
 Rules `aladdin` and `caraserve` (`--rules`; not run by default) place as the dispatcher does: its
 pure policy over the workers' views (`_Dispatcher`), and under `prefix:` with the gateway's hint
-(`DispatchRequest.prefer`, `_hint`) followed by dispatcher/prefer.py's own rule.
+(`DispatchRequest.prefer`, `prefixes.hint`) followed by dispatcher/prefer.py's own rule.
 
 Printed per rule: the share of prompt tokens served from a cache, the prefill tokens computed,
 time to first token (queue + prefill) and how evenly requests spread. Every figure is simulated.
@@ -212,7 +212,7 @@ def _placer(rule: str, reqs: list[Req], workers: dict[str, _Worker], router: Loc
             return (dispatcher(r, now, workers, None)[0] if dispatcher else router.choose(policy, DEPLOYMENT, fits)), ""
         hashes = prefixes.blocks("", "", r.text or prompt_text(r.blocks))
         if dispatcher:
-            hb, outcome = dispatcher(r, now, workers, _hint(router, table, hashes, fits, factor))
+            hb, outcome = dispatcher(r, now, workers, prefixes.hint(router, table, hashes, fits, factor))
             outcome = outcome if hashes else "short"
         elif hashes:
             hb, outcome = prefixes.choose(router, table, hashes, policy, DEPLOYMENT, fits, factor)
@@ -222,15 +222,6 @@ def _placer(rule: str, reqs: list[Req], workers: dict[str, _Worker], router: Loc
         return hb, outcome
 
     return place, dispatcher
-
-
-def _hint(router: LocalRouter, table: prefixes.PrefixTable, hashes: tuple[int, ...], fits: list[Heartbeat],
-          factor: float) -> tuple[list[str], bool]:
-    """(`DispatchRequest.prefer`, whether some worker holds a start of the prompt): the gateway's
-    prefix hint where the dispatcher places (`admission.dispatch_hint`'s rule, on the same tables)."""
-    holders = set(prefixes.prefer(table, hashes, {hb.worker_id for hb in fits}))
-    return sorted(hb.worker_id for hb in fits if hb.worker_id in holders and router.within(hb, fits, factor)), \
-        bool(holders)
 
 
 class _Dispatcher:

@@ -329,9 +329,8 @@ def dispatch_hint(gs: GatewayState, req: DispatchRequest, prefix: tuple[int, ...
     if req.affinity:
         ranked = ranked_for(req.affinity, fits)
         return [gs.router.first_within(ranked, factor).worker_id], ranked[0].worker_id, False
-    holders = set(prefixes.prefer(gs.prefixes, prefix, {hb.worker_id for hb in fits}))
-    within = [hb.worker_id for hb in fits if hb.worker_id in holders and gs.router.within(hb, fits, factor)]
-    return sorted(within), "", bool(holders)
+    within, held = prefixes.hint(gs.router, gs.prefixes, prefix, fits, factor)
+    return within, "", held
 
 
 def _count_hint(gs: GatewayState, req: DispatchRequest, placement: Placement,

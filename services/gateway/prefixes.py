@@ -146,6 +146,17 @@ def prefer(table: PrefixTable, hashes: tuple[int, ...], among: Iterable[str]) ->
     return sorted(holders)[:MAX_PREFER]
 
 
+def hint(router: LocalRouter, table: PrefixTable, hashes: tuple[int, ...], fits: Sequence[Heartbeat],
+         factor: float) -> tuple[list[str], bool]:
+    """(`DispatchRequest.prefer` for a prompt of block hashes `hashes`: the workers of `fits` holding
+    its longest start (`prefer`) that take one more request within the bound of `LocalRouter.affine`,
+    sorted; whether some worker holds a start of it): `choose`'s rule, for where the dispatcher places
+    (admission.dispatch_hint; `polyserve bench prefix` replays it)."""
+    holders = set(prefer(table, hashes, {hb.worker_id for hb in fits}))
+    return sorted(hb.worker_id for hb in fits if hb.worker_id in holders and router.within(hb, fits, factor)), \
+        bool(holders)
+
+
 def choose(router: LocalRouter, table: PrefixTable, hashes: tuple[int, ...], policy: str, deployment: str,
            fits: Sequence[Heartbeat], factor: float) -> tuple[Heartbeat, str]:
     """(the worker for a prompt of block hashes `hashes` among `fits`, the outcome): the least loaded
