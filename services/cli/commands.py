@@ -1,4 +1,5 @@
-"""The `polyserve` command: up, down, status, events (and tools added by later issues)."""
+"""The `polyserve` command: start and stop a cluster (up, down), look at it (status, events, health),
+and its tools (API keys, LoRA adapters, the length predictor, engine profiles, the simulator, benchmarks)."""
 from __future__ import annotations
 
 import argparse
@@ -154,7 +155,7 @@ DELEGATED = {
     "predictor": ("polyserve.predictor.cli", "train / evaluate the output-length predictor"),
     "profile": ("polyserve.profiler.cli", "profile an engine and fit its performance models"),
     "simulate": ("polyserve.simulator.cli", "trace-driven cluster simulation"),
-    "bench": ("polyserve.bench", "benchmarks: overhead, replay, fidelity, dispatch, embeddings, lora"),
+    "bench": ("polyserve.bench", "benchmarks (polyserve bench lists them: overhead, dispatch, replay, prefix, chaos, ...)"),
     "credentials": ("polyserve.cli.credentials", "write credentials for docker compose or Kubernetes (credentials compose|k8s)"),
     "keys": ("polyserve.cli.keys", "client API keys: keys create|list|show|delete (admin)"),
 }
