@@ -8,7 +8,8 @@
   rate, a CV and a fitted inter-arrival family (Gamma or Weibull); arrivals are drawn per
   client from that family with the window's CV, scaled to the window's mean rate, and
   the clients summed. Lengths come from the client's ``chunk-<client>-dataset.json``
-  (input/output PMFs per 6-hour window) where the folder has them (reason, multimodal);
+  (input/output PMFs per 6-hour window) where the folder has them (reason; multimodal, whose
+  prompt is its text, image, audio and video tokens summed: `_input_draw`);
   otherwise (language: those files were not published here) each arrival takes an
   (input, output) pair drawn from `lengths` (the Azure conv trace by default).
 * µ-Serve's published predictions (``muserve:CSV[:RATE]``, the SSJF repo's
@@ -87,6 +88,25 @@ def _pmf_draw(rng: np.random.Generator, text: str, n: int) -> np.ndarray:
     return rng.choice(vals, size=n, p=p / p.sum())
 
 
+MODALITY_TOKENS = ("text_tokens", "image_tokens", "audio_tokens", "video_tokens")
+"""A multimodal window's prompt parts (ServeGen's mm-image datasets): its prompt is their sum."""
+
+
+def _input_draw(rng: np.random.Generator, window: dict, n: int, path: Path) -> np.ndarray:
+    """`n` prompt lengths from a dataset window: its ``input_tokens`` PMF (language, reason), or
+    (multimodal) the sum of one draw from each of the text, image, audio and video token PMFs it
+    has: every modality's tokens are prompt tokens the engine prefills. The image PMF is taken as
+    a request's image tokens in all (ServeGen publishes it beside ``image_count``; a window of
+    2.8 images on average has 367 image tokens on average, so it is not per image)."""
+    if "input_tokens" in window:
+        return _pmf_draw(rng, window["input_tokens"], n)
+    parts = [k for k in MODALITY_TOKENS if k in window]
+    if not parts or "output_tokens" not in window:
+        raise ValueError(f"servegen: {path} has a window with neither input_tokens nor text/image/audio/video "
+                         f"token PMFs and output_tokens (it has: {', '.join(sorted(window))})")
+    return sum((_pmf_draw(rng, window[k], n) for k in parts), np.zeros(n, dtype=np.int64))
+
+
 def load_servegen(spec: str, lengths: Trace | None, seed: int = 0) -> Trace:
     """``servegen:DIR[:START_S[:DURATION_S]]`` (module docstring); default start 0, one hour."""
     parts = spec[len("servegen:"):].split(":")
@@ -115,7 +135,7 @@ def load_servegen(spec: str, lengths: Trace | None, seed: int = 0) -> Trace:
                 c_all.append(np.full(t.size, f_no, dtype=np.int64))
                 if ds:  # the dataset window (6 h) that holds this arrival window
                     key = max((k for k in ds if float(k) <= w0), key=float, default=min(ds, key=float))
-                    i_all.append(_pmf_draw(rng, ds[key]["input_tokens"], t.size))
+                    i_all.append(_input_draw(rng, ds[key], t.size, ds_path))
                     o_all.append(_pmf_draw(rng, ds[key]["output_tokens"], t.size))
                 else:
                     if lengths is None:

@@ -152,6 +152,23 @@ def test_mooncake_and_servegen_traces(tmp_path: Path):
         load_trace(f"servegen:{sg}:600:500")
 
 
+
+def test_a_multimodal_servegen_prompt_is_its_text_and_image_tokens(tmp_path: Path):
+    """ServeGen's mm-image windows have text/image/audio/video token PMFs, no input_tokens: each
+    prompt is one draw of each summed (it was a KeyError: 'input_tokens'); a window with neither
+    is refused with the fields it has."""
+    sg = tmp_path / "mm"
+    sg.mkdir()
+    (sg / "chunk-0-trace.csv").write_text("0,2.0,1.0,Gamma,1.0,0.5\n")
+    (sg / "chunk-0-dataset.json").write_text(json.dumps({"0": {
+        "text_tokens": "{10: 0.5, 20: 0.5}", "image_tokens": "{1000: 1.0}", "audio_tokens": "{0: 1.0}",
+        "video_tokens": "{0: 1.0}", "image_count": "{1: 1.0}", "output_tokens": "{30: 1.0}"}}))
+    t = load_trace(f"servegen:{sg}:0:600")
+    assert len(t) > 100 and set(t.input_len.tolist()) == {1010, 1020} and set(t.output_len.tolist()) == {30}
+    (sg / "chunk-0-dataset.json").write_text(json.dumps({"0": {"prompt": "{5: 1.0}", "output_tokens": "{3: 1.0}"}}))
+    with pytest.raises(ValueError, match="neither input_tokens.*it has: output_tokens, prompt"):
+        load_trace(f"servegen:{sg}:0:600")
+
 def test_ssjf_in_the_simulator_beats_fcfs_on_long_prompts_and_old_rule_is_kept():
     """One busy worker, a burst of long-prompt jobs with short ones behind: the size rule (prompt
     counted) serves the short ones first; FCFS does not; oracle (output only) ranks prompts as equal."""
