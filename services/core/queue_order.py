@@ -17,6 +17,7 @@ from polyserve.core.size_rule import (  # noqa: F401 (re-exported: callers impor
     HISTORY,
     INPUT_WEIGHT,
     JCT_EWMA,
+    OVERTAKE_BOUND,
     PREEMPT_MARGIN,
     PREEMPT_QUANTUM,
     REFINE_HISTORY,
@@ -24,6 +25,7 @@ from polyserve.core.size_rule import (  # noqa: F401 (re-exported: callers impor
     REFINE_PRIOR,
     REFINE_REBUILD,
     TAIL_GUARD,
+    TAIL_QUANTILE,
     UNKNOWN_CLASS,
     WINDOW_FACTOR,
     WINDOW_S,
@@ -54,7 +56,7 @@ def priority_fcfs(waiting: Sequence[Q]) -> list[Q]:
 
 
 # Speculative shortest-job-first, two rules (docs/experiments/sjf.md measures both).
-# `ssjf` (the default): by expected size with a bounded overtake window and a tail guard
+# `ssjf` (the default): by expected size with a bounded overtake window and an overtake bound
 # (`size_rule` gives the rule and why; `SizeRule` keeps its state, one per worker queue).
 # `ssjf_class` (the earlier rule, µ-Serve §3.3/§3.5 aging): virtual arrival
 #     arrival + length_class × aging_s,
@@ -72,42 +74,48 @@ def priority_key(r: Queued) -> tuple[int, float]:
     return (r.priority, r.arrival)
 
 
-DEFAULT_RULE = SizeRule(tail_guard=TAIL_GUARD)
+DEFAULT_RULE = SizeRule(tail_guard=TAIL_GUARD, overtake_bound=OVERTAKE_BOUND)
 """The rule behind ORDERS["ssjf"] / ORDER_KEYS["ssjf"] in a live worker (one queue per process); the
-engines feed it `DEFAULT_RULE.observe(jct)` on every completion (its window W and its tail guard)."""
+engines feed it `DEFAULT_RULE.observe(jct)` on every completion (its window W and its guards)."""
 
 
 def ssjf_key(r: Queued) -> tuple[float, float]:
-    """Sort key of `speculative_sjf` (`DEFAULT_RULE`) while no request is past its tail guard."""
+    """Sort key of `speculative_sjf` (`DEFAULT_RULE`) while no request is overdue."""
     return DEFAULT_RULE.key(r)
 
 
-def overdue(rule: SizeRule, r: Queued, now: float) -> bool:
-    """Past `rule`'s tail guard: it has waited longer than the guard's JCT quantile."""
+def overdue(rule: SizeRule, r: Queued, now: float, limit: int | None = None) -> bool:
+    """Past one of `rule`'s guards: overtaken by more than its overtake bound allows (`limit`: its
+    `overtake_limit`, read here when not given), or waiting longer than its tail guard's JCT quantile."""
     g = rule.guard()
-    return g is not None and now - r.arrival > g
+    if g is not None and now - r.arrival > g:
+        return True
+    return rule.overtaken(r, rule.overtake_limit(now) if limit is None else limit)
 
 
 def guarded(rule: SizeRule, waiting: Sequence[Q], now: float | None = None) -> list[Q]:
-    """`waiting` by `rule.key`, the requests past its tail guard (`overdue`) first in arrival order.
-    A static key cannot do this (whether a request is overdue changes as it waits): the order is
-    made afresh at each admission. `now` on the clock of `arrival` (time.monotonic)."""
+    """`waiting` by `rule.key`, the overdue requests (`overdue`) first in arrival order. A static
+    key cannot do this (whether a request is overdue changes as it waits): the order is made
+    afresh at each admission. `now` on the clock of `arrival` (time.monotonic). New requests are
+    noted for the overtake bound here (`SizeRule.note_arrivals`)."""
     now = time.monotonic() if now is None else now
-    g = rule.guard()
-    if g is None:
+    if rule.overtake_bound:
+        rule.note_arrivals(waiting)
+    g, m = rule.guard(), rule.overtake_limit(now)
+    if g is None and m is None:
         return sorted(waiting, key=rule.key)
-    return sorted(waiting, key=lambda r: (r.arrival - 1e12, r.arrival) if now - r.arrival > g else rule.key(r))
+    return sorted(waiting, key=lambda r: (r.arrival - 1e12, r.arrival) if overdue(rule, r, now, m) else rule.key(r))
 
 
 def speculative_sjf(waiting: Sequence[Q], now: float | None = None) -> list[Q]:
     """Speculative SJF by expected size (output + prompt cost) with a starvation bound (`ssjf_key`)
-    and the tail guard: overdue requests first, first come first served (`guarded`)."""
+    and the overtake bound: overdue requests first, first come first served (`guarded`)."""
     return guarded(DEFAULT_RULE, waiting, now)
 
 
 def make_ssjf(**params) -> tuple[SizeRule, OrderFn]:
     """A fresh `SizeRule` with other parameters and its order function (ValueError on a bad one);
-    its tail guard acts only where `tail_guard` is given (the class's default is off)."""
+    its guards act only where `tail_guard` or `overtake_bound` is given (the class's defaults are off)."""
     rule = SizeRule(**params)
     return rule, lambda waiting, now=None: guarded(rule, waiting, now)
 
@@ -145,7 +153,8 @@ def srpt_oracle_key(r: object, generated: int) -> tuple[int, float]:
     return (r.true_tokens - generated, r.arrival)  # type: ignore[attr-defined]
 
 
-REFINE_RULE = SizeRule(estimator=RemainingEstimator(by_client=True), tail_guard=TAIL_GUARD)
+REFINE_RULE = SizeRule(estimator=RemainingEstimator(by_client=True), tail_guard=TAIL_GUARD,
+                       overtake_bound=OVERTAKE_BOUND)
 """The rule behind ORDERS["ssjf_refine"] in a live worker: ssjf with waiting requests sized by
 E[L | client, predicted class] from the worker's own completions (the client: the API key's
 tenant, `GenerateRequest.tenant`; requests without one use the class tables alone); the engine feeds
@@ -158,13 +167,14 @@ def refine_pauses(preemptor: Preemptor, running: Sequence[tuple[Q, int, int]], h
                   now: float | None = None) -> list[Q]:
     """ssjf_refine's pauses in a live engine (the sim and hf engines): `running` as (request,
     tokens it generated, decode steps since it was (re)admitted), `heads` the waiting requests
-    in queue order that could take a freed place. Requests past the tail guard are never paused.
+    in queue order that could take a freed place. Overdue requests (`overdue`) are never paused.
     Returns the requests to pause, each re-keyed under its refined key (`SizeRule.rekey`) for the
     queue it goes back to; the engine sets them aside."""
     rule = REFINE_RULE
     now = time.monotonic() if now is None else now
+    limit = rule.overtake_limit(now)
     keyed = [(refined_ssjf_key(rule, rule.estimator, r, generated), steps, r) for r, generated, steps in running
-             if not overdue(rule, r, now)]
+             if not overdue(rule, r, now, limit)]
     keys = [rule.key(w) for w in heads[:len(keyed)]]
     victims = preemptor.victims(keyed, keys, PREEMPT_MARGIN * rule.window)
     for r in victims:
@@ -186,7 +196,7 @@ ORDER_KEYS: dict[str, Callable[[Queued], object]] = {"fcfs": fcfs_key, "priority
                                                      "ssjf": ssjf_key, "ssjf_class": ssjf_class_key,
                                                      "sjf_oracle": oracle_key}
 """Each order as a static sort key (`sorted(waiting, key=ORDER_KEYS[name])` == `ORDERS[name]`; for
-`ssjf`, while no request is past the tail guard); includes the simulator-only `sjf_oracle`. Static
+`ssjf`, while no request is overdue); includes the simulator-only `sjf_oracle`. Static
 keys let a simulator keep a heap: it promotes overdue requests from a second heap, by arrival."""
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from polyserve.core import profiles
 from polyserve.core.perf import KERNELS, load_perf
 from polyserve.core.profiles import profile_path
-from polyserve.core.queue_order import ORDER_KEYS, TAIL_GUARD
+from polyserve.core.queue_order import ORDER_KEYS, OVERTAKE_BOUND, TAIL_GUARD
 from polyserve.simulator import report
 from polyserve.simulator.cluster import SIM_POLICIES, SimConfig, simulate
 from polyserve.simulator.engine import WorkerConfig
@@ -192,9 +192,13 @@ def _add_worker_args(ap: argparse.ArgumentParser, traces: Path) -> None:
                          "overtake one (0 = default)")
     ap.add_argument("--ssjf-window-s", type=float, default=0.0,
                     help="ssjf: that window before any request completed (0 = default)")
+    ap.add_argument("--overtake-bound", type=float, default=OVERTAKE_BOUND,
+                    help="ssjf: a request overtaken by more than this share of the completions of the last P99 "
+                         f"JCT goes first, FCFS among such (default {OVERTAKE_BOUND:g}, as in a live worker; 0 = off)")
     ap.add_argument("--tail-guard", type=float, default=TAIL_GUARD,
                     help="ssjf: a request waiting past this quantile of recent JCTs goes first, FCFS among such "
-                         f"(default {TAIL_GUARD:g}, as in a live worker; 0 = off: the size rule alone)")
+                         f"(default {TAIL_GUARD:g} = off, as in a live worker; 0.7 was the live rule before the "
+                         "overtake bound)")
     ap.add_argument("--refine-preempt", action="store_true",
                     help="with --order ssjf / sjf_oracle only: preemptive shortest-(expected-)remaining-first at iteration "
                          "boundaries, paused requests keep their KV (docs/experiments/sjf.md)")
@@ -370,7 +374,8 @@ def _base_config(args, raw: dict, tp: int, threshold_factor: float) -> SimConfig
                                          max_adapters=args.max_adapters, max_waiting=args.max_waiting,
                                          max_prefill_tokens=args.max_prefill_tokens,
                                          adapter_load_ms_per_rank=args.adapter_load_ms_per_rank, tp=tp,
-                                         refine_preempt=args.refine_preempt, tail_guard=args.tail_guard),
+                                         refine_preempt=args.refine_preempt, tail_guard=args.tail_guard,
+                                         overtake_bound=args.overtake_bound),
                      planner_period_s=args.planner_period_s, initial_workers=args.initial_workers,
                      scaler_window_s=args.scaler_window_s,
                      stabilization_s=args.stabilization_s, scaler_max_step=args.max_step,

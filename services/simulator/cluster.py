@@ -108,8 +108,9 @@ class Cluster(Placement, Scaling, Accounting):
         return lambda r, generated, prefill: qo.refined_ssjf_key(rule, est, r, generated, prefill)
 
     def _new_rule(self) -> qo.SizeRule | None:
-        """A worker's own `ssjf` state (its queue's recent sizes and JCTs, the tail guard of
-        `WorkerConfig.tail_guard`: on by default), as in a live worker."""
+        """A worker's own `ssjf` state (its queue's recent sizes and JCTs, the overtake bound of
+        `WorkerConfig.overtake_bound`, on by default, and the tail guard of `tail_guard`), as in a
+        live worker."""
         cfg = self.cfg
         if cfg.order != "ssjf":
             return None
@@ -117,7 +118,8 @@ class Cluster(Placement, Scaling, Accounting):
                            window_factor=cfg.ssjf_window_factor or qo.WINDOW_FACTOR,
                            window_s=cfg.ssjf_window_s or qo.WINDOW_S,
                            estimator=qo.RemainingEstimator(by_client=cfg.worker.refine_by_client)
-                           if cfg.worker.refine_preempt else None, tail_guard=cfg.worker.tail_guard)
+                           if cfg.worker.refine_preempt else None, tail_guard=cfg.worker.tail_guard,
+                           overtake_bound=cfg.worker.overtake_bound)
 
     # ------------------------------------------------------------------ run
     def run(self) -> RunResult:
@@ -227,7 +229,7 @@ class Cluster(Placement, Scaling, Accounting):
             self._finished(w, r, now, self._online)
             if w.rule is not None:
                 cold = not w.rule.warm
-                w.rule.observe(now - r.arrival)
+                w.rule.observe(now - r.arrival, now)
                 if cold:  # keys made under the cold W follow the first real one (SizeRule.key)
                     w.rekey_waiting()
                 if w.rule.estimator is not None:

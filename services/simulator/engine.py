@@ -64,7 +64,7 @@ class SimRequest:
     pauses: int = 0
     held_kv: int = 0  # KV kept while paused (refine_preempt): it resumes without a prefill
     in_queue: bool = False
-    promoted: bool = False  # past the tail guard: first come first served ahead of the rest, never paused
+    promoted: bool = False  # past a guard (overtake bound, tail guard): first come first served ahead of the rest, never paused
     rejected: str = ""
 
     @property
@@ -92,8 +92,11 @@ class WorkerConfig:
     preempt_quantum: int = 16
     pause_kv: bool = True
     refine_by_client: bool = False  # the remaining-length tables also per client (RemainingEstimator.by_client)
-    # ssjf: a request waiting past this quantile of recent JCTs goes first, FCFS among such (0 = off);
-    # on by default, as in a live worker's ssjf (core.queue_order.DEFAULT_RULE)
+    # ssjf: a request overtaken by more than ⌈this × the completions of the last P99 JCT⌉ others goes
+    # first, FCFS among such (0 = off); on by default, as in a live worker's ssjf (core.size_rule)
+    overtake_bound: float = wp.OVERTAKE_BOUND
+    # ssjf: a request waiting past this quantile of recent JCTs goes first, FCFS among such (0 = off,
+    # the default since the overtake bound; P70 before it)
     tail_guard: float = wp.TAIL_GUARD
 
 
@@ -123,7 +126,7 @@ class SimWorker:
         self.paused_dropped = 0  # paused requests whose KV was freed for others (they re-prefill)
         self.kv_paused = 0  # grow mode: KV held by paused requests
         self.paused: dict[int, SimRequest] = {}
-        self._ages: list[tuple[float, int, SimRequest]] = []  # waiting requests by arrival (lazy), tail guard
+        self._ages: list[tuple[float, int, SimRequest]] = []  # waiting requests by arrival (lazy), for the guards
         self.promoted = 0
         self.started_at = started_at
         self.stopped_at: float | None = None
@@ -190,20 +193,22 @@ class SimWorker:
         r.held_kv = 0
         if r.key is None:
             r.key = self.order_key(r)
+            if self.rule is not None and self.rule.overtake_bound:  # FCFS would start it after those waiting
+                self.rule.note_arrival(r, len(self.waiting))
         self._push(r)
         return True
 
     def _push(self, r: SimRequest) -> None:
-        """Into the waiting queue under r.key (and the arrival heap the tail guard watches)."""
+        """Into the waiting queue under r.key (and the arrival heap the guards watch)."""
         self._seq += 1
         heapq.heappush(self.waiting, (r.key, self._seq, r))
         r.in_queue = True
-        if self.rule is not None and self.rule.tail_guard and not r.promoted:
+        if self.rule is not None and (self.rule.tail_guard or self.rule.overtake_bound) and not r.promoted:
             heapq.heappush(self._ages, (r.arrival, self._seq, r))
 
     def rekey_waiting(self) -> None:
         """Waiting requests' keys again from `order_key` (the rule's W became warm); a paused or
-        promoted request keeps the key its pause or the tail guard gave it."""
+        promoted request keeps the key its pause or a guard gave it."""
         if not self.waiting:
             return
         entries = []
@@ -215,11 +220,12 @@ class SimWorker:
         self.waiting = entries
 
     def _promote_overdue(self, now: float) -> None:
-        """The tail guard (`SizeRule.guard`): requests waiting longer than it go first, FCFS."""
-        g = self.rule.guard()
-        while g is not None and self._ages:
+        """The guards (`core.queue_order.overdue`: the overtake bound, the tail guard): the requests
+        past them go first, FCFS among such; checked from the earliest arrival on."""
+        g, m = self.rule.guard(), self.rule.overtake_limit(now)
+        while (g is not None or m is not None) and self._ages:
             a, _, r = self._ages[0]
-            if r.in_queue and not r.promoted and now - a <= g:
+            if r.in_queue and not r.promoted and not wp.overdue(self.rule, r, now, m):
                 return
             heapq.heappop(self._ages)
             if not r.in_queue or r.promoted:

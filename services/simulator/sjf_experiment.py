@@ -1,7 +1,7 @@
 """The speculative-SJF experiment (docs/experiments/sjf.md): one worker, loads as fractions
 of its saturation, FCFS vs SSJF (old: `ssjf_class`, aging 120 s per class) vs SSJF (new:
-`ssjf`, size with a bounded overtake window and, as in a live worker, the P70 tail guard;
-`ssjf_noguard`: the same without the guard) vs oracle SJF (true output length). SIMULATED.
+`ssjf`, size with a bounded overtake window and, as in a live worker, the overtake bound;
+`ssjf_noguard`: the same without any guard) vs oracle SJF (true output length). SIMULATED.
 
     python -m polyserve.simulator.sjf_experiment --out experiments-out/sjf
 
@@ -33,13 +33,13 @@ from polyserve.simulator.predictor import LengthPredictor, resolve_confusion
 from polyserve.simulator.trace import Trace, datasets_dir, load_trace, window
 
 ALL_ORDERS = (("fcfs", "FCFS", "fcfs", {}), ("ssjf_class", "SSJF (old)", "ssjf_class", {"aging_s": 120.0}),
-              ("ssjf", "SSJF", "ssjf", {}), ("ssjf_noguard", "SSJF without tail guard", "ssjf", {"noguard": True}),
+              ("ssjf", "SSJF", "ssjf", {}), ("ssjf_noguard", "SSJF without guards", "ssjf", {"noguard": True}),
               ("ssjf_refine", "SSJF + refine", "ssjf", {"refine": True}),
               ("ssjf_client", "SSJF + refine by client", "ssjf", {"refine": True, "by_client": True}),
               ("ssjf_true", "SSJF + refine on true lengths", "ssjf", {"refine": True, "true_lengths": True}),
               ("sjf_oracle", "oracle SJF", "sjf_oracle", {}), ("srpt_oracle", "oracle SRPT", "sjf_oracle", {"refine": True}))
-"""(name, label, the simulator's order, options). The ssjf rows carry the tail guard (--tail-guard,
-as a live worker's ssjf) but `ssjf_noguard`, the rule as it was served before 2026-11-26. `+ refine`
+"""(name, label, the simulator's order, options). The ssjf rows carry the guards (--overtake-bound,
+--tail-guard, as a live worker's ssjf) but `ssjf_noguard`, the rule as it was served before 2026-11-26. `+ refine`
 / SRPT: preemptive at iteration boundaries (WorkerConfig.refine_preempt, pause with KV kept; the
 oracle with its true remaining length, the same preemption rules)."""
 ALIASES = {"ssjf_guard": "ssjf"}
@@ -101,7 +101,7 @@ def run_trace(spec: str, ctx: int, perf, raw: dict, base: SimConfig, loads, n: i
             sim_kw = {k: v for k, v in kw.items() if k not in ("refine", "by_client", "true_lengths", "noguard")}
             run_cfg = replace(cfg, order=sim_order, **sim_kw)
             if kw.get("noguard"):  # ssjf_noguard: the size rule alone, as plain ssjf was served before
-                run_cfg = replace(run_cfg, worker=replace(run_cfg.worker, tail_guard=0.0))
+                run_cfg = replace(run_cfg, worker=replace(run_cfg.worker, tail_guard=0.0, overtake_bound=0.0))
             if kw.get("refine"):
                 run_cfg = replace(run_cfg, worker=replace(run_cfg.worker, refine_preempt=True,
                                                           refine_by_client=bool(kw.get("by_client"))))
@@ -165,8 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--orders", default=",".join(o[0] for o in DEFAULT_ORDERS),
                     help=f"which of {', '.join(o[0] for o in ALL_ORDERS)} to run (fcfs and one oracle needed; "
                          "ssjf_guard, an earlier name, runs ssjf)")
+    ap.add_argument("--overtake-bound", type=float, default=qo.OVERTAKE_BOUND,
+                    help="ssjf and + refine runs (not ssjf_noguard): the SizeRule overtake bound ε (0 = off)")
     ap.add_argument("--tail-guard", type=float, default=qo.TAIL_GUARD,
-                    help="ssjf and + refine runs (not ssjf_noguard): the SizeRule tail guard quantile (0 = off)")
+                    help="ssjf and + refine runs (not ssjf_noguard): the SizeRule tail guard quantile (0 = off, "
+                         "the default; 0.7 was the live rule before the overtake bound)")
     ap.add_argument("--input-weight", type=float, default=-1.0,
                     help="ssjf: the prompt term's weight (-1 = core.queue_order's default)")
     ap.add_argument("--max-batch", type=int, default=0,
@@ -187,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                      ssjf_input_weight=args.input_weight,
                      worker=WorkerConfig(kv_capacity=int(raw.get("kv_capacity_tokens", 0)),
                                          tp=int(raw.get("tensor_parallel", 1)), tail_guard=args.tail_guard,
+                                         overtake_bound=args.overtake_bound,
                                          **({"max_batch": args.max_batch} if args.max_batch > 0 else {})))
     confusion, cname = resolve_confusion(args.confusion)
     loads = [float(x) for x in args.loads.split(",") if x.strip()]
@@ -199,8 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     notes = [(f"SIMULATED. profile {raw.get('name')}; one worker, max batch {base.worker.max_batch}; "
               f"first {args.requests} requests per run; ssjf window factor "
               f"{args.window_factor or qo.WINDOW_FACTOR:g}, input weight "
-              f"{args.input_weight if args.input_weight >= 0 else qo.INPUT_WEIGHT:g}; tail guard "
-              f"{f'P{100 * args.tail_guard:g} of recent JCT' if args.tail_guard else 'off'} (ssjf_noguard: off); "
+              f"{args.input_weight if args.input_weight >= 0 else qo.INPUT_WEIGHT:g}; overtake bound "
+              f"{f'{args.overtake_bound:g} of the completions of the last P99 JCT' if args.overtake_bound else 'off'}, "
+              f"tail guard {f'P{100 * args.tail_guard:g} of recent JCT' if args.tail_guard else 'off'} "
+              "(ssjf_noguard: both off); "
               f"+ refine: preempt quantum {qo.PREEMPT_QUANTUM} steps, margin {qo.PREEMPT_MARGIN:g} W, paused KV "
               f"kept, survival tables of {qo.REFINE_HISTORY} completions "
               f"(prior {qo.REFINE_PRIOR:g}, from {qo.REFINE_MIN_SAMPLES})"),

@@ -358,15 +358,16 @@ def test_ssjf_refine_is_offered_and_unknown_orders_are_refused():
     assert err.value.status == 400
 
 
-def test_ssjf_orders_the_queue_at_each_admission_and_a_request_past_the_tail_guard_goes_first(monkeypatch):
+def test_ssjf_orders_the_queue_at_each_admission_and_an_overtaken_request_goes_first(monkeypatch):
     """scheduling ssjf (no pauses): the queue is ordered by `queue_order.speculative_sjf` on the queued
-    entries, not by a static key, so a long request that has waited past the tail guard (the P70 of
-    the worker's recent JCTs, from GUARD_MIN completions on) goes ahead of shorter later arrivals."""
+    entries, not by a static key, so a long request overtaken past the overtake bound (more than
+    ⌈ε × the completions of the last P99 JCT⌉ completions beyond where FCFS would have started it,
+    from GUARD_MIN completions on) goes ahead of shorter later arrivals."""
     import time
 
     from polyserve.core import queue_order as policy
     from polyserve.worker.engines.hf import _Active
-    rule = policy.SizeRule(tail_guard=policy.TAIL_GUARD)  # the live rule's settings, none of its state
+    rule = policy.SizeRule(tail_guard=policy.TAIL_GUARD, overtake_bound=policy.OVERTAKE_BOUND)  # the live settings
     monkeypatch.setattr(policy, "DEFAULT_RULE", rule)
     eng = HfEngine(settings(scheduling="ssjf"))
     assert eng.preemptor is None
@@ -374,7 +375,7 @@ def test_ssjf_orders_the_queue_at_each_admission_and_a_request_past_the_tail_gua
         rule.key(types.SimpleNamespace(request_id=f"seen{k}", arrival=-200.0 + k, priority=0,
                                        predicted_tokens=10 * (k + 1)))
     for _ in range(policy.GUARD_MIN - 1):
-        rule.observe(10.0)  # W = 20 s; the guard would be 10 s
+        rule.observe(10.0)  # now: time.monotonic(), the clock of `arrival`
     now = time.monotonic()
 
     def queued(rid: str, waited: float, tokens: int, seq: int) -> _Active:
@@ -383,9 +384,11 @@ def test_ssjf_orders_the_queue_at_each_admission_and_a_request_past_the_tail_gua
     def order() -> list[str]:
         return [a.req.request_id for a in eng._ordered()]
     eng._waiting = [queued("short1", 3.0, 5, 1), queued("long", 15.0, 5000, 0), queued("short2", 2.0, 5, 2)]
-    assert order() == ["short1", "short2", "long"]  # not before GUARD_MIN completions: by size
-    rule.observe(10.0)
-    assert order() == ["long", "short1", "short2"]  # waited 15 s > the guard (10 s)
+    assert order() == ["short1", "short2", "long"]  # not before GUARD_MIN completions: by size (and noted)
+    for _ in range(10):
+        rule.observe(10.0)
+    # 59 completions: "long" was due at 49 (first by arrival), the bound is ⌈0.15 × 59⌉ = 9
+    assert order() == ["long", "short1", "short2"]
     eng.set_order(policy.ORDER_KEYS["ssjf"])  # a static key replaces the order: no promotion
     assert order() == ["short1", "short2", "long"]
 

@@ -30,10 +30,11 @@ def names(xs) -> list[str]:
 @pytest.fixture(autouse=True)
 def fresh_default_rule(monkeypatch):
     """An empty live ssjf rule with the live one's settings for every test: the engines' tests feed
-    the module's DEFAULT_RULE their completions (its window and tail guard), and an order here must
+    the module's DEFAULT_RULE their completions (its window and guards), and an order here must
     neither see that state nor leave its own."""
     live = wp.DEFAULT_RULE
-    rule = wp.SizeRule(live.input_weight, live.window_factor, live.window_s, live.history, tail_guard=live.tail_guard)
+    rule = wp.SizeRule(live.input_weight, live.window_factor, live.window_s, live.history, tail_guard=live.tail_guard,
+                       overtake_bound=live.overtake_bound)
     monkeypatch.setattr(wp, "DEFAULT_RULE", rule)
     return rule
 
@@ -277,23 +278,39 @@ def test_tail_guard_is_a_quantile_of_recent_jcts_and_puts_overdue_requests_first
     assert wp.overdue(rule, qs[0], 100.0) and not wp.overdue(rule, qs[1], 100.0)
 
 
-def test_plain_ssjf_puts_a_request_waiting_past_the_tail_guard_first(fresh_default_rule):
-    """The served `ssjf` carries the P70 tail guard: once DEFAULT_RULE has GUARD_MIN completions, a
-    long request that has waited longer than the P70 of their JCTs goes ahead of shorter later
-    arrivals (first come first served among such); with fewer completions, the size rule alone."""
+def test_plain_ssjf_puts_a_request_overtaken_past_the_bound_first(fresh_default_rule):
+    """The served `ssjf` carries the overtake bound (ε = 0.15) and no tail guard: a request noted
+    when FCFS would have started it `ahead` completions later goes ahead of shorter later arrivals
+    (first come first served among such) once the worker has completed more than M = ⌈ε × the
+    completions of the last P99-JCT seconds⌉ beyond that; before GUARD_MIN completions, the size
+    rule alone."""
     rule = fresh_default_rule
-    assert rule.tail_guard == wp.TAIL_GUARD == 0.7
+    assert rule.overtake_bound == wp.OVERTAKE_BOUND == 0.15 and rule.tail_guard == wp.TAIL_GUARD == 0.0
+    assert rule.guard() is None
     for k in range(40):  # recent sizes 10..400 tokens: a 5,000-token request ranks last, a 5-token one first
         rule.key(Q(f"seen{k}", -200.0 + k, predicted_tokens=10 * (k + 1)))
+    t = 0.0
     for _ in range(wp.GUARD_MIN - 1):
-        rule.observe(10.0)  # W = 2 x 10 s; the guard would be 10 s
-    qs = [Q("short1", 12.0, predicted_tokens=5), Q("long", 0.0, predicted_tokens=5000),
-          Q("short2", 13.0, predicted_tokens=5), Q("long-later", 11.0, predicted_tokens=5000)]
-    assert rule.guard() is None  # not before GUARD_MIN completions
-    assert names(wp.speculative_sjf(qs, now=15.0)) == ["short1", "short2", "long", "long-later"]
-    rule.observe(10.0)
-    assert rule.guard() == 10.0
-    # "long" has waited 15 s > 10 s: first; "long-later" (4 s) still sorts by its size
-    assert names(wp.speculative_sjf(qs, now=15.0)) == ["long", "short1", "short2", "long-later"]
-    assert names(wp.ORDERS["ssjf"](qs, now=21.5)) == ["long", "long-later", "short1", "short2"]  # FCFS among overdue
-    assert names(sorted(qs, key=wp.ORDER_KEYS["ssjf"])) == ["short1", "short2", "long", "long-later"]  # the key alone
+        t += 0.1
+        rule.observe(10.0, now=t)  # JCTs of 10 s: the window W is 20 s, the P99 JCT 10 s
+    qs = [Q("short1", 1.0, predicted_tokens=5), Q("long", 0.0, predicted_tokens=5000),
+          Q("short2", 2.0, predicted_tokens=5)]
+    by_size = ["short1", "short2", "long"]
+    assert rule.overtake_limit(8.0) is None  # not before GUARD_MIN completions
+    assert names(wp.speculative_sjf(qs, now=8.0)) == by_size  # and each is noted: "long" first by arrival
+    t += 0.1
+    rule.observe(10.0, now=t)
+    assert rule.completions == 50 and rule.overtake_limit(8.0) == 8  # ⌈0.15 × 50⌉: all 50 within 10 s
+    assert names(wp.speculative_sjf(qs, now=8.0)) == by_size  # 50 <= 49 + 8: not overtaken past the bound
+    for _ in range(9):
+        t += 0.1
+        rule.observe(10.0, now=t)
+    assert rule.overtake_limit(8.0) == 9  # ⌈0.15 × 59⌉
+    # "long" (due at 49) is past 49 + 9; "short1" (50 + 9) is not
+    assert names(wp.speculative_sjf(qs, now=8.0)) == ["long", "short1", "short2"]
+    assert wp.overdue(rule, qs[1], 8.0) and not wp.overdue(rule, qs[0], 8.0)
+    assert names(sorted(qs, key=wp.ORDER_KEYS["ssjf"])) == by_size  # the key alone
+    # only the completions of the last P99-JCT seconds count: 30 s later there are none
+    assert rule.overtake_limit(t + 30.0) == 1
+    with pytest.raises(ValueError):
+        wp.SizeRule(overtake_bound=1.5)

@@ -219,11 +219,12 @@ def test_sjf_experiment_takes_the_batch_size_the_prompt_weight_and_an_unguarded_
                                     "fcfs,ssjf,ssjf_guard,ssjf_noguard,sjf_oracle", "--max-batch", str(batch),
                                     "--input-weight", "0", "--out", str(out)]) == 0
         text = (out / "results.txt").read_text()
-        assert f"max batch {batch};" in text and "input weight 0;" in text and "tail guard P70" in text
+        assert f"max batch {batch};" in text and "input weight 0;" in text
+        assert "overtake bound 0.15 of the completions of the last P99 JCT, tail guard off" in text
         data = json.loads((out / "results.json").read_text())
         # ssjf_guard, the earlier name of plain ssjf with the guard, runs ssjf
         assert {r["order"] for r in data["rows"]} == {"fcfs", "ssjf", "ssjf_noguard", "sjf_oracle"}
-        assert "SSJF without tail guard" in text
+        assert "SSJF without guards" in text
         assert next(r for r in data["rows"] if r["order"] == "ssjf_noguard")["counters"]["tail_guard_promoted"] == 0
         means[batch] = next(r for r in data["rows"] if r["order"] == "fcfs")["saturation_rps"]
     assert means[2] < means[64]  # two slots saturate at a lower rate than 64
@@ -307,14 +308,14 @@ def test_refine_needs_a_size_order_and_client_ids_reach_the_estimator():
 def test_tail_guard_serves_a_request_waiting_past_the_jct_quantile_first():
     """Batch of 1 kept busy by short jobs that keep arriving: the long-prompt job sorts last under
     ssjf until its window runs out; with the tail guard it goes as soon as it has waited longer
-    than the P90 of recent JCTs."""
+    than the P90 of recent JCTs (the overtake bound, on by default, off here: this is the guard alone)."""
     warm = [(1.0 * k, 50, 5) for k in range(80)]  # 80 completions of ~0.1 s teach the guard
     late = [(80.0, 3000, 5)] + [(79.99 + 0.08 * k, 50, 5) for k in range(400)]  # more than it can serve
     tr = from_requests(warm + late)
     out = {}
     for guard in (0.0, 0.9):
         cfg = cluster.SimConfig(workers=1, order="ssjf", ssjf_window_factor=1000.0, worker=WorkerConfig(
-            max_batch=1, kv_capacity=10**6, refine_preempt=True, tail_guard=guard))
+            max_batch=1, kv_capacity=10**6, refine_preempt=True, tail_guard=guard, overtake_bound=0.0))
         res = cluster.simulate(tr, PERF, cfg, predictor=LengthPredictor("oracle", tr.output_len))
         big = next(r for r in res.requests if r.input_len == 3000)
         out[guard] = (big.finish - big.arrival, res.counters["tail_guard_promoted"])
@@ -322,26 +323,32 @@ def test_tail_guard_serves_a_request_waiting_past_the_jct_quantile_first():
     assert out[0.9][0] < 0.5 * out[0.0][0]
 
 
-def test_the_simulators_ssjf_carries_the_live_tail_guard_unless_turned_off():
-    """Plain ssjf in the simulator models the live worker's: the P70 tail guard is on by default
-    (WorkerConfig, `polyserve simulate --tail-guard`), and 0 turns it off. Batch of 1 kept busy by
-    short jobs: the long-prompt job sorts last under the size rule; with the guard it goes once it
-    has waited longer than the P70 of recent JCTs."""
+def test_the_simulators_ssjf_carries_the_live_overtake_bound_unless_turned_off():
+    """Plain ssjf in the simulator models the live worker's: the overtake bound (ε = OVERTAKE_BOUND)
+    is on by default and the tail guard off (WorkerConfig, `polyserve simulate --overtake-bound /
+    --tail-guard`); 0 turns the bound off. Batch of 1 kept busy by short jobs: the long-prompt job
+    sorts last under the size rule; with the bound it goes once more than ⌈ε × the completions of
+    the last P99 JCT⌉ later requests have overtaken it, and only then."""
     from polyserve.core import queue_order as qo
     from polyserve.simulator.cli import _base_config, build_parser
 
-    assert WorkerConfig().tail_guard == qo.DEFAULT_RULE.tail_guard == qo.TAIL_GUARD
-    assert _base_config(build_parser().parse_args([]), {"model": "x"}, 1, 0.6).worker.tail_guard == qo.TAIL_GUARD
-    assert _base_config(build_parser().parse_args(["--tail-guard", "0"]), {"model": "x"}, 1, 0.6).worker.tail_guard == 0
+    assert WorkerConfig().overtake_bound == qo.DEFAULT_RULE.overtake_bound == qo.OVERTAKE_BOUND == 0.15
+    assert WorkerConfig().tail_guard == qo.DEFAULT_RULE.tail_guard == qo.TAIL_GUARD == 0.0
+    assert _base_config(build_parser().parse_args([]), {"model": "x"}, 1, 0.6).worker.overtake_bound == qo.OVERTAKE_BOUND
+    assert _base_config(build_parser().parse_args(["--overtake-bound", "0"]), {"model": "x"}, 1, 0.6).worker.overtake_bound == 0
     warm = [(1.0 * k, 50, 5) for k in range(80)]
     late = [(80.0, 3000, 5)] + [(79.99 + 0.08 * k, 50, 5) for k in range(400)]
     tr = from_requests(warm + late)
     out = {}
-    for name, worker in (("default", {}), ("off", {"tail_guard": 0.0})):
+    for name, worker in (("default", {}), ("off", {"overtake_bound": 0.0})):
         cfg = cluster.SimConfig(workers=1, order="ssjf", ssjf_window_factor=1000.0,
                                 worker=WorkerConfig(max_batch=1, kv_capacity=10**6, **worker))
         res = cluster.simulate(tr, PERF, cfg, predictor=LengthPredictor("oracle", tr.output_len))
         big = next(r for r in res.requests if r.input_len == 3000)
-        out[name] = (big.finish - big.arrival, res.counters["tail_guard_promoted"])
+        overtook = sum(1 for r in res.requests if r.arrival > big.arrival and r.admitted < big.admitted)
+        out[name] = (big.finish - big.arrival, res.counters["tail_guard_promoted"], overtook)
     assert out["off"][1] == 0 and out["default"][1] >= 1
     assert out["default"][0] < 0.5 * out["off"][0]
+    # the bound: the later arrivals that went first number about M (here a few: ~10 completions
+    # a second, the P99 JCT a few seconds, ε = 0.15), far fewer than without it
+    assert 1 <= out["default"][2] <= 20 < out["off"][2]

@@ -12,8 +12,8 @@ Admission (`generate`'s first `__anext__`): a full waiting queue is EngineOverlo
 (429); an input over `max_input_len`, or a request whose KV reservation could never
 fit, is a 400; an unknown adapter is a 404 naming the loaded ones.
 
-Scheduling `ssjf` and `ssjf_refine` (an order made afresh at each admission, the tail guard's
-overdue requests first; ssjf_refine's pauses with the KV kept): `hf_refine.Refine`.
+Scheduling `ssjf` and `ssjf_refine` (an order made afresh at each admission, the overtake
+bound's overdue requests first; ssjf_refine's pauses with the KV kept): `hf_refine.Refine`.
 
 LoRA adapters (tiers, background copies, CPU-assisted cold start, prefetch) are managed
 by `hf_lora.AdapterManager`; the loop calls it between steps under the engine lock.
@@ -468,7 +468,7 @@ class HfEngine(Refine, Engine):
         stats = make_stats(len(act.ids), len(act.step_times), act.req.arrival, start, act.step_times)
         jct = time.monotonic() - act.req.arrival
         if not act.cancelled:  # a cancelled request's time and length are not its natural ones
-            queue_order.DEFAULT_RULE.observe(jct)  # ssjf's window W and tail guard follow the JCT
+            queue_order.DEFAULT_RULE.observe(jct)  # ssjf's window W and guards follow the completions
             if self.preemptor is not None:  # ssjf_refine learns W and lengths from completions
                 queue_order.REFINE_RULE.observe(jct)
                 queue_order.REFINE_RULE.estimator.observe(act.req.length_class, act.generated,

@@ -1,10 +1,10 @@
 """`ssjf` and `ssjf_refine` in the `hf` engine (a mixin of `hf.HfEngine`; its state lives there).
 
 Neither is a static sort key, so the waiting queue is ordered afresh at each admission. `ssjf`:
-`queue_order.speculative_sjf` (the size rule, with the tail guard: requests waiting past the P70
-of recent JCTs first, in arrival order), no pauses. `ssjf_refine`, as in the `sim` engine and
+`queue_order.speculative_sjf` (the size rule, with the overtake bound: requests overtaken by more
+than it allows first, in arrival order), no pauses. `ssjf_refine`, as in the `sim` engine and
 with the same `queue_order` pieces: the queue is ordered by `speculative_sjf_refine` (sizes from
-the survival tables of this worker's completions, per client and class; the tail guard), and
+the survival tables of this worker's completions, per client and class; the overtake bound), and
 every `PREEMPT_QUANTUM` decode steps, with the batch full, a `Preemptor` picks running requests
 whose refined key sorts far enough behind the best waiting ones: each is paused (`Batch.pause`:
 its rows leave the batch with their KV, no recomputation), goes back to the queue under its

@@ -462,7 +462,7 @@ class SimEngine(Engine):
         out = sum(c.generated for c in r.choices)
         stats = make_stats(r.input_tokens, out, r.req.arrival, r.start or time.monotonic(), r.token_times)
         if not any(c.finish_reason == "cancelled" for c in r.choices):  # a cancel's time is not a JCT
-            policy.DEFAULT_RULE.observe(time.monotonic() - r.req.arrival)  # ssjf's window W and tail guard
+            policy.DEFAULT_RULE.observe(time.monotonic() - r.req.arrival)  # ssjf's window W and guards
             if self.preemptor is not None:  # ssjf_refine learns its window and lengths from completions
                 policy.REFINE_RULE.observe(time.monotonic() - r.req.arrival)
                 policy.REFINE_RULE.estimator.observe(r.req.length_class, max(c.generated for c in r.choices),
