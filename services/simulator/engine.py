@@ -396,9 +396,9 @@ class SimWorker:
         requests whose key now sorts behind the best waiting keys; the waiting ones take their
         slots in this step's admission. Keys stay <= arrival + W (ssjf's starvation bound)."""
         keep = self.cfg.pause_kv
-        guard = self.rule.guard() if self.rule is not None else None  # overdue requests are not paused
-        running = [(self.refined_key(r, g, 0 if keep else r.input_len + g), self.D - r.d0, r)
-                   for r in self.running.values() if not r.promoted and (guard is None or now - r.arrival <= guard)
+        rule, m = self.rule, self.rule.overtake_limit(now) if self.rule is not None else None
+        running = [(self.refined_key(r, g, 0 if keep else r.input_len + g), self.D - r.d0, r)  # overdue: never paused
+                   for r in self.running.values() if not r.promoted and (rule is None or not wp.overdue(rule, r, now, m))
                    for g in (self.generated_of(r),)]
         heads = [k for k, _, _ in heapq.nsmallest(len(running), self.waiting)]
         margin = wp.PREEMPT_MARGIN * self.rule.window if self.rule is not None else 0.0
