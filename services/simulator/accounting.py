@@ -98,7 +98,8 @@ class Accounting:
         self.counters["kv_overflows"] = sum(w.kv_overflows for w in self.workers.values())
         self.counters["refine_preemptions"] = sum(w.refine_preemptions for w in self.workers.values())
         self.counters["paused_kv_dropped"] = sum(w.paused_dropped for w in self.workers.values())
-        self.counters["tail_guard_promoted"] = sum(w.promoted for w in self.workers.values())
+        # by the overtake bound or the tail guard
+        self.counters["overdue_promoted"] = sum(w.promoted for w in self.workers.values())
         self.counters["workers_opened"] = self._n_made
         conf = asdict(cfg)
         extra = self._extra(self.trace, horizon)

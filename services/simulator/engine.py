@@ -64,7 +64,7 @@ class SimRequest:
     pauses: int = 0
     held_kv: int = 0  # KV kept while paused (refine_preempt): it resumes without a prefill
     in_queue: bool = False
-    promoted: bool = False  # past a guard (overtake bound, tail guard): first come first served ahead of the rest, never paused
+    promoted: bool = False  # past a guard (overtake bound, tail guard): FCFS ahead of the rest, never paused
     rejected: str = ""
 
     @property
@@ -398,7 +398,8 @@ class SimWorker:
         keep = self.cfg.pause_kv
         rule, m = self.rule, self.rule.overtake_limit(now) if self.rule is not None else None
         running = [(self.refined_key(r, g, 0 if keep else r.input_len + g), self.D - r.d0, r)  # overdue: never paused
-                   for r in self.running.values() if not r.promoted and (rule is None or not wp.overdue(rule, r, now, m))
+                   for r in self.running.values()
+                   if not r.promoted and (rule is None or not wp.overdue(rule, r, now, m))
                    for g in (self.generated_of(r),)]
         heads = [k for k, _, _ in heapq.nsmallest(len(running), self.waiting)]
         margin = wp.PREEMPT_MARGIN * self.rule.window if self.rule is not None else 0.0

@@ -225,7 +225,7 @@ def test_sjf_experiment_takes_the_batch_size_the_prompt_weight_and_an_unguarded_
         # ssjf_guard, the earlier name of plain ssjf with the guard, runs ssjf
         assert {r["order"] for r in data["rows"]} == {"fcfs", "ssjf", "ssjf_noguard", "sjf_oracle"}
         assert "SSJF without guards" in text
-        assert next(r for r in data["rows"] if r["order"] == "ssjf_noguard")["counters"]["tail_guard_promoted"] == 0
+        assert next(r for r in data["rows"] if r["order"] == "ssjf_noguard")["counters"]["overdue_promoted"] == 0
         means[batch] = next(r for r in data["rows"] if r["order"] == "fcfs")["saturation_rps"]
     assert means[2] < means[64]  # two slots saturate at a lower rate than 64
 
@@ -318,7 +318,7 @@ def test_tail_guard_serves_a_request_waiting_past_the_jct_quantile_first():
             max_batch=1, kv_capacity=10**6, refine_preempt=True, tail_guard=guard, overtake_bound=0.0))
         res = cluster.simulate(tr, PERF, cfg, predictor=LengthPredictor("oracle", tr.output_len))
         big = next(r for r in res.requests if r.input_len == 3000)
-        out[guard] = (big.finish - big.arrival, res.counters["tail_guard_promoted"])
+        out[guard] = (big.finish - big.arrival, res.counters["overdue_promoted"])
     assert out[0.0][1] == 0 and out[0.9][1] >= 1
     assert out[0.9][0] < 0.5 * out[0.0][0]
 
@@ -334,8 +334,9 @@ def test_the_simulators_ssjf_carries_the_live_overtake_bound_unless_turned_off()
 
     assert WorkerConfig().overtake_bound == qo.DEFAULT_RULE.overtake_bound == qo.OVERTAKE_BOUND == 0.15
     assert WorkerConfig().tail_guard == qo.DEFAULT_RULE.tail_guard == qo.TAIL_GUARD == 0.0
-    assert _base_config(build_parser().parse_args([]), {"model": "x"}, 1, 0.6).worker.overtake_bound == qo.OVERTAKE_BOUND
-    assert _base_config(build_parser().parse_args(["--overtake-bound", "0"]), {"model": "x"}, 1, 0.6).worker.overtake_bound == 0
+    def parsed(*argv: str) -> WorkerConfig:
+        return _base_config(build_parser().parse_args(list(argv)), {"model": "x"}, 1, 0.6).worker
+    assert parsed().overtake_bound == qo.OVERTAKE_BOUND and parsed("--overtake-bound", "0").overtake_bound == 0
     warm = [(1.0 * k, 50, 5) for k in range(80)]
     late = [(80.0, 3000, 5)] + [(79.99 + 0.08 * k, 50, 5) for k in range(400)]
     tr = from_requests(warm + late)
@@ -346,7 +347,7 @@ def test_the_simulators_ssjf_carries_the_live_overtake_bound_unless_turned_off()
         res = cluster.simulate(tr, PERF, cfg, predictor=LengthPredictor("oracle", tr.output_len))
         big = next(r for r in res.requests if r.input_len == 3000)
         overtook = sum(1 for r in res.requests if r.arrival > big.arrival and r.admitted < big.admitted)
-        out[name] = (big.finish - big.arrival, res.counters["tail_guard_promoted"], overtook)
+        out[name] = (big.finish - big.arrival, res.counters["overdue_promoted"], overtook)
     assert out["off"][1] == 0 and out["default"][1] >= 1
     assert out["default"][0] < 0.5 * out["off"][0]
     # the bound: the later arrivals that went first number about M (here a few: ~10 completions
