@@ -126,6 +126,11 @@ def client_of(r: object) -> object:
     return None
 
 
+def _queued_id(r: Queued) -> tuple[object, float]:
+    """What the rule keys a queued request's memos by: its request id (else its object id) and arrival."""
+    return (_request_id(r), r.arrival)
+
+
 def _request_id(r: object) -> object:
     rid = getattr(r, "request_id", None)
     if rid is None:
@@ -193,7 +198,7 @@ class SizeRule:
     def note_arrival(self, r: Queued, ahead: int) -> None:
         """The overtake bound's record of a request seen for the first time with `ahead` requests
         waiting that arrived before it: FCFS would start it about `ahead` completions from now."""
-        rid = (_request_id(r), r.arrival)
+        rid = _queued_id(r)
         if rid not in self._due:
             self._due[rid] = self.completions + ahead
             if len(self._due) > 8 * self.history:
@@ -202,7 +207,7 @@ class SizeRule:
     def note_arrivals(self, waiting: Sequence[Queued]) -> None:
         """`note_arrival` for each request of the queue `waiting` not seen before."""
         due = self._due
-        new = [r for r in waiting if (_request_id(r), r.arrival) not in due]
+        new = [r for r in waiting if _queued_id(r) not in due]
         if new:
             arrivals = sorted(r.arrival for r in waiting)
             for r in new:
@@ -214,8 +219,7 @@ class SizeRule:
         if not self.overtake_bound or len(self._jcts) < GUARD_MIN:
             return None
         if self._tail is None or self._tail_new >= GUARD_REFRESH:
-            srt = sorted(self._jcts)
-            self._tail, self._tail_new = srt[min(len(srt) - 1, int(TAIL_QUANTILE * len(srt)))], 0
+            self._tail, self._tail_new = self._jct_quantile(TAIL_QUANTILE), 0
         done = self._done_at
         since = (time.monotonic() if now is None else now) - self._tail
         while done and done[0] < since:
@@ -227,7 +231,7 @@ class SizeRule:
         completed more than `limit` beyond the count at which FCFS would have started it."""
         if limit is None:
             return False
-        due = self._due.get((_request_id(r), r.arrival))
+        due = self._due.get(_queued_id(r))
         return due is not None and self.completions > due + limit
 
     def guard(self) -> float | None:
@@ -237,9 +241,13 @@ class SizeRule:
         if not self.tail_guard or len(self._jcts) < GUARD_MIN:
             return None
         if self._guard is None or self._guard_new >= GUARD_REFRESH:
-            srt = sorted(self._jcts)
-            self._guard, self._guard_new = srt[min(len(srt) - 1, int(self.tail_guard * len(srt)))], 0
+            self._guard, self._guard_new = self._jct_quantile(self.tail_guard), 0
         return self._guard
+
+    def _jct_quantile(self, q: float) -> float:
+        """The `q` quantile of the recent completions' JCTs (the guards' history)."""
+        srt = sorted(self._jcts)
+        return srt[min(len(srt) - 1, int(q * len(srt)))]
 
     def key_for(self, arrival: float, size: float) -> tuple[float, float]:
         """The key of a request of `size` that arrived at `arrival`, by the current ranks and W
@@ -249,7 +257,7 @@ class SizeRule:
 
     def rekey(self, r: Queued, key: tuple[float, float]) -> None:
         """`r` sorts by `key` from now on (a paused request's refined key)."""
-        self._memo[(_request_id(r), r.arrival)] = key
+        self._memo[_queued_id(r)] = key
 
     @property
     def warm(self) -> bool:
@@ -261,7 +269,7 @@ class SizeRule:
         its rank, not the cold W (120 s): its key is fixed with the first warm W. Fixed at the
         cold W, the long requests of a fresh worker's first burst sorted up to 120 s late.
         The simulator re-keys its waiting heap when the rule warms (`cluster._step_done`)."""
-        rid = (_request_id(r), r.arrival)
+        rid = _queued_id(r)
         got = self._memo.get(rid)
         if got is not None:
             return got
